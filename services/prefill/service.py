@@ -1,0 +1,108 @@
+"""The prefill service: runs prompts through the model in chunks and hands their KV to decode.
+
+``tandem serve prefill --nats-url URL``. Endpoint ``tandem.v1.prefill.<id>.prefill`` takes a
+:class:`PrefillRequest`. The engine prefills it (chunked: ``max_num_batched_tokens`` per step,
+batched with other prompts), samples the first token, which goes straight to the client, then
+the prompt's KV blocks travel to the chosen decode worker as checksummed binary frames, followed
+by a :class:`DecodeRequest` that admits the sequence there. If the first token already ends the
+request (EOS, a stop string, ``max_tokens=1``) nothing is handed off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import torch
+from nats.micro.request import Request
+
+from tandem.services.decode.service import engine_sampling
+from tandem.services.runtime import run_service
+from tandem.services.worker import EngineWorker, Stream
+from tandem.shared import subjects
+from tandem.shared.config import Settings
+from tandem.shared.engine import EngineRequest, RequestOutput
+from tandem.shared.frames import block_checksums, send_kv
+from tandem.shared.messages import (
+    Ack, DecodeRequest, ErrorCode, ErrorReply, KVTransfer, PrefillRequest, ProtocolError, decode, encode,
+)
+
+PREFILLED = "prefilled"  # the engine's finish reason for a prefill-only sequence it handed back
+
+
+class PrefillService(EngineWorker):
+    name = "prefill"
+    description = "chunked prefill worker; hands KV blocks to decode workers"
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.pending: dict[str, PrefillRequest] = {}
+
+    async def setup(self) -> None:
+        await super().setup()
+        await self.add_endpoint("prefill", subjects.prefill(self.instance_id), self.on_prefill)
+
+    async def on_prefill(self, request: Request) -> None:
+        msg: PrefillRequest = decode(request.data, PrefillRequest)
+        self.check_request(msg.model, msg.prompt_token_ids)
+        if msg.request_id in self.streams:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"request {msg.request_id} is already running here")
+        self.streams[msg.request_id] = Stream(msg.stream_subject)
+        self.pending[msg.request_id] = msg
+        try:
+            await self.thread.add(EngineRequest(
+                request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids),
+                params=engine_sampling(msg.params), prefill_only=True,
+            ))
+        except ValueError as exc:
+            del self.streams[msg.request_id], self.pending[msg.request_id]
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        self.log.info("prefill %s: %d tokens for decode %s", msg.request_id, len(msg.prompt_token_ids), msg.decode_worker)
+        await request.respond(encode(Ack(request_id=msg.request_id)))
+
+    def handle_output(self, out: RequestOutput, stream: Stream) -> bool:
+        msg = self.pending.pop(out.request_id, None) if out.finished else None
+        if msg is None or out.finish_reason != PREFILLED:
+            return False
+        # The first token goes to the client now; the hand-off happens in the background.
+        self.send_chunk(stream, out.request_id, out.new_token_ids, out.text_delta, None)
+        self.spawn(self.hand_off(msg, out, stream), f"hand-off of {out.request_id}")
+        return True
+
+    async def hand_off(self, msg: PrefillRequest, out: RequestOutput, stream: Stream) -> None:
+        kv: torch.Tensor = out.kv.contiguous()
+        blob = memoryview(kv.view(torch.uint8).numpy()).cast("B")
+        block_bytes = len(blob) // kv.shape[0]
+        transfer = KVTransfer(
+            transfer_id=uuid.uuid4().hex, num_blocks=kv.shape[0], block_bytes=block_bytes,
+            checksums=block_checksums(blob, block_bytes),
+        )
+        admit = DecodeRequest(
+            request_id=msg.request_id, prompt_token_ids=msg.prompt_token_ids,
+            output_token_ids=list(out.new_token_ids), params=msg.params,
+            stream_subject=msg.stream_subject, model=msg.model, transfer=transfer,
+        )
+        timeout = self.settings.request_timeout_s
+        try:
+            await send_kv(self.nc, subjects.decode_kv(msg.decode_worker), transfer.transfer_id, blob,
+                          window=self.settings.kv_window, timeout_s=timeout)
+            reply = decode((await self.nc.request(subjects.decode_admit(msg.decode_worker), encode(admit), timeout=timeout)).data)
+        except Exception as exc:
+            self.log.warning("hand-off of %s to %s failed: %s", msg.request_id, msg.decode_worker, exc)
+            self.fail(msg.request_id, stream, exc)
+            return
+        if isinstance(reply, ErrorReply):
+            self.log.warning("decode %s refused %s: %s", msg.decode_worker, msg.request_id, reply.message)
+            self.send_chunk(stream, msg.request_id, [], "", "error", reply)
+            return
+        self.log.info("handed %s to decode %s: %d blocks, %d bytes", msg.request_id, msg.decode_worker,
+                      transfer.num_blocks, len(blob))
+
+    def on_failure(self, request_ids: list[str], exc: BaseException) -> None:
+        for request_id in request_ids:
+            self.pending.pop(request_id, None)
+        super().on_failure(request_ids, exc)
+
+
+def main(settings: Settings) -> None:
+    run_service(PrefillService(settings))

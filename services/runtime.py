@@ -1,0 +1,171 @@
+"""What every tandem service process shares: NATS connection, micro registration, heartbeats, shutdown.
+
+A service subclasses :class:`ServiceRuntime`, adds endpoints in :meth:`setup` and returns its load
+in :meth:`heartbeat`. ``$SRV.PING/INFO/STATS`` discovery comes from nats-py's micro API. Endpoint
+handlers never let an exception escape: a bad message gets a typed :class:`ErrorReply` and the
+service goes on with the next one. Run one with :func:`run_service` (what ``tandem serve`` does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+import nats
+from nats.micro import add_service
+from nats.micro.request import Request
+from nats.micro.service import EndpointConfig, ServiceConfig
+
+from tandem import __version__
+from tandem.shared import subjects
+from tandem.shared.config import Settings
+from tandem.shared.messages import Heartbeat, encode, error_reply
+
+Handler = Callable[[Request], Awaitable[None]]
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)-5s %(name)s %(message)s",
+    )
+
+
+class ServiceRuntime:
+    """Base class of the router, prefill and decode services."""
+
+    name = "service"
+    description = ""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.instance_id = settings.resolved_instance_id(self.name)
+        self.host = socket.gethostname()
+        self.log = logging.getLogger(f"tandem.{self.name}")
+        self.nc: nats.NATS | None = None
+        self.started_at = time.time()
+        self._service = None
+        self._tasks: set[asyncio.Task] = set()
+        self._stop = asyncio.Event()
+
+    # -- for subclasses -------------------------------------------------------------------------
+    async def setup(self) -> None:
+        """Add endpoints and subscriptions; called once connected."""
+
+    async def teardown(self) -> None:
+        """Release what setup acquired; called before the connection drains."""
+
+    def heartbeat(self) -> Heartbeat | None:
+        """This instance's load, published every ``heartbeat_interval_s``; None publishes nothing."""
+        return None
+
+    def metadata(self) -> dict[str, str]:
+        return {"instance_id": self.instance_id, "host": self.host, "pid": str(os.getpid())}
+
+    # -- helpers ----------------------------------------------------------------------------------
+    async def add_endpoint(self, name: str, subject: str, handler: Handler, queue_group: str | None = None) -> None:
+        async def guarded(request: Request) -> None:
+            try:
+                await handler(request)
+            except Exception as exc:  # the service outlives any one bad message
+                reply = error_reply(exc)
+                self.log.warning("%s: replied %s (%s)", name, reply.code.value, reply.message)
+                try:
+                    await request.respond(encode(reply))
+                except Exception:
+                    self.log.exception("%s: could not send error reply", name)
+
+        await self._service.add_endpoint(
+            EndpointConfig(name=name, subject=subject, handler=guarded, queue_group=queue_group)
+        )
+
+    def spawn(self, coro: Awaitable[None], what: str) -> asyncio.Task:
+        """Run ``coro`` in the background, keep a reference, log if it fails."""
+
+        async def wrapped() -> None:
+            try:
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.log.exception("%s failed", what)
+
+        task = asyncio.get_running_loop().create_task(wrapped())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def publish(self, subject: str, payload: bytes, reply: str = "") -> None:
+        await self.nc.publish(subject, payload, reply=reply)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def run(self) -> None:
+        if not self.settings.nats_url:
+            raise SystemExit(f"tandem serve {self.name}: --nats-url (or TANDEM_NATS_URL) is required")
+        self.nc = await nats.connect(
+            self.settings.nats_url,
+            name=f"tandem-{self.name}-{self.instance_id}",
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            pending_size=256 * 1024 * 1024,
+        )
+        self._service = await add_service(
+            self.nc,
+            ServiceConfig(
+                name=f"tandem-{self.name}",
+                version=__version__,
+                description=self.description,
+                metadata=self.metadata(),
+            ),
+        )
+        await self.setup()
+        beat = self.spawn(self._heartbeat_loop(), "heartbeat")
+        self.log.info("%s %s ready on %s (pid %d)", self.name, self.instance_id, self.settings.nats_url, os.getpid())
+        await self._stop.wait()
+        self.log.info("%s %s stopping", self.name, self.instance_id)
+        beat.cancel()
+        await self._service.stop()
+        await self.teardown()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.nc.drain()
+        self.log.info("%s %s stopped", self.name, self.instance_id)
+
+    async def _heartbeat_loop(self) -> None:
+        subject = subjects.heartbeat(self.name, self.instance_id)
+        while True:
+            beat = self.heartbeat()
+            if beat is not None:
+                await self.nc.publish(subject, encode(beat))
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+
+def run_async(coro):
+    """Run a coroutine on uvloop where it is installed, else on asyncio's own loop; return its result."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+async def _serve(service: ServiceRuntime) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, service.request_stop)
+    await service.run()
+
+
+def run_service(service: ServiceRuntime) -> None:
+    """Run one service until SIGINT/SIGTERM, then stop cleanly."""
+    run_async(_serve(service))
+

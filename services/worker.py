@@ -1,0 +1,161 @@
+"""The part the prefill and decode services share: a loaded model, an engine thread, streaming.
+
+An :class:`EngineWorker` loads the model named by the settings, sizes the paged KV pool, runs the
+engine in an :class:`EngineThread`, publishes its load as heartbeats, honours cancellations and
+streams each step's tokens to the requesting client, one message per request per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tandem.services.engine_thread import EngineThread
+from tandem.services.runtime import ServiceRuntime
+from tandem.shared import subjects
+from tandem.shared.config import Settings
+from tandem.shared.engine import EngineConfig, LLMEngine, RequestOutput
+from tandem.shared.kvcache.cache import kv_cache_bytes_per_block
+from tandem.shared.messages import (
+    Cancel, ErrorCode, ErrorReply, Heartbeat, ProtocolError, StreamChunk, decode, encode,
+)
+from tandem.shared.model import LoadedModel, load_model, resolve_dtype
+
+
+def resolve_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+def size_kv_pool(settings: Settings, loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> int:
+    """Blocks for the KV pool: as configured, else from a memory budget (free GPU memory on CUDA)."""
+    if settings.num_blocks:
+        return settings.num_blocks
+    cfg = loaded.config
+    per_block = kv_cache_bytes_per_block(
+        cfg.num_layers, settings.block_size, cfg.num_kv_heads, cfg.head_dim, dtype
+    )
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * settings.gpu_memory_utilization)
+    else:
+        budget = settings.kv_cache_mib * 1024 * 1024
+    return max(1, budget // per_block)
+
+
+@dataclass
+class Stream:
+    """Where one request's tokens go and how many output tokens it has emitted so far."""
+
+    subject: str
+    next_index: int = 0
+
+
+class EngineWorker(ServiceRuntime):
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.device = resolve_device(settings.device)
+        self.dtype = resolve_dtype(settings.dtype, self.device)
+        self.log.info("loading model %s on %s (%s)", settings.model, self.device, self.dtype)
+        self.loaded = load_model(settings.model, device=self.device, dtype=self.dtype, data_dir=settings.data_dir)
+        self.model_name = self.loaded.name
+        self.max_model_len = min(settings.max_model_len, self.loaded.config.max_position_embeddings)
+        self.engine_config = EngineConfig(
+            block_size=settings.block_size,
+            num_blocks=size_kv_pool(settings, self.loaded, self.device, self.dtype),
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
+        self.engine = LLMEngine(self.loaded.model, self.loaded.tokenizer, self.engine_config, self.device, self.dtype)
+        self.streams: dict[str, Stream] = {}
+        self.thread: EngineThread | None = None
+        self.log.info(
+            "model %s ready: %d KV blocks of %d tokens, max_model_len %d",
+            self.model_name, self.engine_config.num_blocks, settings.block_size, self.max_model_len,
+        )
+
+    def metadata(self) -> dict[str, str]:
+        return {**super().metadata(), "model": self.model_name, "device": str(self.device)}
+
+    async def setup(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.thread = EngineThread(self.engine, loop, self.on_outputs, self.on_failure)
+        self.thread.start()
+        await self.nc.subscribe(subjects.CANCEL, cb=self._on_cancel)
+
+    async def teardown(self) -> None:
+        if self.thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.thread.stop)
+
+    def heartbeat(self) -> Heartbeat:
+        stats = self.thread.stats if self.thread else self.engine.stats()
+        return Heartbeat(
+            service=self.name, instance_id=self.instance_id, host=self.host, pid=os.getpid(),
+            model=self.model_name, running=stats["running"], waiting=stats["waiting"],
+            free_blocks=stats["free_blocks"], num_blocks=stats["num_blocks"],
+            block_size=self.settings.block_size, max_model_len=self.max_model_len,
+        )
+
+    def check_request(self, model: str, prompt_token_ids: list[int]) -> None:
+        """Refuse what the engine cannot serve, with the code a client can act on."""
+        if model != self.model_name:
+            raise ProtocolError(ErrorCode.UNKNOWN_MODEL, f"this worker serves {self.model_name!r}, not {model!r}")
+        if not prompt_token_ids:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, "the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ProtocolError(ErrorCode.PROMPT_TOO_LONG,
+                                f"prompt has {len(prompt_token_ids)} tokens; the context holds {self.max_model_len}")
+        if max(prompt_token_ids) >= self.loaded.config.vocab_size:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"token id {max(prompt_token_ids)} is outside the vocabulary")
+
+    async def _on_cancel(self, msg) -> None:
+        try:
+            cancel = decode(msg.data, Cancel)
+        except ProtocolError as exc:
+            self.log.warning("ignored bad cancel: %s", exc)
+            return
+        if cancel.request_id in self.streams:
+            self.log.info("cancel %s", cancel.request_id)
+            self.thread.abort(cancel.request_id)
+
+    # -- outputs ----------------------------------------------------------------------------------
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self.streams[out.request_id]
+            if self.handle_output(out, stream):
+                continue
+            self.send_chunk(stream, out.request_id, out.new_token_ids, out.text_delta, out.finish_reason if out.finished else None)
+            if out.finished:
+                self.log.info("%s finished: %s after %d tokens", out.request_id, out.finish_reason, stream.next_index)
+
+    def handle_output(self, out: RequestOutput, stream: Stream) -> bool:
+        """Subclass hook: True when the output was dealt with and needs no plain chunk."""
+        return False
+
+    def send_chunk(self, stream: Stream, request_id: str, token_ids: list[int], text: str,
+                   finish_reason: str | None, error: ErrorReply | None = None) -> None:
+        if not token_ids and not text and finish_reason is None and error is None:
+            return
+        chunk = StreamChunk(request_id=request_id, index=stream.next_index, token_ids=list(token_ids),
+                            text=text, finish_reason=finish_reason, error=error)
+        stream.next_index += len(token_ids)
+        self.spawn(self.nc.publish(stream.subject, encode(chunk)), "publish chunk")
+
+    def fail(self, request_id: str, stream: Stream, exc: BaseException) -> None:
+        error = ErrorReply(code=ErrorCode.WORKER_FAILURE, message=f"{type(exc).__name__}: {exc}", request_id=request_id)
+        self.send_chunk(stream, request_id, [], "", "error", error)
+
+    def on_failure(self, request_ids: list[str], exc: BaseException) -> None:
+        for request_id in request_ids:
+            stream = self.streams.pop(request_id, None)
+            if stream is not None:
+                self.fail(request_id, stream, exc)

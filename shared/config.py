@@ -1,0 +1,61 @@
+"""Settings for every tandem process: pydantic-settings with the ``TANDEM_`` env prefix.
+
+Precedence: command-line flags, then ``TANDEM_*`` environment variables, then the defaults here,
+which run out of the box (tiny model, CPU or the first GPU). ``tandem serve decode --num-blocks 512``
+and ``TANDEM_NUM_BLOCKS=512 tandem serve decode`` mean the same.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "tandem"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore")
+
+    nats_url: str | None = None
+    data_dir: Path = Field(default_factory=default_data_dir)
+    model: str = "tiny"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
+    instance_id: str = ""  # empty: derived from host name and a random suffix
+    log_level: str = "INFO"
+
+    # engine
+    block_size: int = Field(16, ge=1)
+    num_blocks: int = Field(0, ge=0)  # 0: sized from kv_cache_mib (CPU) or free GPU memory
+    kv_cache_mib: int = Field(256, ge=1)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=16)  # also the prefill chunk size
+    max_model_len: int = Field(2048, ge=16)
+
+    # bus
+    heartbeat_interval_s: float = Field(0.5, gt=0)
+    worker_timeout_s: float = Field(3.0, gt=0)  # no heartbeat for this long: the worker is gone
+    request_timeout_s: float = Field(30.0, gt=0)
+    probe_interval_s: float = Field(2.0, gt=0)  # how often decode checks that a client still listens
+    kv_window: int = Field(8, ge=1)  # KV frames in flight per transfer
+
+    def resolved_instance_id(self, service: str) -> str:
+        if self.instance_id:
+            return self.instance_id
+        host = socket.gethostname().split(".")[0].replace("_", "-")[:24] or "host"
+        return f"{service}-{host}-{uuid.uuid4().hex[:6]}"
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from the environment with ``overrides`` (CLI flags; ``None`` means not given) on top."""
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})

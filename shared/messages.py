@@ -1,0 +1,217 @@
+"""Typed messages on the bus: pydantic v2 models, a ``kind`` discriminator, a schema version, msgpack.
+
+Every control message is one of the models below, encoded with :func:`encode` (msgpack of the
+model's Python-mode dump, so ``bytes`` stay bytes) and read back with :func:`decode`, which turns
+every way a payload can be wrong into a :class:`ProtocolError` carrying an :class:`ErrorCode`. A
+service replies to a bad message with :class:`ErrorReply` and keeps running.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Literal, Union
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+SCHEMA_VERSION = 1
+MAX_STOP_STRINGS = 16
+
+
+class ErrorCode(str, Enum):
+    BAD_FRAME = "bad_frame"  # not msgpack, or not a map
+    UNSUPPORTED_VERSION = "unsupported_version"
+    BAD_SCHEMA = "bad_schema"  # unknown kind or wrong fields
+    INVALID_REQUEST = "invalid_request"  # well-formed but not servable as asked
+    PROMPT_TOO_LONG = "prompt_too_long"
+    UNKNOWN_MODEL = "unknown_model"
+    NO_WORKERS = "no_workers"
+    TIMEOUT = "timeout"
+    WORKER_FAILURE = "worker_failure"
+
+
+class ProtocolError(Exception):
+    """A message could not be accepted; ``code`` says why in a form clients can branch on."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+        self.message = message
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    v: Literal[1] = SCHEMA_VERSION
+
+
+class SamplingParams(BaseModel):
+    """What the client asks of generation; field bounds are the validation (vLLM's defaults)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class GenerateRequest(_Message):
+    """Client to router. Exactly one of ``prompt`` and ``prompt_token_ids``."""
+
+    kind: Literal["generate"] = "generate"
+    request_id: str = Field(min_length=1, max_length=128)
+    prompt: str | None = None
+    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    params: SamplingParams = Field(default_factory=SamplingParams)
+    model: str | None = None
+    stream_subject: str = Field(min_length=1)
+
+
+class GenerateAccepted(_Message):
+    """Router to client: the request is placed; tokens follow on the stream subject."""
+
+    kind: Literal["accepted"] = "accepted"
+    request_id: str
+    prompt_token_ids: list[int]
+    prefill_worker: str | None
+    decode_worker: str
+
+
+class ErrorReply(_Message):
+    kind: Literal["error"] = "error"
+    code: ErrorCode
+    message: str
+    request_id: str | None = None
+
+
+class Ack(_Message):
+    kind: Literal["ack"] = "ack"
+    request_id: str | None = None
+
+
+class PrefillRequest(_Message):
+    """Router to a prefill worker: prefill, emit the first token, hand the KV to ``decode_worker``."""
+
+    kind: Literal["prefill"] = "prefill"
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream_subject: str
+    decode_worker: str
+    model: str
+
+
+class KVTransfer(BaseModel):
+    """Describes the KV bytes sent ahead of a :class:`DecodeRequest` as binary frames."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    transfer_id: str
+    num_blocks: int = Field(ge=1)
+    block_bytes: int = Field(ge=1)
+    checksums: list[int]  # crc32 of each block, in order
+
+
+class DecodeRequest(_Message):
+    """To a decode worker: admit a sequence, already prefilled (``transfer``) or to prefill locally."""
+
+    kind: Literal["decode"] = "decode"
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = Field(default_factory=list)
+    params: SamplingParams
+    stream_subject: str
+    model: str
+    transfer: KVTransfer | None = None
+
+
+class StreamChunk(_Message):
+    """Worker to client: output tokens ``index .. index+len(token_ids)-1`` and their text."""
+
+    kind: Literal["chunk"] = "chunk"
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    error: ErrorReply | None = None
+
+
+class Probe(_Message):
+    """Worker to client stream, with a reply subject: is anybody still listening?"""
+
+    kind: Literal["probe"] = "probe"
+    request_id: str
+
+
+class Cancel(_Message):
+    kind: Literal["cancel"] = "cancel"
+    request_id: str
+
+
+class Heartbeat(_Message):
+    """Each worker's load and identity, published a few times a second."""
+
+    kind: Literal["heartbeat"] = "heartbeat"
+    service: str
+    instance_id: str
+    host: str
+    pid: int
+    model: str
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    num_blocks: int = 0
+    block_size: int = 16
+    max_model_len: int = 0
+    draining: bool = False
+
+
+Message = Annotated[
+    Union[
+        GenerateRequest, GenerateAccepted, ErrorReply, Ack, PrefillRequest, DecodeRequest,
+        StreamChunk, Probe, Cancel, Heartbeat,
+    ],
+    Field(discriminator="kind"),
+]
+_adapter: TypeAdapter[Message] = TypeAdapter(Message)
+_SHAPE_ERRORS = {"missing", "extra_forbidden", "union_tag_invalid", "union_tag_not_found", "literal_error"}
+
+
+def encode(message: BaseModel) -> bytes:
+    return msgpack.packb(message.model_dump(mode="python"), use_bin_type=True)
+
+
+def decode(data: bytes, expect: type[BaseModel] | tuple[type[BaseModel], ...] | None = None) -> BaseModel:
+    """Parse one message; raise :class:`ProtocolError` for anything that is not a valid one."""
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"payload is not msgpack ({type(exc).__name__})") from None
+    if not isinstance(raw, dict):
+        raise ProtocolError(ErrorCode.BAD_FRAME, "payload is not a msgpack map")
+    if raw.get("v") != SCHEMA_VERSION:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION, f"schema version {raw.get('v')!r} is not supported (want {SCHEMA_VERSION})"
+        )
+    try:
+        message = _adapter.validate_python(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        # A field out of its bounds is a bad request; a missing, extra or mistyped field is bad schema.
+        shape_error = first["type"].endswith("_type") or first["type"] in _SHAPE_ERRORS
+        code = ErrorCode.BAD_SCHEMA if shape_error else ErrorCode.INVALID_REQUEST
+        raise ProtocolError(code, f"{where}: {first['msg']}") from None
+    if expect is not None and not isinstance(message, expect):
+        raise ProtocolError(ErrorCode.BAD_SCHEMA, f"unexpected message kind {message.kind!r} here")
+    return message
+
+
+def error_reply(exc: Exception, request_id: str | None = None) -> ErrorReply:
+    """The reply for an exception raised while handling a message."""
+    if isinstance(exc, ProtocolError):
+        return ErrorReply(code=exc.code, message=exc.message, request_id=request_id)
+    return ErrorReply(code=ErrorCode.WORKER_FAILURE, message=f"{type(exc).__name__}: {exc}", request_id=request_id)

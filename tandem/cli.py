@@ -1,0 +1,221 @@
+"""The ``tandem`` command.
+
+    tandem up [--nats-url URL] [--model tiny|DIR] [--prefill N] [--decode N] [--demo [PROMPT]]
+    tandem serve router|prefill|decode --nats-url URL [engine flags]
+    tandem generate PROMPT [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
+                           [--stop S ...] [--json] [--nats-url URL]
+    tandem bench [--concurrency 1 8 32 64] [--requests N] [--json-out FILE]
+
+Every flag can also be set as a ``TANDEM_*`` environment variable (see tandem.shared.config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+
+from tandem.shared.config import load_settings
+
+SERVICES = ("router", "prefill", "decode")
+DEMO_PROMPT = "def fibonacci(n):"
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nats-url", help="NATS server URL (default: embedded server / the running `tandem up`)")
+    p.add_argument("--data-dir", help="where models, checkpoints and run state live")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING")
+
+
+def add_engine(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="'tiny' (built in) or a Hugging Face model directory")
+    p.add_argument("--device", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", help="auto, float32, bfloat16, float16")
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--num-blocks", type=int, help="KV pool size in blocks (0: from memory)")
+    p.add_argument("--kv-cache-mib", type=int, help="KV pool budget on CPU")
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step; the prefill chunk size")
+    p.add_argument("--max-model-len", type=int)
+
+
+ENGINE_FLAGS = ("device", "dtype", "block_size", "num_blocks", "kv_cache_mib", "max_num_seqs",
+                "max_num_batched_tokens", "max_model_len")
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n\n")[0])
+    sub = root.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run the whole system on this machine")
+    add_common(up)
+    add_engine(up)
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    up.add_argument("--decode", type=int, default=1, help="decode workers")
+    up.add_argument("--demo", nargs="?", const=DEMO_PROMPT, metavar="PROMPT",
+                    help="once up, generate from PROMPT and print it")
+    up.add_argument("--exit-after-demo", action="store_true", help="stop everything after the demo")
+
+    serve = sub.add_parser("serve", help="run one service against an existing NATS server")
+    serve.add_argument("service", choices=SERVICES)
+    add_common(serve)
+    add_engine(serve)
+    serve.add_argument("--instance-id", help="this instance's id (default: service-host-random)")
+
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen.add_argument("prompt")
+    add_common(gen)
+    gen.add_argument("--model", help="model name (default: the router's)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--timeout", type=float, default=60.0)
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+
+    bench = sub.add_parser("bench", help="bus path versus in-process engine, same run")
+    add_common(bench)
+    add_engine(bench)
+    bench.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    bench.add_argument("--requests", type=int, default=0, help="requests per level (default: 2x concurrency, >= 8)")
+    bench.add_argument("--input-len", type=int, default=64)
+    bench.add_argument("--output-len", type=int, default=32)
+    bench.add_argument("--json-out")
+    return root
+
+
+def settings_from(args: argparse.Namespace, *names: str):
+    flags = {n: getattr(args, n, None) for n in ("nats_url", "data_dir", "log_level", "model", "instance_id", *names)}
+    return load_settings(**flags)
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """Engine flags given to ``up``/``bench``, passed on to the workers it starts."""
+    argv = []
+    for name in ENGINE_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tandem.services.runtime import setup_logging
+
+    settings = settings_from(args, *ENGINE_FLAGS)
+    setup_logging(settings.log_level)
+    if args.service == "router":
+        from tandem.services.router.service import main
+    elif args.service == "prefill":
+        from tandem.services.prefill.service import main
+    else:
+        from tandem.services.decode.service import main
+    main(settings)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from tandem.services.runtime import run_async, setup_logging
+    from tandem.shared.natsserver import NatsServerError
+    from tandem.supervisor import Supervisor
+
+    settings = settings_from(args, *ENGINE_FLAGS)
+    setup_logging(settings.log_level)
+    sup = Supervisor(settings, num_prefill=args.prefill, num_decode=args.decode, extra_args=engine_argv(args))
+    def on_signal(_signum, _frame):
+        raise KeyboardInterrupt  # SIGTERM stops as cleanly as Ctrl-C
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        sup.start()
+        run_async(sup.wait_ready())
+        sup.write_state()
+        print(f"tandem up: NATS at {sup.url} (router, {args.prefill} prefill, {args.decode} decode; Ctrl-C stops)",
+              flush=True)
+        if args.demo:
+            run_async(demo(sup.url, args.demo))
+            if args.exit_after_demo:
+                return 0
+        while True:
+            sup.check_children()
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        return 0
+    except (NatsServerError, RuntimeError) as exc:
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        sup.stop()
+        print("tandem up: stopped", flush=True)
+
+
+async def demo(url: str, prompt: str) -> None:
+    from tandem.client import connect
+
+    async with connect(url) as client:
+        print(f"--- demo: {prompt!r} (greedy, 48 tokens)", flush=True)
+        print(prompt, end="", flush=True)
+        async for chunk in client.generate(prompt, max_tokens=48, temperature=0.0):
+            print(chunk.text, end="", flush=True)
+        print("\n---", flush=True)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tandem.client import TandemError, connect
+    from tandem.services.runtime import run_async
+    from tandem.supervisor import find_running_url
+
+    settings = settings_from(args)
+    url = settings.nats_url or find_running_url(settings.data_dir)
+    if url is None:
+        print("tandem generate: no running tandem found; start one with `tandem up` or pass --nats-url",
+              file=sys.stderr)
+        return 2
+    params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+    async def run() -> None:
+        async with connect(url, request_timeout_s=args.timeout) as client:
+            if args.json:
+                result = await client.complete(args.prompt, model=args.model, **params)
+                print(json.dumps({
+                    "request_id": result.request_id, "text": result.text,
+                    "prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids,
+                    "finish_reason": result.finish_reason, "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
+                }))
+                return
+            async for chunk in client.generate(args.prompt, model=args.model, **params):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+
+    try:
+        run_async(run())
+    except TandemError as exc:
+        print(f"tandem generate: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tandem.bench import run_bench
+
+    return run_bench(args, settings_from(args, *ENGINE_FLAGS), engine_argv(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.captureWarnings(True)
+    handler = {"up": cmd_up, "serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench}[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

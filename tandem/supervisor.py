@@ -1,0 +1,160 @@
+"""``tandem up``: the whole system on one machine, each service its own OS process.
+
+Starts an embedded nats-server (unless given a URL), then a router and N prefill and M decode
+workers as child processes, waits until every one answers ``$SRV.PING``, writes a state file so
+``tandem generate`` finds the server, prints one line with the NATS URL, and runs until Ctrl-C or
+SIGTERM. Then it stops the router, the workers and the server in that order and removes the state
+file and the server's folder. Children die with it even if it is killed with SIGKILL (Linux
+PDEATHSIG), so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+
+from tandem.shared.config import Settings
+from tandem.shared.natsserver import NatsServer
+
+log = logging.getLogger("tandem.up")
+
+SERVICE_ORDER = ("router", "prefill", "decode")  # stop order; start order is the reverse
+
+
+def state_file(data_dir: Path) -> Path:
+    return Path(data_dir) / "run" / "up.json"
+
+
+def find_running_url(data_dir: Path) -> str | None:
+    """The NATS URL of the ``tandem up`` running on this machine, if any."""
+    path = state_file(data_dir)
+    try:
+        state = json.loads(path.read_text())
+        os.kill(int(state["pid"]), 0)
+    except (OSError, ValueError, KeyError):
+        return None
+    return state["nats_url"]
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    service: str
+    process: subprocess.Popen
+
+
+@dataclass
+class Supervisor:
+    settings: Settings
+    num_prefill: int = 1
+    num_decode: int = 1
+    extra_args: list[str] = field(default_factory=list)
+    children: list[Child] = field(default_factory=list)
+    server: NatsServer | None = None
+    url: str = ""
+
+    def start(self) -> None:
+        if self.settings.nats_url:
+            self.url = self.settings.nats_url
+        else:
+            self.server = NatsServer.start()
+            self.url = self.server.url
+        plan = ["decode"] * self.num_decode + ["prefill"] * self.num_prefill + ["router"]
+        for index, service in enumerate(plan):
+            self.spawn(service, index)
+
+    def spawn(self, service: str, index: int) -> Child:
+        cmd = [sys.executable, "-m", "tandem.cli", "serve", service, "--nats-url", self.url,
+               "--model", self.settings.model, "--log-level", self.settings.log_level, *self.extra_args]
+        env = dict(os.environ, TANDEM_DATA_DIR=str(self.settings.data_dir), PYTHONUNBUFFERED="1")
+        env.pop("TANDEM_INSTANCE_ID", None)
+        process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                   preexec_fn=_die_with_parent)
+        child = Child(service, process)
+        self.children.append(child)
+        log.info("started %s (pid %d)", service, process.pid)
+        return child
+
+    async def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Until every child answers ``$SRV.PING``; raise if one dies or time runs out."""
+        want = {s: sum(c.service == s for c in self.children) for s in SERVICE_ORDER}
+        nc = await nats.connect(self.url)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                self.check_children()
+                seen = await ping_services(nc)
+                if all(seen.get(f"tandem-{s}", 0) >= n for s, n in want.items()):
+                    return
+                await asyncio.sleep(0.25)
+            raise RuntimeError(f"services not ready after {timeout_s:.0f}s (want {want}, saw {seen})")
+        finally:
+            await nc.close()
+
+    def check_children(self) -> None:
+        for child in self.children:
+            code = child.process.poll()
+            if code is not None:
+                raise RuntimeError(f"{child.service} (pid {child.process.pid}) exited with code {code}")
+
+    def write_state(self) -> None:
+        path = state_file(self.settings.data_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"nats_url": self.url, "pid": os.getpid()}))
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        for service in SERVICE_ORDER:
+            group = [c for c in self.children if c.service == service and c.process.poll() is None]
+            for child in group:
+                child.process.send_signal(signal.SIGTERM)
+            for child in group:
+                try:
+                    child.process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    log.warning("%s (pid %d) ignored SIGTERM; killing it", child.service, child.process.pid)
+                    child.process.kill()
+                    child.process.wait()
+        self.children.clear()
+        if self.server is not None:
+            self.server.stop()
+        path = state_file(self.settings.data_dir)
+        try:
+            if json.loads(path.read_text()).get("pid") == os.getpid():
+                path.unlink()
+        except (OSError, ValueError):
+            pass
+
+
+async def ping_services(nc: nats.NATS, wait_s: float = 0.3) -> dict[str, int]:
+    """How many instances of each micro service answer ``$SRV.PING`` within ``wait_s``."""
+    counts: dict[str, int] = {}
+    inbox = nc.new_inbox()
+
+    async def on_pong(msg) -> None:
+        try:
+            name = json.loads(msg.data)["name"]
+        except (ValueError, KeyError):
+            return
+        counts[name] = counts.get(name, 0) + 1
+
+    sub = await nc.subscribe(inbox, cb=on_pong)
+    await nc.publish("$SRV.PING", b"", reply=inbox)
+    await asyncio.sleep(wait_s)
+    await sub.unsubscribe()
+    return counts

@@ -1,0 +1,131 @@
+"""Fixtures: one real nats-server per session, real service processes per module.
+
+``nats_server`` starts the embedded server on a free port once. ``start_system`` launches
+``tandem serve`` processes (router, prefill, decode) against it and waits until each answers
+``$SRV.PING``; module-scoped fixtures in the test files use it so every module gets fresh services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+import pytest
+
+from tandem.shared.natsserver import NatsServer
+from tandem.supervisor import ping_services
+
+
+@pytest.fixture(scope="session")
+def nats_server():
+    server = NatsServer.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    """An empty data dir, so a trained tiny checkpoint on this machine never changes test outputs."""
+    return tmp_path_factory.mktemp("tandem-data")
+
+
+@dataclass
+class System:
+    url: str
+    logdir: Path
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def instance(self, service: str) -> str:
+        return next(name for name in self.processes if name.startswith(service))
+
+    def stop(self, name: str) -> None:
+        proc = self.processes.pop(name)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def stop_all(self) -> None:
+        for name in [n for n in self.processes if n.startswith("router")] + list(self.processes):
+            if name in self.processes:
+                self.stop(name)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.logdir.glob("*.log")))
+
+
+def launch(url: str, service: str, instance_id: str, logdir: Path, data_dir: Path, args: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, TANDEM_DATA_DIR=str(data_dir), TANDEM_PROBE_INTERVAL_S="0.5",
+               TANDEM_HEARTBEAT_INTERVAL_S="0.2", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", service, "--nats-url", url,
+           "--instance-id", instance_id, *args]
+    log = open(logdir / f"{instance_id}.log", "wb")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+async def wait_for_services(url: str, want: dict[str, int], procs: dict[str, subprocess.Popen], timeout_s: float = 120) -> None:
+    nc = await nats.connect(url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dead = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
+            assert not dead, f"service processes exited during start-up: {dead}"
+            seen = await ping_services(nc, 0.2)
+            if all(seen.get(f"tandem-{s}", 0) >= n for s, n in want.items()):
+                # Heartbeats must reach the router before it can place work.
+                await asyncio.sleep(0.5)
+                return
+        raise AssertionError(f"services not ready in {timeout_s}s: want {want}, saw {seen}")
+    finally:
+        await nc.close()
+
+
+def run_sync(coro):
+    """Run a coroutine on a private loop, leaving pytest-asyncio's loop alone."""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+@pytest.fixture(scope="module")
+def start_system(nats_server, data_dir, tmp_path_factory):
+    """Factory: ``start_system(prefill=1, decode=1, ...)`` -> a running :class:`System`.
+
+    Module-scoped: every system a module started is stopped when the module ends, so modules
+    never see each other's workers on the shared server."""
+    systems: list[System] = []
+
+    def start(prefill: int = 1, decode: int = 1, router: int = 1, model_args: list[str] = (),
+              prefill_args: list[str] = (), decode_args: list[str] = ()) -> System:
+        logdir = tmp_path_factory.mktemp("logs")
+        system = System(nats_server.url, logdir)
+        plan = [("decode", decode), ("prefill", prefill), ("router", router)]
+        for service, count in plan:
+            for i in range(count):
+                name = f"{service}-{len(systems)}-{i}"
+                extra = [*model_args, *{"prefill": prefill_args, "decode": decode_args}.get(service, ())]
+                system.processes[name] = launch(nats_server.url, service, name, logdir, data_dir, extra)
+        want = {s: n for s, n in plan if n}
+        try:
+            run_sync(wait_for_services(nats_server.url, want, system.processes))
+        except BaseException:
+            system.stop_all()
+            print(system.logs())
+            raise
+        systems.append(system)
+        return system
+
+    yield start
+    for system in systems:
+        system.stop_all()
