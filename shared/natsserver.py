@@ -10,10 +10,12 @@ two tandems on one machine never race for a port. Used by ``tandem up`` and by t
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -25,6 +27,14 @@ from pathlib import Path
 log = logging.getLogger("tandem.nats")
 
 MAX_PAYLOAD = 8 * 1024 * 1024  # KV frames are chunked under this
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for children: on Linux the kernel sends them SIGTERM when their parent dies,
+    even by SIGKILL, so no server or worker outlives the process that started it."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class NatsServerError(RuntimeError):
@@ -62,6 +72,8 @@ class NatsServer:
     @classmethod
     def start(cls, *, binary: str | None = None, timeout_s: float = 15.0, jetstream: bool = True) -> "NatsServer":
         binary = binary or find_nats_server()
+        if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
+            raise NatsServerError(f"nats-server binary {binary} does not exist or is not executable")
         workdir = Path(tempfile.mkdtemp(prefix="tandem-nats-"))
         config = workdir / "nats.conf"
         store = workdir / "jetstream"
@@ -78,7 +90,8 @@ class NatsServer:
         logfile = open(workdir / "nats.log", "wb")
         try:
             process = subprocess.Popen(
-                [binary, "-c", str(config)], stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                [binary, "-c", str(config)], stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                preexec_fn=die_with_parent,
             )
         except OSError as exc:
             shutil.rmtree(workdir, ignore_errors=True)

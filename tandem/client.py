@@ -181,12 +181,12 @@ class Client:
                     finished = ready.finish_reason is not None
                     yield Chunk(ready.token_ids, ready.text, ready.finish_reason), accepted
         finally:
-            await sub.unsubscribe()
-            if not finished:
-                try:
+            try:
+                await sub.unsubscribe()
+                if not finished:
                     await self.nc.publish(subjects.CANCEL, encode(Cancel(request_id=request_id)))
-                except Exception:
-                    pass  # the connection is closing; workers will find the client gone by probe
+            except nats.errors.ConnectionClosedError:
+                pass  # closing anyway; workers find the client gone by their liveness probe
 
     async def _place(self, request: GenerateRequest, timeout: float) -> GenerateAccepted:
         try:

@@ -11,7 +11,6 @@ PDEATHSIG), so nothing is left behind.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import logging
 import os
@@ -25,7 +24,7 @@ from pathlib import Path
 import nats
 
 from tandem.shared.config import Settings
-from tandem.shared.natsserver import NatsServer
+from tandem.shared.natsserver import NatsServer, die_with_parent
 
 log = logging.getLogger("tandem.up")
 
@@ -45,12 +44,6 @@ def find_running_url(data_dir: Path) -> str | None:
     except (OSError, ValueError, KeyError):
         return None
     return state["nats_url"]
-
-
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -73,7 +66,7 @@ class Supervisor:
         if self.settings.nats_url:
             self.url = self.settings.nats_url
         else:
-            self.server = NatsServer.start()
+            self.server = NatsServer.start(binary=self.settings.nats_binary)
             self.url = self.server.url
         plan = ["decode"] * self.num_decode + ["prefill"] * self.num_prefill + ["router"]
         for index, service in enumerate(plan):
@@ -85,7 +78,7 @@ class Supervisor:
         env = dict(os.environ, TANDEM_DATA_DIR=str(self.settings.data_dir), PYTHONUNBUFFERED="1")
         env.pop("TANDEM_INSTANCE_ID", None)
         process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                                   preexec_fn=_die_with_parent)
+                                   preexec_fn=die_with_parent)
         child = Child(service, process)
         self.children.append(child)
         log.info("started %s (pid %d)", service, process.pid)

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,12 +91,10 @@ async def wait_for_services(url: str, want: dict[str, int], procs: dict[str, sub
 
 
 def run_sync(coro):
-    """Run a coroutine on a private loop, leaving pytest-asyncio's loop alone."""
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
+    """Run a coroutine to the end on a private loop in another thread: callers may be sync fixtures
+    or async tests whose own loop is running."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,170 @@
+"""``LLMEngine``: the synchronous engine core the prefill and decode services run in a worker thread.
+
+``step()`` = schedule a batch -> scatter imported KV -> run the model and sample -> postprocess
+(append tokens, stop checks, free finished) -> one ``RequestOutput`` per request that got a token.
+
+Prefill/decode hand-off: a ``prefill_only`` request finishes right after its first sampled token
+with reason "prefilled" and its output carries the prompt's KV (gathered before the blocks are
+freed). If that first token already ends the request (eos, stop, length) the normal reason is
+reported and no KV is attached. The decode engine takes the request with ``kv`` and
+``output_token_ids`` set and continues from token 1; its text deltas continue where the prefill
+worker's stopped (held-back text is re-derived, never sent twice).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from tandem.shared.engine.detokenizer import IncrementalDetokenizer
+from tandem.shared.engine.model_runner import ModelRunner
+from tandem.shared.engine.scheduler import Scheduler
+from tandem.shared.engine.sequence import EngineRequest, RequestOutput, Sequence, SequenceStatus
+from tandem.shared.kvcache.block_manager import BlockManager
+from tandem.shared.tokenizer import Tokenizer
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # query tokens per step (decodes + prefill chunks)
+    max_model_len: int = 4096  # prompt + output tokens; also capped by the model's RoPE table
+
+    def validate(self) -> None:
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len < 2:
+            raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model and one paged KV cache. Not thread-safe."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size: int = model.config.vocab_size
+        self.max_model_len = min(config.max_model_len, model.config.max_position_embeddings)
+        dtype = dtype if dtype is not None else next(model.parameters()).dtype
+        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=tokenizer.eos_token_ids,
+            on_finish=self._on_finish,
+        )
+        self.runner = ModelRunner(model, config.num_blocks, config.block_size, device, dtype)
+        self._arrivals = itertools.count()
+        self._aborted_outputs: list[RequestOutput] = []
+        self._exported_kv: dict[str, torch.Tensor] = {}
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Validate and queue a request; ``ValueError`` says what is wrong with it."""
+        prompt, outputs, params = list(request.prompt_token_ids), list(request.output_token_ids), request.params
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        params.validate()
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        if len(prompt) > self.max_model_len - 1:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens; max_model_len {self.max_model_len} allows at most "
+                f"{self.max_model_len - 1} so that one token can be generated"
+            )
+        all_ids = prompt + outputs
+        if min(all_ids) < 0 or max(all_ids) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {min(all_ids)}..{max(all_ids)}")
+        if outputs and (len(outputs) >= params.max_tokens or len(all_ids) >= self.max_model_len):
+            raise ValueError(f"request {request.request_id!r} already has all its {len(outputs)} output tokens")
+        if request.kv is not None:
+            self._check_kv(request.kv, len(prompt), bool(outputs))
+        seq = Sequence(
+            request_id=request.request_id,
+            token_ids=all_ids,
+            num_prompt_tokens=len(prompt),
+            params=params,
+            arrival=next(self._arrivals),
+            prefill_only=request.prefill_only,
+            pending_kv=request.kv,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, len(prompt), params.stop),
+        )
+        if outputs:  # replay the prefill worker's text so deltas continue where it stopped
+            seq.detokenizer.update(seq.token_ids, seq.num_tokens)
+            seq.detokenizer.take_delta(finished=False)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Free the request's blocks now; its "abort" output comes from the next ``step``."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        self._aborted_outputs.append(self._make_output(seq, []))
+        return True
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return an output per request that got a token or was aborted."""
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        for seq, kv in batch.imports:
+            self.runner.import_kv(seq.block_table, kv)
+        sampled = self.runner.run(batch)
+        for seq in self.scheduler.postprocess(batch, sampled):
+            outputs.append(self._make_output(seq, seq.token_ids[-1:]))
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted_outputs)
+
+    def stats(self) -> dict[str, float | int]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "free_blocks": self.block_manager.num_free_blocks,
+            "num_blocks": self.block_manager.num_blocks,
+            "usage": self.block_manager.usage,
+            "preemptions": self.scheduler.num_preemptions,
+        }
+
+    def _make_output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+        reason = seq.finish_reason
+        finished = seq.status is SequenceStatus.FINISHED
+        # "prefilled" is a hand-off, not an end: keep held-back text for the decode worker to send.
+        text = "" if reason == "abort" else seq.detokenizer.take_delta(finished and reason != "prefilled")
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_token_ids,
+            text_delta=text,
+            finished=finished,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            kv=self._exported_kv.pop(seq.request_id, None),
+        )
+
+    def _on_finish(self, seq: Sequence) -> None:
+        if seq.finish_reason == "prefilled":  # gather before the scheduler frees the blocks
+            self._exported_kv[seq.request_id] = self.runner.export_kv(seq.block_table, seq.num_prompt_tokens)
+
+    def _check_kv(self, kv: torch.Tensor, num_prompt_tokens: int, has_outputs: bool) -> None:
+        expected = (-(-num_prompt_tokens // self.config.block_size), *self.runner.kv_cache.shape[1:])
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"kv has shape {tuple(kv.shape)}, expected {expected} for this prompt and model")
+        if not has_outputs:
+            raise ValueError("a request with kv needs output_token_ids (the token sampled after the prompt)")

@@ -1,0 +1,89 @@
+"""Runs one scheduled batch through the model: owns the paged KV cache, builds the flattened
+varlen inputs and attention metadata, takes the hidden row of each sampling sequence's last query
+token, computes its logits and samples. Also moves whole prompt blocks in and out of the cache for
+prefill -> decode hand-offs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from tandem.shared.engine.sampling import sample
+from tandem.shared.engine.scheduler import ScheduledBatch
+from tandem.shared.kvcache.attention import AttentionMetadata, build_attention_metadata
+from tandem.shared.kvcache.cache import allocate_kv_cache, gather_blocks, scatter_blocks
+
+
+class ModelRunner:
+    """The model plus its KV cache ``[num_blocks, num_layers, 2, block_size, Hkv, D]``."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        config = model.config
+        self.model = model
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.kv_cache = allocate_kv_cache(
+            num_blocks, config.num_layers, block_size, config.num_kv_heads, config.head_dim, dtype, self.device
+        )
+        self.generator = generator  # for unseeded sampling rows; None = torch's default generator
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flattened ``input_ids``/``positions`` ``[T]`` and the metadata for one batch."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        for item in batch.items:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start : start + item.num_query_tokens])
+            positions.extend(range(start, start + item.num_query_tokens))  # C-level, no Python per token
+            query_lens.append(item.num_query_tokens)
+            context_lens.append(start + item.num_query_tokens)
+            block_tables.append(seq.block_table)
+        meta = build_attention_metadata(query_lens, context_lens, block_tables, self.block_size, self.device)
+        # One host->device copy for ids and positions together.
+        ids_and_positions = torch.tensor([input_ids, positions], dtype=torch.long).to(self.device)
+        return ids_and_positions[0], ids_and_positions[1], meta
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        """Run the batch; return one sampled token per item with ``samples`` set, in batch order."""
+        input_ids, positions, meta = self.prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        rows: list[int] = []
+        params = []
+        output_indices: list[int] = []
+        end = 0
+        for item in batch.items:
+            end += item.num_query_tokens
+            if item.samples:
+                rows.append(end - 1)  # last query token of the sequence
+                params.append(item.seq.params)
+                output_indices.append(item.seq.num_output_tokens)
+        if not rows:
+            return []
+        row_index = torch.tensor(rows, dtype=torch.long).to(self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, row_index))
+        return sample(logits, params, output_indices, self.generator).tolist()
+
+    @torch.inference_mode()
+    def export_kv(self, block_table: Seq[int], num_tokens: int) -> torch.Tensor:
+        """CPU copy of the blocks holding the first ``num_tokens`` tokens: ``[n, L, 2, bs, Hkv, D]``."""
+        num_blocks = -(-num_tokens // self.block_size)
+        return gather_blocks(self.kv_cache, list(block_table[:num_blocks])).cpu()
+
+    @torch.inference_mode()
+    def import_kv(self, block_table: Seq[int], kv: torch.Tensor) -> None:
+        """Write exported blocks ``kv`` into the first ``kv.shape[0]`` blocks of ``block_table``."""
+        scatter_blocks(self.kv_cache, list(block_table[: kv.shape[0]]), kv)

@@ -1,0 +1,86 @@
+"""Batched token sampling from float32 logits ``[B, V]``, on the logits' device.
+
+Greedy rows (temperature 0) take the argmax. Other rows are scaled by their temperature, masked to
+their top-k tokens and then to the smallest set whose probability mass reaches top-p (the most
+likely token is always kept), and sampled with the exponential-race trick: ``argmax(p / E)`` with
+``E ~ Exp(1)`` i.i.d. draws index i with probability p_i.
+
+Seeded rows draw their noise from a generator seeded with ``mix(seed, output_index)``, so a token
+depends only on the request's seed, the index of the output token and its logits, never on the
+batch it is sampled in or the worker sampling it: a prefill worker sampling token 0 and a decode
+worker sampling tokens 1.. reproduce a single worker. Unseeded rows share one global generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tandem.shared.engine.sequence import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, output_index: int) -> int:
+    """Stable 63-bit seed for (seed, output_index): two SplitMix64 rounds (same on every machine)."""
+    state = (seed & _MASK64) ^ ((output_index * 0x9E3779B97F4A7C15) & _MASK64)
+    for _ in range(2):
+        state = (state + 0x9E3779B97F4A7C15) & _MASK64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        state = z ^ (z >> 31)
+    return state >> 1  # torch.Generator.manual_seed takes it on every version
+
+
+def _top_k_top_p_mask(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Set logits outside each row's top-k / top-p set to -inf (one descending sort per row)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)
+    k = torch.where(top_ks > 0, top_ks.clamp(max=vocab), vocab)
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Mass strictly before each token; the first token has 0 < top_p so it always survives.
+    # Rows with top_p = 1 skip the mask: rounding could push the cumsum past 1.0 in the tail.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = (mass_before >= top_ps[:, None]) & (top_ps < 1.0)[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_indices: Sequence[int],
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Return sampled token ids ``LongTensor[B]`` for float32 ``logits[B, V]``.
+
+    ``output_indices[i]`` is the index (0-based, among the request's output tokens) of the token
+    row i samples; ``generator`` serves unseeded rows (torch's default one when None).
+    """
+    device = logits.device
+    greedy_ids = logits.argmax(dim=-1)
+    if all(p.temperature == 0.0 for p in params):
+        return greedy_ids
+
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    greedy = temps == 0.0
+    scaled = logits / torch.where(greedy, 1.0, temps)[:, None]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_ks = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
+        top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        scaled = _top_k_top_p_mask(scaled, top_ks, top_ps)
+    probs = scaled.softmax(dim=-1)
+
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for row, (p, index) in enumerate(zip(params, output_indices)):
+        if p.seed is not None and p.temperature > 0.0:
+            row_gen = torch.Generator(device=device)
+            row_gen.manual_seed(mix_seed(p.seed, index))
+            noise[row] = torch.empty_like(probs[row]).exponential_(generator=row_gen)
+    # Exp(1) draws can underflow to 0; a tiny floor keeps p / E finite and zero-probability rows at 0.
+    sampled = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    return torch.where(greedy, greedy_ids, sampled)

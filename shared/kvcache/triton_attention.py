@@ -1,0 +1,184 @@
+"""Triton paged-attention kernel for a flattened varlen batch (prefill chunks and decode together).
+
+Grid: (sequence, query head, query tile of BLOCK_M rows). Each program loads its query tile once,
+then walks the sequence's keys in tiles of BLOCK_N positions, looking each position's physical block
+up in the block table, with a flash-attention online softmax in fp32. Causality is by absolute
+position (query row i of a sequence sits at ``context_len - query_len + i``), so a prefill chunk that
+continues a cached context and a one-token decode are the same code. GQA maps query head h to kv
+head ``h // (Hq // Hkv)``. The cache is read in place through its strides
+(``[num_blocks, L, 2, block_size, Hkv, D]``), so no copy of the layer is made.
+
+Room to make it faster later (the structure allows it without changing the interface): skip the
+causal mask on key tiles wholly below the tile's first query, pack a GQA group's query heads into
+the M dimension for decode (one KV read per kv head), split long contexts across programs, and tune
+BLOCK_M/BLOCK_N/num_warps/num_stages per shape.
+
+Importing this file never fails: without Triton (CPU builds) ``HAS_TRITON`` is False, the kernel is
+left as an unused plain function, and callers take the gather path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # ImportError, or a Triton whose backend fails to initialise on this machine
+    HAS_TRITON = False
+
+    class _NoTriton:
+        """Stand-in so the kernel below still parses: ``@triton.jit`` is identity, annotations None."""
+
+        constexpr = None
+
+        @staticmethod
+        def jit(fn):  # noqa: ANN001, ANN205 - mirrors triton.jit
+            return fn
+
+    triton = tl = _NoTriton()  # type: ignore[assignment]
+
+
+@triton.jit
+def _paged_attention_kernel(
+    Q, K_cache, V_cache, Out, BlockTables, QueryStartLoc, ContextLens,
+    scale,
+    stride_q_token, stride_q_head,
+    stride_o_token, stride_o_head,
+    stride_cache_block, stride_cache_slot, stride_cache_head,
+    stride_table_seq,
+    QUERIES_PER_KV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+
+    query_start = tl.load(QueryStartLoc + seq)
+    query_len = tl.load(QueryStartLoc + seq + 1) - query_start
+    tile_start = tile * BLOCK_M
+    if tile_start >= query_len:  # the grid is sized for the longest query; shorter ones stop here
+        return
+    context_len = tl.load(ContextLens + seq)
+    kv_head = head // QUERIES_PER_KV
+
+    offs_m = tile_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    row_mask = offs_m < query_len
+    dim_mask = offs_d < HEAD_DIM
+    query_pos = context_len - query_len + offs_m  # absolute position of each query row
+
+    q_ptrs = (
+        Q + (query_start + offs_m).to(tl.int64)[:, None] * stride_q_token
+        + head * stride_q_head + offs_d[None, :]
+    )
+    q = tl.load(q_ptrs, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+
+    # Keys past the tile's last query position are never visible: stop there.
+    kv_end = context_len - query_len + tl.minimum(tile_start + BLOCK_M, query_len)
+    table_row = BlockTables + seq.to(tl.int64) * stride_table_seq
+    for kv_start in range(0, kv_end, BLOCK_N):
+        key_pos = kv_start + offs_n
+        key_mask = key_pos < kv_end
+        block_ids = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+        slot_offsets = (
+            block_ids * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot
+            + kv_head * stride_cache_head
+        )
+        # K is loaded transposed, [D, BLOCK_N]; masked loads keep stale slots out entirely.
+        k = tl.load(
+            K_cache + slot_offsets[None, :] + offs_d[:, None],
+            mask=key_mask[None, :] & dim_mask[:, None], other=0.0,
+        )
+        v = tl.load(
+            V_cache + slot_offsets[:, None] + offs_d[None, :],
+            mask=key_mask[:, None] & dim_mask[None, :], other=0.0,
+        )
+        if FP32_DOT:
+            scores = tl.dot(q, k, input_precision="ieee")
+        else:
+            scores = tl.dot(q, k)
+        scores = scores * scale
+        visible = (key_pos[None, :] <= query_pos[:, None]) & key_mask[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        # Key 0 is visible to every row (real rows have position >= 0; padding rows sit past the
+        # context), and the first tile holds it, so m_new is finite from the first iteration on.
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    out_ptrs = (
+        Out + (query_start + offs_m).to(tl.int64)[:, None] * stride_o_token
+        + head * stride_o_head + offs_d[None, :]
+    )
+    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+def triton_paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta, scale: float  # noqa: ANN001
+) -> torch.Tensor:
+    """Attend ``q`` ``[T, Hq, D]`` over the cached context of each sequence -> ``[T, Hq, D]``.
+
+    The cache must already hold this step's K/V (``paged_attention`` writes them first).
+    ``meta`` is an ``AttentionMetadata`` (untyped here to avoid an import cycle).
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("Triton is not available")
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[4]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    key_cache = kv_cache[:, layer, 0]  # [num_blocks, bs, Hkv, D] views; strides shared by K and V
+    value_cache = kv_cache[:, layer, 1]
+    if kv_cache.stride(-1) != 1 or key_cache.stride(2) != head_dim:
+        raise ValueError("kv_cache must be contiguous in its last two dims")
+    if kv_cache.dtype != q.dtype:
+        raise ValueError(f"query dtype {q.dtype} differs from cache dtype {kv_cache.dtype}")
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    block_tables = meta.block_tables.contiguous()
+    query_start_loc = meta.query_start_loc.contiguous()
+    context_lens = meta.context_lens.contiguous()
+
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    fp32 = q.dtype == torch.float32
+    # Small tiles for decode-heavy steps (query_len 1); bigger query tiles for prefill chunks.
+    block_m = 16 if meta.max_query_len <= 16 else 64
+    block_n = 64 if head_dim_padded <= 128 and not fp32 else 32
+    num_seqs = context_lens.shape[0]
+    grid = (num_seqs, num_q_heads, triton.cdiv(meta.max_query_len, block_m))
+    _paged_attention_kernel[grid](
+        q, key_cache, value_cache, out, block_tables, query_start_loc, context_lens,
+        float(scale),
+        q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.stride(0),
+        QUERIES_PER_KV=num_q_heads // num_kv_heads,
+        BLOCK_SIZE=meta.block_size,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=head_dim_padded,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        FP32_DOT=fp32,
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,50 @@
+"""Helpers shared by the end-to-end tests: prompts of exact token lengths, worker heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+
+from tandem.shared import subjects
+from tandem.shared.messages import Heartbeat, decode
+
+SOURCE = (
+    "import os\nimport sys\n\ndef main(argv):\n    for name in sorted(os.listdir(argv[1])):\n"
+    "        if name.endswith('.py'):\n            print(name, os.path.getsize(name))\n    return 0\n\n"
+    "class Tree:\n    def __init__(self, value, children=()):\n        self.value = value\n"
+    "        self.children = list(children)\n\n    def walk(self):\n        yield self.value\n"
+)
+
+
+def prompt_of(length: int, salt: int = 0) -> str:
+    text = (SOURCE * 4)[salt : salt + length]
+    assert len(text.encode()) == length
+    return text
+
+
+async def worker_beats(url: str, wait_s: float = 0.6) -> dict[str, Heartbeat]:
+    beats: dict[str, Heartbeat] = {}
+    nc = await nats.connect(url)
+
+    async def on_beat(msg):
+        beat = decode(msg.data, Heartbeat)
+        beats[beat.instance_id] = beat
+
+    await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
+    await asyncio.sleep(wait_s)
+    await nc.close()
+    return beats
+
+
+async def assert_pools_free(url: str, timeout_s: float = 10.0) -> None:
+    """Every worker reports no sequences and every block free (polling: heartbeats lag a step)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        beats = await worker_beats(url)
+        busy = {i: (b.running, b.waiting, b.num_blocks - b.free_blocks) for i, b in beats.items()
+                if b.running or b.waiting or b.free_blocks != b.num_blocks}
+        if beats and not busy:
+            return
+        assert loop.time() < deadline, f"workers still hold sequences or blocks (running, waiting, used): {busy}"

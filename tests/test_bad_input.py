@@ -1,0 +1,143 @@
+"""Bad input on every subject gets a typed error reply, and the service answers the next good request."""
+
+from __future__ import annotations
+
+import msgpack
+import nats
+import pytest
+from support import prompt_of
+
+from tandem.client import connect
+from tandem.shared import subjects
+from tandem.shared.frames import pack_frame
+from tandem.shared.messages import (
+    DecodeRequest, ErrorReply, GenerateRequest, KVTransfer, PrefillRequest, SamplingParams, decode, encode,
+)
+
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def system(start_system):
+    args = ["--max-model-len", str(MAX_MODEL_LEN)]
+    return start_system(prefill=1, decode=1, prefill_args=args, decode_args=args)
+
+
+def valid_message(kind: str, system) -> dict:
+    common = dict(request_id="bad-1", params=SamplingParams(max_tokens=4), stream_subject="_INBOX.nobody")
+    if kind == "generate":
+        return GenerateRequest(prompt="hello", **common).model_dump()
+    if kind == "prefill":
+        return PrefillRequest(prompt_token_ids=[1, 2, 3], decode_worker=system.instance("decode"), model="tiny",
+                              **common).model_dump()
+    return DecodeRequest(prompt_token_ids=[1, 2, 3], model="tiny", **common).model_dump()
+
+
+def subject_for(kind: str, system) -> str:
+    return {
+        "generate": subjects.ROUTER_GENERATE,
+        "prefill": subjects.prefill(system.instance("prefill")),
+        "decode": subjects.decode_admit(system.instance("decode")),
+    }[kind]
+
+
+def garbage(_: dict) -> bytes:
+    return b"\xc1\x00 definitely not msgpack"
+
+
+def unknown_kind(msg: dict) -> bytes:
+    return msgpack.packb({**msg, "kind": "teleport"})
+
+
+def wrong_version(msg: dict) -> bytes:
+    return msgpack.packb({**msg, "v": 99})
+
+
+def not_a_map(_: dict) -> bytes:
+    return msgpack.packb([1, 2, 3])
+
+
+def with_params(**changes):
+    def mutate(msg: dict) -> bytes:
+        return msgpack.packb({**msg, "params": {**msg["params"], **changes}})
+    mutate.__name__ = "_".join(f"{k}={v}" for k, v in changes.items())
+    return mutate
+
+
+def too_long_prompt(msg: dict) -> bytes:
+    if "prompt" in msg and msg["prompt"] is not None:
+        return msgpack.packb({**msg, "prompt": "x" * (MAX_MODEL_LEN + 10)})
+    return msgpack.packb({**msg, "prompt_token_ids": [65] * (MAX_MODEL_LEN + 10)})
+
+
+def unknown_model(msg: dict) -> bytes:
+    return msgpack.packb({**msg, "model": "no-such-model"})
+
+
+CASES = [
+    (garbage, "bad_frame"),
+    (not_a_map, "bad_frame"),
+    (unknown_kind, "bad_schema"),
+    (wrong_version, "unsupported_version"),
+    (with_params(max_tokens=0), "invalid_request"),
+    (with_params(max_tokens=-3), "invalid_request"),
+    (with_params(top_p=1.5), "invalid_request"),
+    (with_params(temperature=-1.0), "invalid_request"),
+    (too_long_prompt, "prompt_too_long"),
+    (unknown_model, "unknown_model"),
+]
+
+
+async def ask(url: str, subject: str, payload: bytes):
+    nc = await nats.connect(url)
+    try:
+        return decode((await nc.request(subject, payload, timeout=10)).data)
+    finally:
+        await nc.close()
+
+
+async def assert_still_serving(url: str) -> None:
+    async with connect(url) as client:
+        result = await client.complete(prompt_of(20), max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert len(result.token_ids) == 4, "the system stopped answering good requests after bad input"
+
+
+@pytest.mark.parametrize("kind", ["generate", "prefill", "decode"])
+@pytest.mark.parametrize("mutate,want", CASES, ids=[mutate.__name__ for mutate, _ in CASES])
+async def test_bad_message_gets_typed_error(system, kind, mutate, want):
+    reply = await ask(system.url, subject_for(kind, system), mutate(valid_message(kind, system)))
+    assert isinstance(reply, ErrorReply), f"{kind}: expected an error reply, got {reply!r}"
+    assert reply.code.value == want, f"{kind}: expected {want}, got {reply.code.value} ({reply.message})"
+
+
+@pytest.mark.parametrize("frame,code", [
+    (b"\x00", "bad_frame"),
+    (b"\x00\x00\x10\x00short", "bad_frame"),
+    (pack_frame({"v": 7, "transfer_id": "t", "offset": 0, "total_bytes": 4}, b"abcd"), "unsupported_version"),
+    (pack_frame({"v": 1, "offset": 0}, b"abcd"), "bad_schema"),
+    (pack_frame({"v": 1, "transfer_id": "t", "offset": 2, "total_bytes": 4}, b"abcd"), "bad_frame"),
+    (pack_frame({"v": 1, "transfer_id": "huge", "offset": 0, "total_bytes": 1 << 40}, b"abcd"), "invalid_request"),
+])
+async def test_bad_kv_frame_gets_typed_error(system, frame, code):
+    reply = await ask(system.url, subjects.decode_kv(system.instance("decode")), frame)
+    assert isinstance(reply, ErrorReply) and reply.code.value == code, f"expected {code}, got {reply!r}"
+
+
+async def test_admit_with_missing_or_corrupt_kv_is_refused(system):
+    dec = system.instance("decode")
+    msg = valid_message("decode", system)
+    transfer = KVTransfer(transfer_id="never-sent", num_blocks=1, block_bytes=4, checksums=[0])
+    reply = await ask(system.url, subjects.decode_admit(dec), encode(DecodeRequest(**{**msg, "transfer": transfer})))
+    assert isinstance(reply, ErrorReply) and reply.code.value == "invalid_request", reply
+    # Frames arrive, but the checksum in the admit does not match them.
+    nc = await nats.connect(system.url)
+    await nc.request(subjects.decode_kv(dec), pack_frame({"v": 1, "transfer_id": "bent", "offset": 0, "total_bytes": 4},
+                                                         b"abcd"), timeout=5)
+    await nc.close()
+    transfer = KVTransfer(transfer_id="bent", num_blocks=1, block_bytes=4, checksums=[12345])
+    reply = await ask(system.url, subjects.decode_admit(dec), encode(DecodeRequest(**{**msg, "transfer": transfer})))
+    assert isinstance(reply, ErrorReply) and reply.code.value == "bad_frame", reply
+
+
+async def test_services_still_answer_after_bad_input(system):
+    await assert_still_serving(system.url)

@@ -1,0 +1,99 @@
+"""End to end through real processes: router, prefill and decode over a real nats-server.
+
+Greedy parity against the contiguous-KV reference, concurrency, every block returned, the
+decode-only path, cancellation and vanished clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+from support import assert_pools_free, prompt_of
+
+from tandem.client import Client, connect
+from tandem.shared.model import load_model
+from tandem.shared.model.reference import reference_generate
+
+PREFILL_CHUNK = 32
+# Prompt lengths (byte tokenizer: one token per byte) on and around block (16) and chunk (32) edges.
+PARITY_LENGTHS = [1, 5, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 95, 96, 97, 130, 200]
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def system(start_system):
+    return start_system(
+        prefill=1, decode=1,
+        prefill_args=["--max-num-batched-tokens", str(PREFILL_CHUNK)],
+        decode_args=["--num-blocks", "400"],
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny")
+
+
+async def test_greedy_parity_through_disaggregated_path(system, tiny):
+    prompts = [prompt_of(n, salt=i) for i, n in enumerate(PARITY_LENGTHS)]
+    async with connect(system.url) as client:
+        results = await asyncio.gather(*(
+            client.complete(p, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True) for p in prompts
+        ))
+    mismatches = []
+    for prompt, result in zip(prompts, results):
+        assert result.prompt_token_ids == tiny.tokenizer.encode(prompt)
+        expected, _ = reference_generate(tiny.model, result.prompt_token_ids, NEW_TOKENS)
+        if result.token_ids != list(expected):
+            mismatches.append((len(result.prompt_token_ids), result.token_ids, list(expected)))
+        assert result.finish_reason == "length"
+    assert not mismatches, f"token ids differ from the contiguous reference (len, got, want): {mismatches}"
+
+
+async def test_64_concurrent_requests_complete_and_free_every_block(system):
+    async with connect(system.url) as client:
+        results = await asyncio.gather(*(
+            client.complete(prompt_of(20 + 3 * i, salt=i), max_tokens=16, temperature=0.8, seed=i, ignore_eos=True)
+            for i in range(64)
+        ))
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 16 for r in results), \
+        [(r.finish_reason, len(r.token_ids)) for r in results if r.finish_reason != "length"]
+    await assert_pools_free(system.url)
+
+
+async def test_seeded_sampling_is_reproducible_across_workers(system):
+    async with connect(system.url) as client:
+        a = await client.complete(prompt_of(40), max_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+        b = await client.complete(prompt_of(40), max_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    assert a.token_ids == b.token_ids, "the same seed must give the same tokens"
+
+
+async def test_stream_chunks_arrive_in_order_and_join_to_completion(system):
+    async with connect(system.url) as client:
+        chunks = [c async for c in client.generate(prompt_of(33), max_tokens=20, temperature=0.0, ignore_eos=True)]
+        whole = await client.complete(prompt_of(33), max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    assert "".join(c.text for c in chunks) == whole.text
+    assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+
+
+async def test_breaking_out_of_a_stream_cancels_it(system):
+    async with connect(system.url) as client:
+        seen = 0
+        async for chunk in client.generate(prompt_of(50), max_tokens=1500, temperature=0.0, ignore_eos=True):
+            seen += len(chunk.token_ids)
+            if seen >= 3:
+                break
+    await assert_pools_free(system.url)
+
+
+async def test_vanished_client_leaks_nothing(system):
+    nc = await nats.connect(system.url)
+    client = Client(nc)
+    stream = client.generate(prompt_of(60), max_tokens=1500, temperature=0.0, ignore_eos=True)
+    await stream.__anext__()
+    await nc.close()  # gone without a word: no cancel is sent, so the workers' probes must notice
+    await assert_pools_free(system.url, timeout_s=15)
+

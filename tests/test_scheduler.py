@@ -1,0 +1,237 @@
+"""Scheduler unit tests with a fake runner (no model): exact batches, chunked prefill across steps,
+block ids, preemption order and recompute, admission queueing, and a pool fully free at the end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tandem.shared.engine.scheduler import Scheduler
+from tandem.shared.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from tandem.shared.kvcache.block_manager import BlockManager
+
+
+def make_scheduler(num_blocks: int, block_size: int = 4, budget: int = 64, max_seqs: int = 8,
+                   max_model_len: int = 1000) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size), max_seqs, budget, max_model_len)
+
+
+def make_seq(request_id: str, prompt_len: int, arrival: int, max_tokens: int = 4) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    prompt = [(arrival * 31 + i) % 97 for i in range(prompt_len)]
+    return Sequence(request_id, prompt, prompt_len, params, arrival)
+
+
+def fake_token(seq: Sequence) -> int:
+    """A deterministic function of the whole context, so recompute must reproduce it exactly."""
+    return (sum(seq.token_ids) * 7 + len(seq.token_ids)) % 101
+
+
+def step(scheduler: Scheduler) -> list[tuple[str, int, bool]]:
+    """One schedule + fake run + postprocess; returns the batch as (id, query tokens, samples)."""
+    batch = scheduler.schedule()
+    described = [(item.seq.request_id, item.num_query_tokens, item.samples) for item in batch.items]
+    sampled = [fake_token(item.seq) for item in batch.items if item.samples]
+    check_invariants(scheduler)
+    scheduler.postprocess(batch, sampled)
+    check_invariants(scheduler)
+    return described
+
+
+def check_invariants(scheduler: Scheduler) -> None:
+    bm = scheduler.block_manager
+    arrivals = [s.arrival for s in scheduler.running]
+    assert arrivals == sorted(arrivals), f"running not sorted by arrival: {arrivals}"
+    if scheduler.running and scheduler.waiting:
+        assert max(arrivals) < min(s.arrival for s in scheduler.waiting), "a waiting seq is older than a running one"
+    used = [b for s in scheduler.running for b in s.block_table]
+    assert len(used) == len(set(used)), "a block is in two tables"
+    assert len(used) + bm.num_free_blocks == bm.num_blocks, "blocks leaked"
+    for seq in scheduler.waiting:
+        assert not seq.block_table and seq.num_computed_tokens == 0, f"{seq.request_id} waits with blocks"
+    for seq in scheduler.running:
+        assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
+        assert len(seq.block_hashes) == seq.num_computed_tokens // bm.block_size, "full blocks not hashed"
+
+
+def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> int:
+    steps = 0
+    while scheduler.has_unfinished():
+        step(scheduler)
+        steps += 1
+        assert steps < max_steps, "scheduler made no progress"
+    return steps
+
+
+def test_long_prompt_is_prefilled_in_chunks_then_decodes() -> None:
+    scheduler = make_scheduler(num_blocks=8, budget=6)
+    seq = make_seq("a", prompt_len=10, arrival=0, max_tokens=3)
+    scheduler.add(seq)
+    assert step(scheduler) == [("a", 6, False)]
+    assert seq.block_table == [0, 1] and seq.num_computed_tokens == 6 and seq.num_output_tokens == 0
+    assert step(scheduler) == [("a", 4, True)]
+    assert seq.block_table == [0, 1, 2] and seq.num_output_tokens == 1
+    assert step(scheduler) == [("a", 1, True)]
+    assert step(scheduler) == [("a", 1, True)]
+    assert seq.status is SequenceStatus.FINISHED and seq.finish_reason == "length"
+    assert seq.num_output_tokens == 3 and seq.block_table == []
+    assert scheduler.block_manager.num_free_blocks == 8
+
+
+def test_decodes_go_first_and_prefill_chunks_fill_the_budget() -> None:
+    scheduler = make_scheduler(num_blocks=16, budget=6)
+    scheduler.add(make_seq("a", 3, arrival=0, max_tokens=10))
+    scheduler.add(make_seq("b", 9, arrival=1, max_tokens=10))
+    scheduler.add(make_seq("c", 2, arrival=2, max_tokens=10))
+    assert step(scheduler) == [("a", 3, True), ("b", 3, False)]
+    assert step(scheduler) == [("a", 1, True), ("b", 5, False)]
+    assert step(scheduler) == [("a", 1, True), ("b", 1, True), ("c", 2, True)]
+    assert step(scheduler) == [("a", 1, True), ("b", 1, True), ("c", 1, True)]
+
+
+def test_chunk_may_end_past_a_block_boundary_and_blocks_grow_on_demand() -> None:
+    scheduler = make_scheduler(num_blocks=16, budget=5)
+    seq = make_seq("a", 13, arrival=0)
+    scheduler.add(seq)
+    tables = []
+    for _ in range(3):
+        step(scheduler)
+        tables.append(list(seq.block_table))
+    assert tables == [[0, 1], [0, 1, 2], [0, 1, 2, 3]], "table must cover exactly the computed tokens"
+
+
+def test_max_num_seqs_limits_running_set() -> None:
+    scheduler = make_scheduler(num_blocks=32, budget=100, max_seqs=2)
+    for i in range(3):
+        scheduler.add(make_seq(f"s{i}", 4, arrival=i, max_tokens=2))
+    assert step(scheduler) == [("s0", 4, True), ("s1", 4, True)]
+    assert [s.request_id for s in scheduler.waiting] == ["s2"]
+    assert step(scheduler) == [("s0", 1, True), ("s1", 1, True)]
+    assert step(scheduler) == [("s2", 4, True)], "s2 is admitted once a slot frees"
+
+
+def test_admission_waits_for_blocks() -> None:
+    scheduler = make_scheduler(num_blocks=4, budget=100)
+    scheduler.add(make_seq("a", 8, arrival=0, max_tokens=2))  # 2 blocks, grows to 3 at token 9
+    scheduler.add(make_seq("b", 8, arrival=1, max_tokens=2))  # needs 2 of the 2 left
+    scheduler.add(make_seq("c", 1, arrival=2, max_tokens=2))  # fits, but waits behind b (FCFS)
+    assert step(scheduler) == [("a", 8, True), ("b", 8, True)]
+    assert [s.request_id for s in scheduler.waiting] == ["c"]
+    assert scheduler.block_manager.num_free_blocks == 0
+    assert step(scheduler)[0] == ("a", 1, True)  # a grows: b is preempted (youngest)
+    assert scheduler.num_preemptions == 1
+    assert [s.request_id for s in scheduler.waiting] == ["b", "c"]
+    run_to_completion(scheduler)
+    assert scheduler.block_manager.num_free_blocks == 4
+
+
+def test_preemption_frees_youngest_and_recompute_keeps_outputs() -> None:
+    scheduler = make_scheduler(num_blocks=4, budget=100)
+    a, b = make_seq("a", 4, arrival=0, max_tokens=8), make_seq("b", 4, arrival=1, max_tokens=8)
+    scheduler.add(a)
+    scheduler.add(b)
+    assert step(scheduler) == [("a", 4, True), ("b", 4, True)]
+    assert (a.block_table, b.block_table) == ([0], [1])
+    step(scheduler)  # both grow to a second block
+    assert (a.block_table, b.block_table) == ([0, 2], [1, 3])
+    for _ in range(3):
+        assert step(scheduler) == [("a", 1, True), ("b", 1, True)]
+    assert a.num_computed_tokens == 8 and a.num_tokens == 9
+    b_tokens = list(b.token_ids)
+    # a needs a third block: b (the youngest) is preempted, its blocks return, a takes one.
+    assert step(scheduler) == [("a", 1, True)]
+    assert scheduler.num_preemptions == 1 and b.status is SequenceStatus.WAITING
+    assert b.num_computed_tokens == 0 and b.block_table == [] and b.token_ids == b_tokens
+    assert a.block_table == [0, 2, 3]
+    # b re-prefills prompt + its 5 outputs as one chunk once it fits, and samples its 6th token.
+    while b.status is SequenceStatus.WAITING:
+        batch = step(scheduler)
+    assert batch[-1] == ("b", 9, True) and b.num_output_tokens == 6
+    run_to_completion(scheduler)
+    assert scheduler.block_manager.num_free_blocks == 4
+
+
+def test_preempting_itself_when_it_is_the_youngest() -> None:
+    scheduler = make_scheduler(num_blocks=3, budget=100)
+    a, b = make_seq("a", 4, arrival=0, max_tokens=8), make_seq("b", 4, arrival=1, max_tokens=8)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler)
+    step(scheduler)  # a takes the last block; b cannot grow and is the youngest: it preempts itself
+    assert b.status is SequenceStatus.WAITING and a.block_table == [0, 2]
+    run_to_completion(scheduler)
+    assert a.num_output_tokens == b.num_output_tokens == 8
+
+
+def test_prompt_larger_than_pool_is_rejected() -> None:
+    scheduler = make_scheduler(num_blocks=2)
+    with pytest.raises(ValueError, match="needs 3 KV blocks"):
+        scheduler.add(make_seq("big", 9, arrival=0))
+    scheduler.add(make_seq("fits", 8, arrival=1, max_tokens=100))
+    run_to_completion(scheduler)  # a lone sequence is capped by the pool instead of deadlocking
+
+
+def test_lone_sequence_finishes_with_length_when_the_pool_is_full() -> None:
+    scheduler = make_scheduler(num_blocks=2)
+    seq = make_seq("a", 5, arrival=0, max_tokens=100)
+    scheduler.add(seq)
+    run_to_completion(scheduler)
+    assert seq.finish_reason == "length" and seq.num_tokens == 2 * 4 + 1
+
+
+def test_imported_sequence_waits_then_scatters_and_decodes() -> None:
+    scheduler = make_scheduler(num_blocks=3, budget=100)
+    scheduler.add(make_seq("a", 8, arrival=0, max_tokens=3))
+    seq = make_seq("imp", 6, arrival=1, max_tokens=3)
+    seq.token_ids.append(5)  # first token sampled by the prefill worker
+    kv = torch.zeros(2, 1)
+    seq.pending_kv = kv
+    scheduler.add(seq)
+    batch = scheduler.schedule()
+    assert [i.seq.request_id for i in batch.items] == ["a"] and not batch.imports, "imp must wait"
+    scheduler.postprocess(batch, [1])
+    while scheduler.running:
+        step(scheduler)
+    batch = scheduler.schedule()
+    assert batch.imports == [(seq, kv)] and seq.pending_kv is None
+    assert [(i.seq.request_id, i.num_query_tokens, i.samples) for i in batch.items] == [("imp", 1, True)]
+    assert seq.num_computed_tokens == 6 and len(seq.block_table) == 2
+    scheduler.postprocess(batch, [9])
+    assert seq.output_token_ids == [5, 9]
+
+
+def test_abort_frees_blocks_at_once() -> None:
+    scheduler = make_scheduler(num_blocks=4)
+    scheduler.add(make_seq("a", 6, arrival=0))
+    scheduler.add(make_seq("w", 6, arrival=1))
+    step(scheduler)
+    seq = scheduler.abort("a")
+    assert seq is not None and seq.finish_reason == "abort" and seq.status is SequenceStatus.FINISHED
+    assert scheduler.abort("a") is None and scheduler.abort("nope") is None
+    assert scheduler.abort("w") is not None
+    assert scheduler.block_manager.num_free_blocks == 4 and not scheduler.has_unfinished()
+
+
+@pytest.mark.parametrize("num_blocks,budget,max_seqs", [(6, 7, 4), (9, 5, 3), (40, 64, 16), (12, 1, 8)])
+def test_random_workload_matches_unconstrained_run(num_blocks: int, budget: int, max_seqs: int) -> None:
+    """Tiny pools and budgets (chunking, preemption) give the same tokens as a roomy scheduler."""
+    rng = random.Random(num_blocks * 1000 + budget)
+    prompts = [rng.randint(1, 20) for _ in range(12)]
+    # Keep every sequence within the pool's cap (num_blocks * block_size + 1 tokens).
+    specs = [(p, min(rng.randint(1, 12), num_blocks * 4 + 1 - p)) for p in prompts]
+
+    def run(scheduler: Scheduler) -> dict[str, list[int]]:
+        seqs = [make_seq(f"r{i}", p, arrival=i, max_tokens=m) for i, (p, m) in enumerate(specs)]
+        for seq in seqs:
+            scheduler.add(seq)
+        run_to_completion(scheduler)
+        assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+        assert all(s.num_output_tokens == m for s, (_, m) in zip(seqs, specs))
+        return {s.request_id: s.output_token_ids for s in seqs}
+
+    constrained = make_scheduler(num_blocks, budget=budget, max_seqs=max_seqs)
+    assert run(constrained) == run(make_scheduler(200, budget=1000, max_seqs=64))
+    if num_blocks <= 9:
+        assert constrained.num_preemptions > 0, "the small pool should have forced preemption"
