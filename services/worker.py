@@ -58,6 +58,8 @@ class Stream:
 class EngineWorker(ServiceRuntime):
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
         self.log.info("loading model %s on %s (%s)", settings.model, self.device, self.dtype)
@@ -74,6 +76,7 @@ class EngineWorker(ServiceRuntime):
         self.engine = LLMEngine(self.loaded.model, self.loaded.tokenizer, self.engine_config, self.device, self.dtype)
         self.streams: dict[str, Stream] = {}
         self.thread: EngineThread | None = None
+        self._outbox: list[tuple[str, bytes]] = []
         self.log.info(
             "model %s ready: %d KV blocks of %d tokens, max_model_len %d",
             self.model_name, self.engine_config.num_blocks, settings.block_size, self.max_model_len,
@@ -148,7 +151,15 @@ class EngineWorker(ServiceRuntime):
         chunk = StreamChunk(request_id=request_id, index=stream.next_index, token_ids=list(token_ids),
                             text=text, finish_reason=finish_reason, error=error)
         stream.next_index += len(token_ids)
-        self.spawn(self.nc.publish(stream.subject, encode(chunk)), "publish chunk")
+        # One task per engine step publishes every chunk of that step, not one task per chunk.
+        self._outbox.append((stream.subject, encode(chunk)))
+        if len(self._outbox) == 1:
+            self.spawn(self._flush_outbox(), "publish chunks")
+
+    async def _flush_outbox(self) -> None:
+        batch, self._outbox = self._outbox, []
+        for subject, payload in batch:
+            await self.nc.publish(subject, payload)
 
     def fail(self, request_id: str, stream: Stream, exc: BaseException) -> None:
         error = ErrorReply(code=ErrorCode.WORKER_FAILURE, message=f"{type(exc).__name__}: {exc}", request_id=request_id)

@@ -33,6 +33,7 @@ class Settings(BaseSettings):
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
     instance_id: str = ""  # empty: derived from host name and a random suffix
     log_level: str = "INFO"
+    torch_threads: int = Field(0, ge=0)  # CPU threads for model math; 0: torch's default
 
     # engine
     block_size: int = Field(16, ge=1)

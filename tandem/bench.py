@@ -60,10 +60,14 @@ def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 def build_engine(settings: Settings):
     """The engine a decode worker with these settings would run, built in this process."""
+    import torch
+
     from tandem.services.worker import resolve_device, size_kv_pool
     from tandem.shared.engine import EngineConfig, LLMEngine
     from tandem.shared.model import load_model, resolve_dtype
 
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     loaded = load_model(settings.model, device=device, dtype=dtype, data_dir=settings.data_dir)
@@ -142,7 +146,7 @@ def run_bench(args: argparse.Namespace, settings: Settings, engine_argv: list[st
         print(f"bench: model {settings.model}, input {args.input_len}, output {args.output_len} tokens, "
               f"system on {sup.url}", file=sys.stderr)
         for level in args.concurrency:
-            n = args.requests or max(8, 2 * level)
+            n = args.requests or max(32, 4 * level)
             prompts = make_prompts(n, args.input_len, seed=level)
             bus = run_async(run_bus(sup.url, prompts, level, args.output_len))
             local = run_in_process(engine, prompts, level, args.output_len)

@@ -41,10 +41,11 @@ def add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step; the prefill chunk size")
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--torch-threads", type=int, help="CPU threads per worker for model math (0: torch default)")
 
 
 ENGINE_FLAGS = ("device", "dtype", "block_size", "num_blocks", "kv_cache_mib", "max_num_seqs",
-                "max_num_batched_tokens", "max_model_len")
+                "max_num_batched_tokens", "max_model_len", "torch_threads")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -84,9 +85,9 @@ def parser() -> argparse.ArgumentParser:
     add_common(bench)
     add_engine(bench)
     bench.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
-    bench.add_argument("--requests", type=int, default=0, help="requests per level (default: 2x concurrency, >= 8)")
+    bench.add_argument("--requests", type=int, default=0, help="requests per level (default: 4x concurrency, >= 32)")
     bench.add_argument("--input-len", type=int, default=64)
-    bench.add_argument("--output-len", type=int, default=32)
+    bench.add_argument("--output-len", type=int, default=64)
     bench.add_argument("--json-out")
     return root
 

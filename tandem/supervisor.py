@@ -18,11 +18,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats
 
+from tandem.shared import subjects
 from tandem.shared.config import Settings
 from tandem.shared.natsserver import NatsServer, die_with_parent
 
@@ -69,12 +71,20 @@ class Supervisor:
             self.server = NatsServer.start(binary=self.settings.nats_binary)
             self.url = self.server.url
         plan = ["decode"] * self.num_decode + ["prefill"] * self.num_prefill + ["router"]
-        for index, service in enumerate(plan):
-            self.spawn(service, index)
+        for service in plan:
+            self.spawn(service)
 
-    def spawn(self, service: str, index: int) -> Child:
+    def worker_threads(self) -> int:
+        """CPU threads per engine worker: the machine's cores shared out, so workers on one host do
+        not oversubscribe the cores (torch's default gives every process all of them)."""
+        if self.settings.torch_threads:
+            return self.settings.torch_threads
+        return max(1, (os.cpu_count() or 1) // max(1, self.num_prefill + self.num_decode))
+
+    def spawn(self, service: str) -> Child:
         cmd = [sys.executable, "-m", "tandem.cli", "serve", service, "--nats-url", self.url,
-               "--model", self.settings.model, "--log-level", self.settings.log_level, *self.extra_args]
+               "--model", self.settings.model, "--log-level", self.settings.log_level,
+               "--torch-threads", str(self.worker_threads()), *self.extra_args]
         env = dict(os.environ, TANDEM_DATA_DIR=str(self.settings.data_dir), PYTHONUNBUFFERED="1")
         env.pop("TANDEM_INSTANCE_ID", None)
         process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -85,20 +95,9 @@ class Supervisor:
         return child
 
     async def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Until every child answers ``$SRV.PING``; raise if one dies or time runs out."""
+        """Until every child answers ``$SRV.PING`` and the router has heard from every worker."""
         want = {s: sum(c.service == s for c in self.children) for s in SERVICE_ORDER}
-        nc = await nats.connect(self.url)
-        try:
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
-                self.check_children()
-                seen = await ping_services(nc)
-                if all(seen.get(f"tandem-{s}", 0) >= n for s, n in want.items()):
-                    return
-                await asyncio.sleep(0.25)
-            raise RuntimeError(f"services not ready after {timeout_s:.0f}s (want {want}, saw {seen})")
-        finally:
-            await nc.close()
+        await wait_until_ready(self.url, want, self.check_children, timeout_s)
 
     def check_children(self) -> None:
         for child in self.children:
@@ -132,6 +131,39 @@ class Supervisor:
                 path.unlink()
         except (OSError, ValueError):
             pass
+
+
+async def wait_until_ready(url: str, want: dict[str, int], check: Callable[[], None], timeout_s: float) -> None:
+    """Wait until ``want[service]`` instances of each service answer ``$SRV.PING`` and then until a
+    heartbeat from each worker arrives: the router was subscribed before it answered the ping, so it
+    has heard those heartbeats too and can place work. ``check`` raises if a child died."""
+    workers = sum(n for s, n in want.items() if s != "router")
+    nc = await nats.connect(url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        seen: dict[str, int] = {}
+        while True:
+            check()
+            seen = await ping_services(nc)
+            if all(seen.get(f"tandem-{s}", 0) >= n for s, n in want.items()):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"services not ready after {timeout_s:.0f}s (want {want}, saw {seen})")
+            await asyncio.sleep(0.25)
+        beating: set[str] = set()
+
+        async def on_beat(msg) -> None:
+            beating.add(msg.subject)
+
+        sub = await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
+        while len(beating) < workers:
+            check()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {len(beating)} of {workers} workers send heartbeats")
+            await asyncio.sleep(0.05)
+        await sub.unsubscribe()
+    finally:
+        await nc.close()
 
 
 async def ping_services(nc: nats.NATS, wait_s: float = 0.3) -> dict[str, int]:

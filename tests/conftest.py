@@ -12,16 +12,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import nats
 import pytest
 
 from tandem.shared.natsserver import NatsServer
-from tandem.supervisor import ping_services
+from tandem.supervisor import wait_until_ready
 
 
 @pytest.fixture(scope="session")
@@ -60,34 +58,23 @@ class System:
             if name in self.processes:
                 self.stop(name)
 
+    def check_alive(self) -> None:
+        dead = {n: p.returncode for n, p in self.processes.items() if p.poll() is not None}
+        assert not dead, f"service processes exited: {dead}\n{self.logs()}"
+
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.logdir.glob("*.log")))
 
 
 def launch(url: str, service: str, instance_id: str, logdir: Path, data_dir: Path, args: list[str]) -> subprocess.Popen:
+    # CPU unless a test passes --device; one thread each, as `tandem up` would share out 2 cores.
     env = dict(os.environ, TANDEM_DATA_DIR=str(data_dir), TANDEM_PROBE_INTERVAL_S="0.5",
-               TANDEM_HEARTBEAT_INTERVAL_S="0.2", PYTHONUNBUFFERED="1")
+               TANDEM_HEARTBEAT_INTERVAL_S="0.2", TANDEM_DEVICE="cpu", TANDEM_TORCH_THREADS="1",
+               PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "tandem.cli", "serve", service, "--nats-url", url,
            "--instance-id", instance_id, *args]
     log = open(logdir / f"{instance_id}.log", "wb")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-
-async def wait_for_services(url: str, want: dict[str, int], procs: dict[str, subprocess.Popen], timeout_s: float = 120) -> None:
-    nc = await nats.connect(url)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            dead = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
-            assert not dead, f"service processes exited during start-up: {dead}"
-            seen = await ping_services(nc, 0.2)
-            if all(seen.get(f"tandem-{s}", 0) >= n for s, n in want.items()):
-                # Heartbeats must reach the router before it can place work.
-                await asyncio.sleep(0.5)
-                return
-        raise AssertionError(f"services not ready in {timeout_s}s: want {want}, saw {seen}")
-    finally:
-        await nc.close()
 
 
 def run_sync(coro):
@@ -117,7 +104,7 @@ def start_system(nats_server, data_dir, tmp_path_factory):
                 system.processes[name] = launch(nats_server.url, service, name, logdir, data_dir, extra)
         want = {s: n for s, n in plan if n}
         try:
-            run_sync(wait_for_services(nats_server.url, want, system.processes))
+            run_sync(wait_until_ready(nats_server.url, want, system.check_alive, 120))
         except BaseException:
             system.stop_all()
             print(system.logs())

@@ -34,6 +34,8 @@ BATCHES = {
     "prefill": [(0, 7), (0, 16), (0, 17), (0, 3)],
     "chunked": [(8, 8), (13, 5), (16, 16), (3, 1), (0, 20)],
     "boundary": [(0, 16), (15, 1), (16, 1), (31, 2), (0, 32), (0, 33), (32, 1)],
+    # Decodes first, then chunks: the scheduler's order, attended as two unpadded parts.
+    "decodes_then_chunks": [(5, 1), (16, 1), (31, 1), (8, 8), (0, 20), (15, 2)],
 }
 GQA = [(4, 4), (4, 2), (8, 2)]  # (query heads, kv heads): ratios 1, 2, 4
 

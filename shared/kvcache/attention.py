@@ -29,6 +29,20 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     block_size: int
+    num_decode_seqs: int = 0  # leading sequences with exactly one query token (the scheduler puts decodes first)
+
+    def split_decodes(self) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """(decode part, prefill part) of a mixed batch, so neither pads its queries to the other's
+        length: padded attention over B decodes plus one 512-token chunk would otherwise cost B x 512
+        query rows instead of B + 512."""
+        nd = self.num_decode_seqs
+        starts = self.query_start_loc
+        decode = AttentionMetadata(self.slot_mapping[:nd], starts[: nd + 1], self.context_lens[:nd],
+                                   self.block_tables[:nd], 1, self.max_context_len, self.block_size, nd)
+        prefill = AttentionMetadata(self.slot_mapping[nd:], starts[nd:] - nd, self.context_lens[nd:],
+                                    self.block_tables[nd:], self.max_query_len, self.max_context_len,
+                                    self.block_size, 0)
+        return decode, prefill
 
     @classmethod
     def build(
@@ -91,6 +105,7 @@ def build_attention_metadata(
         max_query_len=max(query_lens),
         max_context_len=max(context_lens),
         block_size=block_size,
+        num_decode_seqs=next((i for i, n in enumerate(query_lens) if n != 1), num_seqs),
     )
 
 
@@ -131,12 +146,12 @@ def gather_paged_attention(
     token_of_row = (query_start[:-1, None] + rows[None, :]).clamp(max=num_tokens - 1)
     q_padded = q[token_of_row]
 
-    # Keys/values [B, num_keys, Hkv, D] gathered block by block through the block tables.
+    # Keys/values [B, num_keys, Hkv, D] gathered block by block through the block tables: one
+    # advanced-index gather each, whose result is contiguous, so the reshape is a free view.
     num_table_blocks = -(-num_keys // block_size)
     tables = meta.block_tables[:, :num_table_blocks].long()
-    kv = kv_cache[:, layer][tables]  # [B, nb, 2, bs, Hkv, D]
-    keys = kv[:, :, 0].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :num_keys]
-    values = kv[:, :, 1].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :num_keys]
+    keys = kv_cache[tables, layer, 0].view(num_seqs, -1, num_kv_heads, head_dim)[:, :num_keys]
+    values = kv_cache[tables, layer, 1].view(num_seqs, -1, num_kv_heads, head_dim)[:, :num_keys]
 
     key_pos = torch.arange(num_keys, device=device)
     query_pos = (context_lens - query_lens)[:, None] + rows[None, :]  # [B, max_q]
@@ -147,15 +162,17 @@ def gather_paged_attention(
     # their softmax stays finite and nothing NaN can leak through later ops.
     mask |= key_pos == 0
 
+    # GQA without copying K/V per query head: query heads h = kv_head * group + g are stacked along
+    # the query axis of their kv head, [B, Hkv, group * max_q, D], and the mask repeats to match.
     group = num_q_heads // num_kv_heads
-    q_heads = q_padded.transpose(1, 2)  # [B, Hq, max_q, D]
+    q_heads = q_padded.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q_heads = q_heads.reshape(num_seqs, num_kv_heads, group * max_q, head_dim)
     k_heads = keys.transpose(1, 2).to(q.dtype)
     v_heads = values.transpose(1, 2).to(q.dtype)
-    if group > 1:  # GQA: query head h reads kv head h // group
-        k_heads = k_heads.repeat_interleave(group, dim=1)
-        v_heads = v_heads.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(q_heads, k_heads, v_heads, attn_mask=mask[:, None], scale=scale)
-    out = out.transpose(1, 2).reshape(num_seqs * max_q, num_q_heads, head_dim)
+    group_mask = mask.repeat(1, group, 1)[:, None]  # [B, 1, group * max_q, K]
+    out = F.scaled_dot_product_attention(q_heads, k_heads, v_heads, attn_mask=group_mask, scale=scale)
+    out = out.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    out = out.reshape(num_seqs * max_q, num_q_heads, head_dim)
 
     # Unpad: token t of sequence s is padded row s * max_q + (t - query_start[s]).
     tokens = torch.arange(num_tokens, device=device)
@@ -180,4 +197,9 @@ def paged_attention(
         return q.new_empty(q.shape)
     if q.is_cuda and triton_attention.HAS_TRITON:
         return triton_attention.triton_paged_attention(q, kv_cache, layer, meta, scale)
+    if 0 < meta.num_decode_seqs < meta.context_lens.shape[0] and meta.max_query_len > 1:
+        decode, prefill = meta.split_decodes()
+        nd = meta.num_decode_seqs  # decode sequences hold exactly one token each
+        return torch.cat([gather_paged_attention(q[:nd], kv_cache, layer, decode, scale),
+                          gather_paged_attention(q[nd:], kv_cache, layer, prefill, scale)])
     return gather_paged_attention(q, kv_cache, layer, meta, scale)
