@@ -31,8 +31,15 @@ def resolve_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
+ACTIVATION_HEADROOM = 1 << 30  # GPU bytes left free for activations and the allocator's slack
+
+
 def size_kv_pool(settings: Settings, loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> int:
-    """Blocks for the KV pool: as configured, else from a memory budget (free GPU memory on CUDA)."""
+    """Blocks for the KV pool: as configured, else from a memory budget.
+
+    On CUDA ``gpu_memory_utilization`` is this worker's share of the device's total memory, weights
+    included (as in vLLM), so workers sharing a GPU each take their own share and never race for
+    "free" memory; on CPU the budget is ``kv_cache_mib``."""
     if settings.num_blocks:
         return settings.num_blocks
     cfg = loaded.config
@@ -40,11 +47,17 @@ def size_kv_pool(settings: Settings, loaded: LoadedModel, device: torch.device, 
         cfg.num_layers, settings.block_size, cfg.num_kv_heads, cfg.head_dim, dtype
     )
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * settings.gpu_memory_utilization)
+        free, total = torch.cuda.mem_get_info(device)
+        share = int(total * settings.gpu_memory_utilization) - torch.cuda.memory_allocated(device)
+        budget = min(share, free - ACTIVATION_HEADROOM)
     else:
         budget = settings.kv_cache_mib * 1024 * 1024
-    return max(1, budget // per_block)
+    if budget < per_block:
+        raise RuntimeError(
+            f"no memory left for a KV cache on {device} (budget {budget / 2**30:.2f} GiB, one block "
+            f"{per_block / 2**20:.2f} MiB): raise --gpu-memory-utilization or set --num-blocks"
+        )
+    return budget // per_block
 
 
 @dataclass

@@ -1,11 +1,13 @@
 """``tandem bench``: the full bus path against the same engine in-process, in one run.
 
 For each concurrency level it sends the same requests (random prompts of ``--input-len`` tokens,
-exactly ``--output-len`` greedy output tokens) twice: once through ``tandem up``'s system (client
--> NATS -> router -> prefill -> KV frames -> decode -> NATS -> client, every service its own
-process) and once straight into an in-process :class:`LLMEngine` with the same configuration, keeping
-``concurrency`` requests in flight in both. It prints output tokens/s, TTFT and TPOT p50/p99 for
-each, and the bus/in-process throughput ratio. ``--json-out`` saves the figures.
+exactly ``--output-len`` greedy output tokens) through ``tandem up``'s system (client -> NATS ->
+router -> prefill -> KV frames -> decode -> NATS -> client, every service its own process) and
+straight into an in-process :class:`LLMEngine` with the same configuration, keeping
+``concurrency`` requests in flight in both. The in-process engine runs twice: with every core
+(torch's default) and with the threads one worker gets under ``tandem up``, which shares the cores
+out between its workers. It prints output tokens/s, TTFT and TPOT p50/p99 and the bus/in-process
+throughput ratios. ``--json-out`` saves the figures.
 
     tandem bench --concurrency 1 8 32 64
 """
@@ -60,14 +62,10 @@ def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 def build_engine(settings: Settings):
     """The engine a decode worker with these settings would run, built in this process."""
-    import torch
-
     from tandem.services.worker import resolve_device, size_kv_pool
     from tandem.shared.engine import EngineConfig, LLMEngine
     from tandem.shared.model import load_model, resolve_dtype
 
-    if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     loaded = load_model(settings.model, device=device, dtype=dtype, data_dir=settings.data_dir)
@@ -116,48 +114,66 @@ async def run_bus(url: str, prompts: list[list[int]], concurrency: int, output_l
         start = time.perf_counter()
         results = await asyncio.gather(*(one(p) for p in prompts))
         wall = time.perf_counter() - start
-    return summarize("bus", concurrency, wall, [r.ttft_s for r in results],
+    return summarize("bus (router+prefill+decode)", concurrency, wall, [r.ttft_s for r in results],
                      [r.tpot_s for r in results if r.tpot_s is not None], sum(len(r.token_ids) for r in results))
 
 
-def print_table(rows: list[tuple[Result, Result]]) -> None:
-    head = f"{'conc':>5} {'path':>11} {'reqs':>5} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}"
+def print_table(levels: list[list[Result]]) -> None:
+    """One block per concurrency level: the in-process baselines, the bus path, and its ratios."""
+    head = f"{'conc':>5} {'path':>28} {'reqs':>5} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}"
     print(head)
     print("-" * len(head))
-    for bus, local in rows:
-        for r in (local, bus):
-            print(f"{r.concurrency:>5} {r.path:>11} {r.requests:>5} {r.tokens_per_s:>9.1f} {r.ttft_p50 * 1e3:>7.1f}ms "
+    for results in levels:
+        bus = results[-1]
+        for r in results:
+            print(f"{r.concurrency:>5} {r.path:>28} {r.requests:>5} {r.tokens_per_s:>9.1f} {r.ttft_p50 * 1e3:>7.1f}ms "
                   f"{r.ttft_p99 * 1e3:>7.1f}ms {r.tpot_p50 * 1e3:>7.1f}ms {r.tpot_p99 * 1e3:>7.1f}ms")
-        print(f"{'':>5} {'bus/inproc':>11} {'':>5} {bus.tokens_per_s / local.tokens_per_s:>9.2f}x")
+        for r in results[:-1]:
+            print(f"{'':>5} {'bus / ' + r.path:>28} {'':>5} {bus.tokens_per_s / r.tokens_per_s:>9.2f}x")
 
 
 def run_bench(args: argparse.Namespace, settings: Settings, engine_argv: list[str]) -> int:
+    """Bus path against two in-process baselines: the engine with every core this process has
+    (torch's default), and with the threads each worker gets under ``tandem up`` (on a small
+    machine the bus path splits the cores between a prefill and a decode worker)."""
+    import torch
+
     from tandem.services.runtime import run_async, setup_logging
     from tandem.supervisor import Supervisor
 
     setup_logging("WARNING")
+    # On a GPU the in-process engine and the system's workers hold their KV pools at once: half each.
+    settings = settings.model_copy(update={"gpu_memory_utilization": settings.gpu_memory_utilization / 2})
     sup = Supervisor(settings.model_copy(update={"log_level": "WARNING"}), extra_args=engine_argv)
-    rows: list[tuple[Result, Result]] = []
+    all_threads, worker_threads = torch.get_num_threads(), sup.worker_threads()
+    thread_counts = sorted({all_threads, worker_threads}, reverse=True)
     engine = build_engine(settings)
     run_in_process(engine, make_prompts(2, args.input_len, seed=0), 2, 2)  # warm-up
+    levels: list[list[Result]] = []
     try:
         sup.start()
         run_async(sup.wait_ready())
         print(f"bench: model {settings.model}, input {args.input_len}, output {args.output_len} tokens, "
-              f"system on {sup.url}", file=sys.stderr)
+              f"{worker_threads} thread(s) per worker, system on {sup.url}", file=sys.stderr)
         for level in args.concurrency:
             n = args.requests or max(32, 4 * level)
             prompts = make_prompts(n, args.input_len, seed=level)
-            bus = run_async(run_bus(sup.url, prompts, level, args.output_len))
-            local = run_in_process(engine, prompts, level, args.output_len)
-            rows.append((bus, local))
-            print(f"bench: concurrency {level}: bus {bus.tokens_per_s:.1f} tok/s, in-process "
-                  f"{local.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
+            results = []
+            for threads in thread_counts:
+                torch.set_num_threads(threads)
+                local = run_in_process(engine, prompts, level, args.output_len)
+                local.path = f"in-process {threads} thr"
+                results.append(local)
+            torch.set_num_threads(all_threads)
+            results.append(run_async(run_bus(sup.url, prompts, level, args.output_len)))
+            levels.append(results)
+            print(f"bench: concurrency {level}: " + ", ".join(f"{r.path} {r.tokens_per_s:.1f} tok/s" for r in results),
+                  file=sys.stderr, flush=True)
     finally:
         sup.stop()
-    print_table(rows)
+    print_table(levels)
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump([{"bus": asdict(b), "in_process": asdict(l), "ratio": b.tokens_per_s / l.tokens_per_s}
-                       for b, l in rows], f, indent=2)
+            json.dump([[{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in results] for results in levels], f,
+                      indent=2)
     return 0

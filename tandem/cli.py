@@ -38,13 +38,15 @@ def add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int)
     p.add_argument("--num-blocks", type=int, help="KV pool size in blocks (0: from memory)")
     p.add_argument("--kv-cache-mib", type=int, help="KV pool budget on CPU")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help="share of the GPU's memory for this worker, weights included (up: for all workers)")
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step; the prefill chunk size")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--torch-threads", type=int, help="CPU threads per worker for model math (0: torch default)")
 
 
-ENGINE_FLAGS = ("device", "dtype", "block_size", "num_blocks", "kv_cache_mib", "max_num_seqs",
+ENGINE_FLAGS = ("device", "dtype", "block_size", "num_blocks", "kv_cache_mib", "gpu_memory_utilization", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "torch_threads")
 
 

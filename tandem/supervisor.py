@@ -81,10 +81,23 @@ class Supervisor:
             return self.settings.torch_threads
         return max(1, (os.cpu_count() or 1) // max(1, self.num_prefill + self.num_decode))
 
+    def memory_share(self, service: str) -> float:
+        """Each worker's share of a GPU they all share: decode workers hold the long-lived KV
+        cache and get three quarters of the configured fraction, prefill workers (KV only for
+        prompts in flight) a quarter; a lone kind of worker gets it all."""
+        total = self.settings.gpu_memory_utilization
+        if service == "prefill":
+            part = 0.25 if self.num_decode else 1.0
+            return total * part / max(1, self.num_prefill)
+        part = 0.75 if self.num_prefill else 1.0
+        return total * part / max(1, self.num_decode)
+
     def spawn(self, service: str) -> Child:
         cmd = [sys.executable, "-m", "tandem.cli", "serve", service, "--nats-url", self.url,
                "--model", self.settings.model, "--log-level", self.settings.log_level,
                "--torch-threads", str(self.worker_threads()), *self.extra_args]
+        if service != "router":
+            cmd += ["--gpu-memory-utilization", f"{self.memory_share(service):.4f}"]
         env = dict(os.environ, TANDEM_DATA_DIR=str(self.settings.data_dir), PYTHONUNBUFFERED="1")
         env.pop("TANDEM_INSTANCE_ID", None)
         process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,

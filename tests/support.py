@@ -9,6 +9,8 @@ import nats
 from tandem.shared import subjects
 from tandem.shared.messages import Heartbeat, decode
 
+# Prompt lengths (byte tokenizer: one token per byte) on and around block (16) and chunk (32) edges.
+PARITY_LENGTHS = [1, 5, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 95, 96, 97, 130, 200]
 SOURCE = (
     "import os\nimport sys\n\ndef main(argv):\n    for name in sorted(os.listdir(argv[1])):\n"
     "        if name.endswith('.py'):\n            print(name, os.path.getsize(name))\n    return 0\n\n"

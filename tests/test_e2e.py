@@ -10,15 +10,13 @@ import asyncio
 
 import nats
 import pytest
-from support import assert_pools_free, prompt_of
+from support import PARITY_LENGTHS, assert_pools_free, prompt_of
 
 from tandem.client import Client, connect
 from tandem.shared.model import load_model
 from tandem.shared.model.reference import reference_generate
 
 PREFILL_CHUNK = 32
-# Prompt lengths (byte tokenizer: one token per byte) on and around block (16) and chunk (32) edges.
-PARITY_LENGTHS = [1, 5, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 95, 96, 97, 130, 200]
 NEW_TOKENS = 10
 
 

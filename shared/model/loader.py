@@ -106,8 +106,8 @@ def read_hf_config(path: Path) -> ModelConfig:
     return config
 
 
-def build_random_model(config: ModelConfig, seed: int = TINY_SEED) -> LlamaForCausalLM:
-    """A float32 CPU model with reproducible weights: N(0, 0.02) matrices, unit norms, zero biases."""
+def build_random_model(config: ModelConfig, seed: int = TINY_SEED, std: float = INIT_STD) -> LlamaForCausalLM:
+    """A float32 CPU model with reproducible weights: N(0, std) matrices, unit norms, zero biases."""
     model = LlamaForCausalLM(config)
     generator = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
@@ -117,7 +117,7 @@ def build_random_model(config: ModelConfig, seed: int = TINY_SEED) -> LlamaForCa
             elif name.endswith(".bias"):
                 param.zero_()
             else:
-                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32) * INIT_STD)
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32) * std)
     return model
 
 
