@@ -91,7 +91,9 @@ class NatsServer:
         try:
             process = subprocess.Popen(
                 [binary, "-c", str(config)], stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent,
+                # Its own session: a Ctrl-C or a `timeout` aimed at our process group must not stop
+                # the server before the services on it have drained; its owner stops it last.
+                start_new_session=True, preexec_fn=die_with_parent,
             )
         except OSError as exc:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -160,14 +160,25 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 async def demo(url: str, prompt: str) -> None:
+    """One sampled generation through the whole system, with its timings."""
     from tandem.client import connect
 
     async with connect(url) as client:
-        print(f"--- demo: {prompt!r} (greedy, 48 tokens)", flush=True)
+        print(f"--- demo: {prompt!r} (temperature 0.8, top-k 40, seed 0, 64 tokens)", flush=True)
         print(prompt, end="", flush=True)
-        async for chunk in client.generate(prompt, max_tokens=48, temperature=0.0):
-            print(chunk.text, end="", flush=True)
-        print("\n---", flush=True)
+        start, first, count, reason = time.perf_counter(), None, 0, None
+        async for chunk in client.generate(prompt, max_tokens=64, temperature=0.8, top_k=40, seed=0):
+            first = first or time.perf_counter()
+            count += len(chunk.token_ids)
+            reason = chunk.finish_reason
+            print(visible(chunk.text), end="", flush=True)
+        ttft = (first - start) * 1e3 if first else float("nan")
+        print(f"\n--- {count} tokens, finish {reason}, first token after {ttft:.0f} ms", flush=True)
+
+
+def visible(text: str) -> str:
+    """Control characters as escapes: an untrained model emits plenty, and a terminal hides them."""
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode() for c in text)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
