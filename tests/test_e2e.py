@@ -95,3 +95,16 @@ async def test_vanished_client_leaks_nothing(system):
     await nc.close()  # gone without a word: no cancel is sent, so the workers' probes must notice
     await assert_pools_free(system.url, timeout_s=15)
 
+
+
+async def test_stop_string_ends_output_before_it(system):
+    params = dict(max_tokens=40, temperature=0.9, seed=11, ignore_eos=True)
+    async with connect(system.url) as client:
+        free = await client.complete(prompt_of(24), **params)
+        start = next(i for i in range(3, len(free.text) - 1)
+                     if all(c.isascii() and c.isprintable() for c in free.text[i : i + 2]))
+        stop = free.text[start : start + 2]
+        stopped = await client.complete(prompt_of(24), stop=[stop], **params)
+    assert stopped.finish_reason == "stop", f"{stop!r} in {free.text!r} did not stop generation"
+    assert stopped.text == free.text[: free.text.index(stop)], "text must end right before the stop string"
+    assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)], "same seed, same tokens up to the stop"

@@ -44,17 +44,6 @@ class AttentionMetadata:
                                     self.block_size, 0)
         return decode, prefill
 
-    @classmethod
-    def build(
-        cls,
-        query_lens: Sequence[int],
-        context_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-        block_size: int,
-        device: torch.device | str,
-    ) -> AttentionMetadata:
-        return build_attention_metadata(query_lens, context_lens, block_tables, block_size, device)
-
 
 def build_attention_metadata(
     query_lens: Sequence[int],
