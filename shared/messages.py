@@ -169,10 +169,25 @@ class Heartbeat(_Message):
     draining: bool = False
 
 
+class KVEvent(_Message):
+    """Blocks a worker or store now holds (``stored``) or no longer holds (``removed``), by chained
+    block hash within ``namespace``; ``cleared`` drops everything ``source`` held before. Published to
+    the JetStream stream ``TANDEM_KV_EVENTS`` so a restarted router can rebuild its index."""
+
+    kind: Literal["kv_event"] = "kv_event"
+    source: str  # instance id
+    service: str  # "decode", "prefill" or "kvstore"
+    namespace: str  # model, dtype and KV layout: blocks are only comparable within one
+    seq: int = Field(ge=0)  # per-source counter: a gap means events were lost
+    stored: list[Annotated[int, Field(ge=0, lt=2**64)]] = Field(default_factory=list)
+    removed: list[Annotated[int, Field(ge=0, lt=2**64)]] = Field(default_factory=list)
+    cleared: bool = False
+
+
 Message = Annotated[
     Union[
         GenerateRequest, GenerateAccepted, ErrorReply, Ack, PrefillRequest, DecodeRequest,
-        StreamChunk, Probe, Cancel, Heartbeat,
+        StreamChunk, Probe, Cancel, Heartbeat, KVEvent,
     ],
     Field(discriminator="kind"),
 ]

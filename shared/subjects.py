@@ -12,6 +12,8 @@ PREFIX = "tandem.v1"
 ROUTER_GENERATE = f"{PREFIX}.router.generate"
 CANCEL = f"{PREFIX}.cancel"
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.>"
+KV_EVENTS_ALL = f"{PREFIX}.kv.events.>"
+KV_EVENTS_STREAM = "TANDEM_KV_EVENTS"  # JetStream stream holding every KV event, for index rebuilds
 
 
 def heartbeat(service: str, instance_id: str) -> str:
@@ -37,3 +39,8 @@ def decode_kv(instance_id: str) -> str:
 def stream_inbox(client_id: str, request_id: str) -> str:
     """A client's token stream for one request (the client subscribes before asking)."""
     return f"_INBOX.tandem.{client_id}.{request_id}"
+
+
+def kv_events(service: str, instance_id: str) -> str:
+    """Where one worker or store publishes its KV events (into the JetStream stream)."""
+    return f"{PREFIX}.kv.events.{service}.{instance_id}"
