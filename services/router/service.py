@@ -2,15 +2,17 @@
 
 ``tandem serve router --nats-url URL``. Endpoint ``tandem.v1.router.generate`` (queue-balanced, so
 several routers can share the load) takes a :class:`GenerateRequest`: it validates it, tokenizes
-the prompt, picks the least-loaded decode worker and, when one is alive, the least-loaded prefill
-worker, forwards the work, and replies :class:`GenerateAccepted` (tokens then flow from the workers
-straight to the client's stream subject) or a typed :class:`ErrorReply`. With no prefill worker
-alive, or when the chosen one does not answer, the decode worker prefills by itself.
+the prompt, scores the decode and prefill workers by cached prefix and load
+(:mod:`tandem.services.router.policy`), forwards the work, publishes a :class:`RoutingDecision`,
+and replies :class:`GenerateAccepted` (tokens then flow from the workers straight to the client's
+stream subject) or a typed :class:`ErrorReply`. With no prefill worker alive, when the chosen one
+does not answer, or when little of the prompt is uncached, the decode worker prefills by itself.
 
 Workers are known from their heartbeats (``tandem.v1.heartbeat.>``); a worker silent for
 ``worker_timeout_s`` is dropped. Load is running + waiting sequences from the last heartbeat plus
-what this router assigned since, so a burst does not all land on one worker. KV-aware scoring
-replaces :meth:`Router.pick` in the KV-plane work.
+what this router assigned since, so a burst does not all land on one worker. Which worker caches
+which blocks comes from the KV events stream (:mod:`tandem.services.router.kv_index`), read from
+its start, so a restarted router routes as its predecessor did.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ from dataclasses import dataclass, field
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 from nats.micro.request import Request
 
+from tandem.services.router.kv_index import KVIndex, prefix_hashes
+from tandem.services.router.policy import Candidate, prefill_locally, rank
 from tandem.services.runtime import ServiceRuntime, run_service
 from tandem.shared import subjects
 from tandem.shared.config import Settings
+from tandem.shared.kvevents import ensure_kv_events_stream
 from tandem.shared.messages import (
-    Ack, DecodeRequest, ErrorCode, ErrorReply, GenerateAccepted, GenerateRequest, Heartbeat, PrefillRequest,
-    ProtocolError, decode, encode, error_reply,
+    Ack, DecodeRequest, ErrorCode, ErrorReply, GenerateAccepted, GenerateRequest, Heartbeat, KVEvent, PrefillRequest,
+    ProtocolError, RouteCandidate, RoutingDecision, decode, encode, error_reply,
 )
 from tandem.shared.model import load_model_meta
 
@@ -52,13 +57,31 @@ class Router(ServiceRuntime):
         super().__init__(settings)
         self.meta = load_model_meta(settings.model, data_dir=settings.data_dir)
         self.workers: dict[str, dict[str, Worker]] = {"prefill": {}, "decode": {}}
+        self.index = KVIndex()
 
     def metadata(self) -> dict[str, str]:
         return {**super().metadata(), "model": self.meta.name}
 
     async def setup(self) -> None:
         await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self.on_heartbeat)
+        await self.follow_kv_events()
         await self.add_endpoint("generate", subjects.ROUTER_GENERATE, self.on_generate, queue_group="router")
+
+    async def follow_kv_events(self) -> None:
+        """Replay the KV events stream from its start, then follow it live."""
+        js = self.nc.jetstream()
+        try:
+            await ensure_kv_events_stream(js)
+            await js.subscribe(subjects.KV_EVENTS_ALL, cb=self.on_kv_event, ordered_consumer=True)
+        except Exception as exc:  # a server without JetStream: live events only, no rebuild
+            self.log.warning("KV events stream unavailable (%s); indexing live events only", exc)
+            await self.nc.subscribe(subjects.KV_EVENTS_ALL, cb=self.on_kv_event)
+
+    async def on_kv_event(self, msg) -> None:
+        try:
+            self.index.apply(decode(msg.data, KVEvent))
+        except ProtocolError as exc:
+            self.log.warning("ignored bad KV event on %s: %s", msg.subject, exc)
 
     async def on_heartbeat(self, msg) -> None:
         try:
@@ -83,16 +106,12 @@ class Router(ServiceRuntime):
         for instance_id in [i for i, w in pool.items() if w.seen < deadline]:
             self.log.info("%s worker %s left (no heartbeat)", service, instance_id)
             del pool[instance_id]
+            self.index.forget(instance_id)
         return [w for w in pool.values() if w.beat.model == model and not w.beat.draining]
-
-    def pick(self, candidates: list[Worker]) -> Worker | None:
-        """Least loaded; ties go to the worker with more free KV blocks."""
-        if not candidates:
-            return None
-        return min(candidates, key=lambda w: (w.load(), -w.beat.free_blocks, w.beat.instance_id))
 
     def forget(self, worker: Worker) -> None:
         self.workers[worker.beat.service].pop(worker.beat.instance_id, None)
+        self.index.forget(worker.beat.instance_id)
 
     async def on_generate(self, request: Request) -> None:
         # Placement waits on worker round trips: answer from a task so one slow worker never
@@ -123,30 +142,68 @@ class Router(ServiceRuntime):
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"token id {max(ids)} is outside the vocabulary")
         return ids
 
+    def ranked(self, workers: list[Worker], ids: list[int]) -> list[tuple[Worker, Candidate]]:
+        """Workers cheapest first for this prompt (cached prefix from the index, load from beats)."""
+        if not workers:
+            return []
+        block_size = workers[0].beat.block_size
+        hashes = prefix_hashes(ids, block_size)
+        overlaps: dict[str, dict[str, int]] = {}
+        rows = []
+        for w in workers:
+            ns = w.beat.kv_namespace
+            if ns not in overlaps:
+                overlaps[ns] = self.index.prefix_overlap(ns, hashes) if ns else {}
+            rows.append((w.beat.instance_id, overlaps[ns].get(w.beat.instance_id, 0), w.load(), w.beat.free_blocks))
+        by_id = {w.beat.instance_id: w for w in workers}
+        return [(by_id[c.instance_id], c) for c in rank(len(hashes), rows, self.settings.router_load_weight)]
+
     async def place_valid(self, msg: GenerateRequest) -> GenerateAccepted:
         ids = self.tokenize(msg)
-        while True:
-            decode_worker = self.pick(self.alive("decode", self.meta.name))
-            if decode_worker is None:
-                raise ProtocolError(ErrorCode.NO_WORKERS, f"no decode worker serves {self.meta.name!r}")
+        ranked_decode = self.ranked(self.alive("decode", self.meta.name), ids)
+        if not ranked_decode:
+            raise ProtocolError(ErrorCode.NO_WORKERS, f"no decode worker serves {self.meta.name!r}")
+        for decode_worker, choice in ranked_decode:
             if len(ids) >= decode_worker.beat.max_model_len:
                 raise ProtocolError(
                     ErrorCode.PROMPT_TOO_LONG,
                     f"prompt has {len(ids)} tokens; the context holds {decode_worker.beat.max_model_len}",
                 )
-            prefill_worker = self.pick(self.alive("prefill", self.meta.name))
-            if prefill_worker is not None and await self.forward_prefill(msg, ids, prefill_worker, decode_worker):
+            prefill_worker, reason = await self.place_prefill(msg, ids, decode_worker, choice)
+            if prefill_worker is not None or await self.forward_decode(msg, ids, decode_worker):
                 break
-            if await self.forward_decode(msg, ids, decode_worker):
-                prefill_worker = None
-                break
+        else:
+            raise ProtocolError(ErrorCode.NO_WORKERS, "no decode worker answered")
         decode_worker.assigned.append(time.monotonic())
-        self.log.info("placed %s: %d prompt tokens, prefill %s, decode %s", msg.request_id, len(ids),
-                      prefill_worker.beat.instance_id if prefill_worker else "local", decode_worker.beat.instance_id)
+        await self.publish_decision(msg, ids, ranked_decode, decode_worker, prefill_worker, reason)
         return GenerateAccepted(
             request_id=msg.request_id, prompt_token_ids=ids, decode_worker=decode_worker.beat.instance_id,
             prefill_worker=prefill_worker.beat.instance_id if prefill_worker else None,
         )
+
+    async def place_prefill(self, msg: GenerateRequest, ids: list[int], dec: Worker,
+                            choice: Candidate) -> tuple[Worker | None, str]:
+        """A prefill worker that took the request, or None (the decode worker prefills), and why."""
+        cached_tokens = min(len(ids), choice.cached_blocks * dec.beat.block_size)
+        if prefill_locally(len(ids), cached_tokens, self.settings.local_prefill_max_tokens):
+            return None, f"{len(ids) - cached_tokens} uncached tokens: decode prefills locally"
+        for prefill_worker, _ in self.ranked(self.alive("prefill", self.meta.name), ids):
+            if await self.forward_prefill(msg, ids, prefill_worker, dec):
+                return prefill_worker, f"{choice.cached_blocks} blocks cached on decode; prefill remote"
+        return None, "no prefill worker answered: decode prefills locally"
+
+    async def publish_decision(self, msg: GenerateRequest, ids: list[int], ranked: list[tuple[Worker, Candidate]],
+                               dec: Worker, prefill: Worker | None, reason: str) -> None:
+        candidates = [RouteCandidate(instance_id=c.instance_id, cached_blocks=c.cached_blocks, load=c.load, cost=c.cost)
+                      for _, c in ranked]
+        decision = RoutingDecision(
+            request_id=msg.request_id, prompt_tokens=len(ids), prompt_blocks=len(ids) // dec.beat.block_size,
+            candidates=candidates, decode_worker=dec.beat.instance_id,
+            prefill_worker=prefill.beat.instance_id if prefill else None, reason=reason,
+        )
+        await self.nc.publish(subjects.ROUTER_DECISIONS, encode(decision))
+        self.log.info("placed %s: %d prompt tokens, decode %s, prefill %s (%s)", msg.request_id, len(ids),
+                      dec.beat.instance_id, prefill.beat.instance_id if prefill else "local", reason)
 
     async def forward_prefill(self, msg: GenerateRequest, ids: list[int], prefill: Worker, dec: Worker) -> bool:
         work = PrefillRequest(request_id=msg.request_id, prompt_token_ids=ids, params=msg.params,

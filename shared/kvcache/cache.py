@@ -74,3 +74,11 @@ def scatter_blocks(
             f"cache shape {tuple(kv_cache.shape[1:])}"
         )
     kv_cache.index_copy_(0, index, blocks.to(device=kv_cache.device, dtype=kv_cache.dtype))
+
+
+def kv_namespace(model: str, dtype: torch.dtype, num_layers: int, num_kv_heads: int, head_dim: int,
+                 block_size: int) -> str:
+    """Name of a KV layout: two blocks with the same chained hash are interchangeable only when
+    model, dtype and layout agree, so caches, stores and the router key blocks by this too."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return f"{model}/{dtype_name}/L{num_layers}xH{num_kv_heads}xD{head_dim}/bs{block_size}"

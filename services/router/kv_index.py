@@ -1,0 +1,104 @@
+"""The router's index of which worker or store holds which KV blocks, built from KV events.
+
+Every decode worker, prefill worker and KV-store publishes :class:`KVEvent` messages (blocks
+stored, blocks removed, all cleared) into the JetStream stream ``TANDEM_KV_EVENTS``. The router
+applies them here, from the start of the stream when it starts (so a restarted router routes as
+the old one did) and live after that. Applying an event twice changes nothing, so a replay that
+overlaps live delivery is harmless.
+
+Invariant: ``holders[(namespace, hash)]`` is exactly the set of sources whose latest events say
+they hold that block; a source that leaves (no heartbeat) or clears is removed everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tandem.shared.kvcache.block_manager import hash_block
+from tandem.shared.messages import KVEvent
+
+log = logging.getLogger("tandem.router.index")
+
+
+@dataclass
+class Source:
+    service: str
+    namespace: str
+    last_seq: int = -1
+    blocks: set[int] = field(default_factory=set)
+
+
+class KVIndex:
+    """Block hash -> holders, per namespace, with per-source bookkeeping for clears and gaps."""
+
+    def __init__(self) -> None:
+        self.holders: dict[tuple[str, int], set[str]] = {}
+        self.sources: dict[str, Source] = {}
+        self.gaps = 0  # events lost somewhere (a source's seq jumped): the index may be stale
+
+    def apply(self, event: KVEvent) -> None:
+        source = self.sources.get(event.source)
+        if source is None or event.cleared or source.namespace != event.namespace:
+            if source is not None:
+                self.forget(event.source)
+            source = self.sources[event.source] = Source(event.service, event.namespace)
+        if event.seq <= source.last_seq:
+            return  # a replayed event this index has already applied
+        if source.last_seq >= 0 and event.seq != source.last_seq + 1:
+            self.gaps += 1
+            log.warning("kv events of %s jumped from %d to %d", event.source, source.last_seq, event.seq)
+        source.last_seq = event.seq
+        for block in event.stored:
+            source.blocks.add(block)
+            self.holders.setdefault((event.namespace, block), set()).add(event.source)
+        for block in event.removed:
+            source.blocks.discard(block)
+            holders = self.holders.get((event.namespace, block))
+            if holders is not None:
+                holders.discard(event.source)
+                if not holders:
+                    del self.holders[(event.namespace, block)]
+
+    def forget(self, source_id: str) -> None:
+        """Drop everything ``source_id`` held (it left, restarted or cleared)."""
+        source = self.sources.pop(source_id, None)
+        if source is None:
+            return
+        for block in source.blocks:
+            holders = self.holders.get((source.namespace, block))
+            if holders is not None:
+                holders.discard(source_id)
+                if not holders:
+                    del self.holders[(source.namespace, block)]
+
+    def prefix_overlap(self, namespace: str, hashes: Sequence[int]) -> dict[str, int]:
+        """For every source holding the first block: how many leading blocks of ``hashes`` it holds.
+
+        Only a leading run counts: a block is reusable only if every block before it is too."""
+        if not hashes:
+            return {}
+        alive = set(self.holders.get((namespace, hashes[0]), ()))
+        counts = dict.fromkeys(alive, 0)
+        for depth, block in enumerate(hashes):
+            alive &= self.holders.get((namespace, block), set())
+            for source in alive:
+                counts[source] = depth + 1
+            if not alive:
+                break
+        return counts
+
+    def num_blocks(self, source_id: str) -> int:
+        source = self.sources.get(source_id)
+        return len(source.blocks) if source else 0
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of the prompt's full blocks, as every worker's block manager computes them."""
+    hashes: list[int] = []
+    parent = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
