@@ -51,6 +51,15 @@ class Settings(BaseSettings):
     probe_interval_s: float = Field(2.0, gt=0)  # how often decode checks that a client still listens
     kv_window: int = Field(8, ge=1)  # KV frames in flight per transfer
 
+    # router
+    router_load_weight: float = Field(1.0, ge=0)  # blocks of recompute one queued sequence is worth
+    local_prefill_max_tokens: int = Field(0, ge=0)  # uncached prompt tokens a decode worker prefills itself
+
+    # kv store (tandem serve kvstore)
+    kvstore_ram_mib: float = Field(1024, ge=0)  # host-RAM tier
+    kvstore_disk_mib: float = Field(8192, ge=0)  # local-disk tier; 0: RAM only
+    kvstore_dir: Path | None = None  # disk tier folder (default: <data_dir>/kvstore)
+
     def resolved_instance_id(self, service: str) -> str:
         if self.instance_id:
             return self.instance_id

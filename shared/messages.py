@@ -167,6 +167,9 @@ class Heartbeat(_Message):
     block_size: int = 16
     max_model_len: int = 0
     draining: bool = False
+    kv_namespace: str = ""  # blocks are comparable only within one (see tandem.shared.kvcache.cache)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
 
 class KVEvent(_Message):
@@ -184,10 +187,98 @@ class KVEvent(_Message):
     cleared: bool = False
 
 
+# -- KV store (services/kvstore): lookup, get and put of KV blocks by chained block hash -------------
+BlockHash = Annotated[int, Field(ge=0, lt=2**64)]
+MAX_KV_HASHES = 65536  # hashes per request: a 1M-token prompt at block size 16
+# A subject a store may send frames to: dot-separated tokens, no spaces, no wildcards.
+SUBJECT_PATTERN = r"^[^\s.*>]+(\.[^\s.*>]+)*$"
+
+
+class KVLookupRequest(_Message):
+    """To a KV store: which of ``hashes`` (a chain, in order) do you hold in ``namespace``?"""
+
+    kind: Literal["kv_lookup"] = "kv_lookup"
+    namespace: str = Field(min_length=1, max_length=256)
+    hashes: list[BlockHash] = Field(max_length=MAX_KV_HASHES)
+
+
+class KVLookupReply(_Message):
+    """``leading``: how many of the first hashes are all present; ``present``: one flag per hash."""
+
+    kind: Literal["kv_lookup_reply"] = "kv_lookup_reply"
+    store: str  # instance id of the answering store
+    namespace: str
+    leading: int
+    present: list[bool]
+
+
+class KVGetRequest(_Message):
+    """To a KV store: send the blocks of ``hashes`` you hold as KV frames to ``inbox`` (the requester
+    acks each frame, see :mod:`tandem.shared.frames`), then reply with a :class:`KVGetReply`.
+    ``prefix_only`` stops at the first missing hash."""
+
+    kind: Literal["kv_get"] = "kv_get"
+    request_id: str = Field(min_length=1, max_length=128)
+    namespace: str = Field(min_length=1, max_length=256)
+    hashes: list[BlockHash] = Field(min_length=1, max_length=MAX_KV_HASHES)
+    inbox: str = Field(min_length=1, max_length=256, pattern=SUBJECT_PATTERN)
+    prefix_only: bool = False
+
+
+class KVGetReply(_Message):
+    """The blocks sent: ``found[i]`` is the hash of block ``i`` of ``transfer`` (None: none found)."""
+
+    kind: Literal["kv_get_reply"] = "kv_get_reply"
+    request_id: str
+    found: list[int]
+    transfer: KVTransfer | None = None
+
+
+class KVPutRequest(_Message):
+    """To a KV store, after the transfer's frames went to its ``kv`` subject: keep these blocks,
+    block ``i`` of ``transfer`` under ``hashes[i]``."""
+
+    kind: Literal["kv_put"] = "kv_put"
+    request_id: str = Field(min_length=1, max_length=128)
+    namespace: str = Field(min_length=1, max_length=256)
+    hashes: list[BlockHash] = Field(min_length=1, max_length=MAX_KV_HASHES)
+    transfer: KVTransfer
+
+
+class KVPutReply(_Message):
+    """``stored``: blocks new to the store; the rest were already there or larger than both tiers."""
+
+    kind: Literal["kv_put_reply"] = "kv_put_reply"
+    request_id: str
+    stored: int
+
+
+class RouteCandidate(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    instance_id: str
+    cached_blocks: int
+    load: int
+    cost: float
+
+
+class RoutingDecision(_Message):
+    """What the router decided for one request and why, published for the console."""
+
+    kind: Literal["routing_decision"] = "routing_decision"
+    request_id: str
+    prompt_tokens: int
+    prompt_blocks: int
+    candidates: list[RouteCandidate]
+    decode_worker: str
+    prefill_worker: str | None
+    reason: str
+
+
 Message = Annotated[
     Union[
         GenerateRequest, GenerateAccepted, ErrorReply, Ack, PrefillRequest, DecodeRequest,
-        StreamChunk, Probe, Cancel, Heartbeat, KVEvent,
+        StreamChunk, Probe, Cancel, Heartbeat, KVEvent, RoutingDecision,
+        KVLookupRequest, KVLookupReply, KVGetRequest, KVGetReply, KVPutRequest, KVPutReply,
     ],
     Field(discriminator="kind"),
 ]

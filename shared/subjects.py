@@ -10,6 +10,7 @@ from __future__ import annotations
 PREFIX = "tandem.v1"
 
 ROUTER_GENERATE = f"{PREFIX}.router.generate"
+ROUTER_DECISIONS = f"{PREFIX}.router.decisions"  # one RoutingDecision per placed request
 CANCEL = f"{PREFIX}.cancel"
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.>"
 KV_EVENTS_ALL = f"{PREFIX}.kv.events.>"
@@ -44,3 +45,31 @@ def stream_inbox(client_id: str, request_id: str) -> str:
 def kv_events(service: str, instance_id: str) -> str:
     """Where one worker or store publishes its KV events (into the JetStream stream)."""
     return f"{PREFIX}.kv.events.{service}.{instance_id}"
+
+
+KVSTORE_LOOKUP_ALL = f"{PREFIX}.kvstore.lookup"  # every KV store answers (one queue group each)
+
+
+def kvstore_lookup(instance_id: str) -> str:
+    """Ask one KV store which blocks of a hash chain it holds."""
+    return f"{PREFIX}.kvstore.{instance_id}.lookup"
+
+
+def kvstore_get(instance_id: str) -> str:
+    """Ask one KV store to send blocks (as KV frames) to an inbox."""
+    return f"{PREFIX}.kvstore.{instance_id}.get"
+
+
+def kvstore_put(instance_id: str) -> str:
+    """Tell one KV store to keep the blocks of a transfer already sent to its kv subject."""
+    return f"{PREFIX}.kvstore.{instance_id}.put"
+
+
+def kvstore_kv(instance_id: str) -> str:
+    """Binary KV-block frames for one KV store (the bytes of a later put)."""
+    return f"{PREFIX}.kvstore.{instance_id}.kv"
+
+
+def kvstore_stats(instance_id: str) -> str:
+    """One KV store's tier usage and hit counters (a msgpack map)."""
+    return f"{PREFIX}.kvstore.{instance_id}.stats"

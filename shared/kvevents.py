@@ -1,0 +1,50 @@
+"""The JetStream stream of KV events (:class:`~tandem.shared.messages.KVEvent`), and publishing into it.
+
+Whoever publishes first creates the stream: every publisher calls :func:`ensure_kv_events_stream`
+once at start (idempotent, safe when several race), then :func:`publish_kv_event` per event, which
+waits for JetStream's ack so the event is persisted. A router rebuilding its index reads the stream
+from the start (each source's last ``cleared`` event onwards is what it holds)::
+
+    js = nc.jetstream()
+    await ensure_kv_events_stream(js)
+    await publish_kv_event(js, KVEvent(source="kvstore-1", service="kvstore", namespace=ns, seq=0, stored=[h]))
+"""
+
+from __future__ import annotations
+
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, NotFoundError
+
+from tandem.shared import subjects
+from tandem.shared.messages import KVEvent, encode
+
+STREAM_MAX_BYTES = 1 << 30  # oldest events go first beyond this
+_NAME_IN_USE = 10058  # JetStream: stream name already in use with a different configuration
+
+
+def kv_events_stream_config(max_bytes: int = STREAM_MAX_BYTES) -> StreamConfig:
+    return StreamConfig(
+        name=subjects.KV_EVENTS_STREAM, subjects=[subjects.KV_EVENTS_ALL], storage=StorageType.FILE,
+        max_bytes=max_bytes, discard=DiscardPolicy.OLD,
+        description="KV blocks stored and removed by every worker and store, for router index rebuilds",
+    )
+
+
+async def ensure_kv_events_stream(js: JetStreamContext, max_bytes: int = STREAM_MAX_BYTES) -> None:
+    """Create the KV events stream unless it exists (an existing one is left as configured)."""
+    try:
+        await js.stream_info(subjects.KV_EVENTS_STREAM)
+        return
+    except NotFoundError:
+        pass
+    try:
+        await js.add_stream(kv_events_stream_config(max_bytes))
+    except BadRequestError as exc:  # another publisher created it first, with other limits
+        if exc.err_code != _NAME_IN_USE:
+            raise
+
+
+async def publish_kv_event(js: JetStreamContext, event: KVEvent, timeout_s: float = 5.0) -> None:
+    """Publish one event into the stream and wait until JetStream has stored it."""
+    await js.publish(subjects.kv_events(event.service, event.source), encode(event), timeout=timeout_s)
