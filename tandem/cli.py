@@ -1,7 +1,7 @@
 """The ``tandem`` command.
 
     tandem up [--nats-url URL] [--model tiny|DIR] [--prefill N] [--decode N] [--demo [PROMPT]]
-    tandem serve router|prefill|decode --nats-url URL [engine flags]
+    tandem serve router|prefill|decode|kvstore --nats-url URL [engine flags] [kvstore flags]
     tandem generate PROMPT [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
                            [--stop S ...] [--json] [--nats-url URL]
     tandem bench [--concurrency 1 8 32 64] [--requests N] [--json-out FILE]
@@ -21,7 +21,7 @@ import time
 
 from tandem.shared.config import load_settings
 
-SERVICES = ("router", "prefill", "decode")
+SERVICES = ("router", "prefill", "decode", "kvstore")
 DEMO_PROMPT = "def fibonacci(n):"
 
 
@@ -48,6 +48,7 @@ def add_engine(p: argparse.ArgumentParser) -> None:
 
 ENGINE_FLAGS = ("device", "dtype", "block_size", "num_blocks", "kv_cache_mib", "gpu_memory_utilization", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "torch_threads")
+KVSTORE_FLAGS = ("kvstore_ram_mib", "kvstore_disk_mib", "kvstore_dir")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -68,6 +69,9 @@ def parser() -> argparse.ArgumentParser:
     add_common(serve)
     add_engine(serve)
     serve.add_argument("--instance-id", help="this instance's id (default: service-host-random)")
+    serve.add_argument("--kvstore-ram-mib", type=float, help="kvstore: host-RAM tier size")
+    serve.add_argument("--kvstore-disk-mib", type=float, help="kvstore: disk tier size (0: RAM only)")
+    serve.add_argument("--kvstore-dir", help="kvstore: disk tier folder (default: <data-dir>/kvstore)")
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("prompt")
@@ -112,9 +116,11 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 def cmd_serve(args: argparse.Namespace) -> int:
     from tandem.services.runtime import setup_logging
 
-    settings = settings_from(args, *ENGINE_FLAGS)
+    settings = settings_from(args, *ENGINE_FLAGS, *KVSTORE_FLAGS)
     setup_logging(settings.log_level)
-    if args.service == "router":
+    if args.service == "kvstore":
+        from tandem.services.kvstore.service import main
+    elif args.service == "router":
         from tandem.services.router.service import main
     elif args.service == "prefill":
         from tandem.services.prefill.service import main

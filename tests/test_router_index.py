@@ -61,6 +61,16 @@ def test_namespaces_do_not_mix(index):
     assert "c" not in index.prefix_overlap(NS, [1, 2])
 
 
+def test_a_store_holds_several_namespaces(index):
+    index.apply(event("store", 0, stored=[1, 2], namespace="other"))
+    index.apply(event("store", 1, stored=[1], namespace=NS))
+    assert index.prefix_overlap("other", [1, 2]) == {"store": 2}
+    assert index.prefix_overlap(NS, [1])["store"] == 1
+    assert index.num_blocks("store") == 3
+    index.apply(event("store", 0, cleared=True))
+    assert index.num_blocks("store") == 0 and index.prefix_overlap("other", [1]) == {}
+
+
 def test_sequence_gap_is_counted(index):
     index.apply(event("a", 5, stored=[6]))
     assert index.gaps == 1 and index.prefix_overlap(NS, [6]) == {"a": 1}

@@ -25,9 +25,8 @@ log = logging.getLogger("tandem.router.index")
 @dataclass
 class Source:
     service: str
-    namespace: str
     last_seq: int = -1
-    blocks: set[int] = field(default_factory=set)
+    blocks: dict[str, set[int]] = field(default_factory=dict)  # namespace -> hashes (a store holds several)
 
 
 class KVIndex:
@@ -40,38 +39,38 @@ class KVIndex:
 
     def apply(self, event: KVEvent) -> None:
         source = self.sources.get(event.source)
-        if source is None or event.cleared or source.namespace != event.namespace:
-            if source is not None:
-                self.forget(event.source)
-            source = self.sources[event.source] = Source(event.service, event.namespace)
+        if source is None or event.cleared:
+            self.forget(event.source)
+            source = self.sources[event.source] = Source(event.service)
         if event.seq <= source.last_seq:
             return  # a replayed event this index has already applied
         if source.last_seq >= 0 and event.seq != source.last_seq + 1:
             self.gaps += 1
             log.warning("kv events of %s jumped from %d to %d", event.source, source.last_seq, event.seq)
         source.last_seq = event.seq
+        held = source.blocks.setdefault(event.namespace, set())
         for block in event.stored:
-            source.blocks.add(block)
+            held.add(block)
             self.holders.setdefault((event.namespace, block), set()).add(event.source)
         for block in event.removed:
-            source.blocks.discard(block)
-            holders = self.holders.get((event.namespace, block))
-            if holders is not None:
-                holders.discard(event.source)
-                if not holders:
-                    del self.holders[(event.namespace, block)]
+            held.discard(block)
+            self._drop(event.namespace, block, event.source)
 
     def forget(self, source_id: str) -> None:
         """Drop everything ``source_id`` held (it left, restarted or cleared)."""
         source = self.sources.pop(source_id, None)
         if source is None:
             return
-        for block in source.blocks:
-            holders = self.holders.get((source.namespace, block))
-            if holders is not None:
-                holders.discard(source_id)
-                if not holders:
-                    del self.holders[(source.namespace, block)]
+        for namespace, blocks in source.blocks.items():
+            for block in blocks:
+                self._drop(namespace, block, source_id)
+
+    def _drop(self, namespace: str, block: int, source_id: str) -> None:
+        holders = self.holders.get((namespace, block))
+        if holders is not None:
+            holders.discard(source_id)
+            if not holders:
+                del self.holders[(namespace, block)]
 
     def prefix_overlap(self, namespace: str, hashes: Sequence[int]) -> dict[str, int]:
         """For every source holding the first block: how many leading blocks of ``hashes`` it holds.
@@ -91,7 +90,7 @@ class KVIndex:
 
     def num_blocks(self, source_id: str) -> int:
         source = self.sources.get(source_id)
-        return len(source.blocks) if source else 0
+        return sum(len(b) for b in source.blocks.values()) if source else 0
 
 
 def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:

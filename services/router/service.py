@@ -56,7 +56,7 @@ class Router(ServiceRuntime):
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         self.meta = load_model_meta(settings.model, data_dir=settings.data_dir)
-        self.workers: dict[str, dict[str, Worker]] = {"prefill": {}, "decode": {}}
+        self.workers: dict[str, dict[str, Worker]] = {"prefill": {}, "decode": {}, "kvstore": {}}
         self.index = KVIndex()
 
     def metadata(self) -> dict[str, str]:
@@ -100,14 +100,18 @@ class Router(ServiceRuntime):
             worker.beat, worker.seen = beat, now
             worker.assigned = [t for t in worker.assigned if t > now - self.settings.heartbeat_interval_s]
 
-    def alive(self, service: str, model: str) -> list[Worker]:
-        pool = self.workers[service]
+    def sweep(self) -> None:
+        """Drop workers and stores silent for ``worker_timeout_s``, and what the index says they hold."""
         deadline = time.monotonic() - self.settings.worker_timeout_s
-        for instance_id in [i for i, w in pool.items() if w.seen < deadline]:
-            self.log.info("%s worker %s left (no heartbeat)", service, instance_id)
-            del pool[instance_id]
-            self.index.forget(instance_id)
-        return [w for w in pool.values() if w.beat.model == model and not w.beat.draining]
+        for service, pool in self.workers.items():
+            for instance_id in [i for i, w in pool.items() if w.seen < deadline]:
+                self.log.info("%s %s left (no heartbeat)", service, instance_id)
+                del pool[instance_id]
+                self.index.forget(instance_id)
+
+    def alive(self, service: str, model: str) -> list[Worker]:
+        self.sweep()
+        return [w for w in self.workers[service].values() if w.beat.model == model and not w.beat.draining]
 
     def forget(self, worker: Worker) -> None:
         self.workers[worker.beat.service].pop(worker.beat.instance_id, None)

@@ -1,0 +1,201 @@
+"""The KV-store service: KV blocks by chained block hash in host RAM and on local disk, over NATS.
+
+``tandem serve kvstore --nats-url URL [--kvstore-ram-mib N] [--kvstore-disk-mib N] [--kvstore-dir DIR]``
+(default folder ``<data-dir>/kvstore``; one store per folder). Endpoints, per instance ``<id>``:
+
+- ``tandem.v1.kvstore.<id>.lookup``: :class:`KVLookupRequest` -> :class:`KVLookupReply` (leading
+  count and per-hash presence); ``tandem.v1.kvstore.lookup`` is the same, answered by every store
+  (each in its own queue group), for a scatter-gather over all stores;
+- ``tandem.v1.kvstore.<id>.get``: :class:`KVGetRequest` -> the blocks found go as KV frames to the
+  request's ``inbox`` (the requester acks each frame with ``b"ok"``, as a decode worker does), then
+  :class:`KVGetReply` lists the hashes sent and a :class:`KVTransfer` (block_bytes, crc32 per block);
+- ``tandem.v1.kvstore.<id>.kv``: KV frames of a put (:func:`tandem.shared.frames.send_kv`);
+- ``tandem.v1.kvstore.<id>.put``: :class:`KVPutRequest` naming that transfer and one hash per block
+  -> :class:`KVPutReply`; the blocks' checksums are verified before anything is stored;
+- ``tandem.v1.kvstore.<id>.stats``: any payload -> a msgpack map of tier usage and hit counters.
+
+Every bad input gets a typed :class:`ErrorReply`. Blocks stored and removed are published as
+:class:`KVEvent` into the JetStream stream (``tandem.v1.kv.events.kvstore.<id>``); at start a
+``cleared`` event and then every block found on disk. The store runs on one worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import msgpack
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from nats.micro.request import Request
+
+from tandem.services.kvstore.store import KVBlockStore
+from tandem.services.runtime import ServiceRuntime, run_service
+from tandem.shared import subjects
+from tandem.shared.config import Settings
+from tandem.shared.frames import KVReceiver, block_checksums, send_kv
+from tandem.shared.kvevents import ensure_kv_events_stream, publish_kv_event
+from tandem.shared.messages import (
+    ErrorCode, Heartbeat, KVEvent, KVGetReply, KVGetRequest, KVLookupReply, KVLookupRequest, KVPutReply,
+    KVPutRequest, KVTransfer, ProtocolError, decode, encode, error_reply,
+)
+
+MIB = 1 << 20
+PUT_BYTES_IN_FLIGHT = 512 * MIB  # put transfers being reassembled at once
+GET_MAX_BYTES = 512 * MIB  # one get sends at most this much; ``found`` says what was sent
+MAX_CONCURRENT_GETS = 4
+EVENT_CHUNK = 4096  # hashes per KVEvent
+
+
+class KVStoreService(ServiceRuntime):
+    name = "kvstore"
+    description = "KV-block store: host RAM and local disk tiers, by chained block hash"
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        disk_bytes = int(settings.kvstore_disk_mib * MIB)
+        disk_dir = (settings.kvstore_dir or settings.data_dir / "kvstore") if disk_bytes else None
+        self.store = KVBlockStore(int(settings.kvstore_ram_mib * MIB), disk_bytes, disk_dir)
+        self.receiver = KVReceiver(max_bytes_in_flight=PUT_BYTES_IN_FLIGHT)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstore")
+        self._gets = asyncio.Semaphore(MAX_CONCURRENT_GETS)
+        self._events: asyncio.Queue[KVEvent] = asyncio.Queue()
+        self._seq = 0
+        self.events_published = 0
+        self.events_failed = 0
+
+    async def setup(self) -> None:
+        self.js = self.nc.jetstream()
+        try:
+            await ensure_kv_events_stream(self.js)
+        except Exception as exc:  # no JetStream: serve anyway, events will fail and be counted
+            self.log.warning("could not create the KV events stream: %s", exc)
+        held = await self._call(self.store.namespaces)
+        self._emit("", [], [], cleared=True)
+        for namespace, hashes in held.items():
+            self._emit(namespace, hashes, [])
+        self.spawn(self._publish_loop(), "kv event publisher")
+        iid = self.instance_id
+        await self.add_endpoint("lookup", subjects.kvstore_lookup(iid), self.on_lookup)
+        await self.add_endpoint("lookup_all", subjects.KVSTORE_LOOKUP_ALL, self.on_lookup, queue_group=iid)
+        await self.add_endpoint("get", subjects.kvstore_get(iid), self.on_get)
+        await self.add_endpoint("kv", subjects.kvstore_kv(iid), self.on_kv_frame)
+        await self.add_endpoint("put", subjects.kvstore_put(iid), self.on_put)
+        await self.add_endpoint("stats", subjects.kvstore_stats(iid), self.on_stats)
+
+    async def teardown(self) -> None:
+        await self._call(self.store.close)  # RAM blocks go to disk, so a restart keeps them
+        self._thread.shutdown(wait=True)
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(service=self.name, instance_id=self.instance_id, host=self.host, pid=os.getpid(), model="")
+
+    # -- endpoints ----------------------------------------------------------------------------------
+    async def on_lookup(self, request: Request) -> None:
+        msg: KVLookupRequest = decode(request.data, KVLookupRequest)
+        leading, present = await self._call(self.store.lookup, msg.namespace, msg.hashes)
+        reply = KVLookupReply(store=self.instance_id, namespace=msg.namespace, leading=leading, present=present)
+        await request.respond(encode(reply))
+
+    async def on_get(self, request: Request) -> None:
+        msg: KVGetRequest = decode(request.data, KVGetRequest)
+        await self._gets.acquire()  # sending may take a while: later requests need not wait for it
+        self.spawn(self._serve_get(msg, request), f"get {msg.request_id}")
+
+    async def _serve_get(self, msg: KVGetRequest, request: Request) -> None:
+        try:
+            await request.respond(encode(await self._get(msg)))
+        except Exception as exc:
+            reply = error_reply(exc, msg.request_id)
+            self.log.warning("get: replied %s (%s)", reply.code.value, reply.message)
+            await request.respond(encode(reply))
+        finally:
+            self._gets.release()
+
+    async def _get(self, msg: KVGetRequest) -> KVGetReply:
+        blocks = await self._call(self.store.get, msg.namespace, msg.hashes)
+        found, parts, total = [], [], 0
+        for h, data in zip(msg.hashes, blocks):
+            if data is None:
+                if msg.prefix_only:
+                    break
+                continue
+            if total + len(data) > GET_MAX_BYTES:
+                break
+            if parts and len(data) != len(parts[0]):
+                raise ProtocolError(ErrorCode.INVALID_REQUEST, f"blocks of namespace {msg.namespace!r} differ in size")
+            found.append(h)
+            parts.append(data)
+            total += len(data)
+        if not found:
+            return KVGetReply(request_id=msg.request_id, found=[])
+        blob = b"".join(parts)
+        block_bytes = len(parts[0])
+        transfer = KVTransfer(transfer_id=f"{self.instance_id}-{uuid.uuid4().hex[:12]}", num_blocks=len(found),
+                              block_bytes=block_bytes, checksums=block_checksums(blob, block_bytes))
+        try:
+            await send_kv(self.nc, msg.inbox, transfer.transfer_id, blob, window=self.settings.kv_window,
+                          timeout_s=self.settings.request_timeout_s)
+        except NoRespondersError:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"nobody listens on inbox {msg.inbox}") from None
+        except NatsTimeoutError:
+            raise ProtocolError(ErrorCode.TIMEOUT, f"inbox {msg.inbox} did not acknowledge KV frames") from None
+        return KVGetReply(request_id=msg.request_id, found=found, transfer=transfer)
+
+    async def on_kv_frame(self, request: Request) -> None:
+        self.receiver.on_frame(request.data)
+        await request.respond(b"ok")
+
+    async def on_put(self, request: Request) -> None:
+        msg: KVPutRequest = decode(request.data, KVPutRequest)
+        blob = self.receiver.take(msg.transfer)  # raises (and forgets the transfer) unless complete and intact
+        if len(msg.hashes) != msg.transfer.num_blocks:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST,
+                                f"{len(msg.hashes)} hashes for a transfer of {msg.transfer.num_blocks} blocks")
+        stored = await self._call(self._put_all, msg.namespace, msg.hashes, blob, msg.transfer.block_bytes)
+        await request.respond(encode(KVPutReply(request_id=msg.request_id, stored=stored)))
+
+    async def on_stats(self, request: Request) -> None:
+        stats = await self._call(self.store.stats)
+        stats.update(instance_id=self.instance_id, events_published=self.events_published,
+                     events_failed=self.events_failed, put_bytes_in_flight=self.receiver.bytes_in_flight)
+        await request.respond(msgpack.packb(stats, use_bin_type=True))
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _put_all(self, namespace: str, hashes: list[int], blob: bytearray, block_bytes: int) -> int:
+        view = memoryview(blob)
+        return sum(self.store.put(namespace, h, view[i * block_bytes : (i + 1) * block_bytes])
+                   for i, h in enumerate(hashes))
+
+    async def _call(self, fn, *args):
+        """Run ``fn`` on the store's thread, then queue the KV events it caused (in order)."""
+
+        def run():
+            return fn(*args), self.store.drain_events()
+
+        result, events = await asyncio.get_running_loop().run_in_executor(self._thread, run)
+        for namespace, (stored, removed) in events.items():
+            self._emit(namespace, stored, removed)
+        return result
+
+    def _emit(self, namespace: str, stored: list[int], removed: list[int], cleared: bool = False) -> None:
+        for i in range(0, max(len(stored), len(removed), 1), EVENT_CHUNK):
+            self._events.put_nowait(KVEvent(
+                source=self.instance_id, service=self.name, namespace=namespace, seq=self._seq,
+                stored=stored[i : i + EVENT_CHUNK], removed=removed[i : i + EVENT_CHUNK], cleared=cleared and i == 0))
+            self._seq += 1
+
+    async def _publish_loop(self) -> None:
+        while True:
+            event = await self._events.get()
+            try:
+                await publish_kv_event(self.js, event)
+                self.events_published += 1
+            except Exception as exc:  # lost: the seq gap tells readers
+                self.events_failed += 1
+                self.log.warning("KV event %d not published: %s", event.seq, exc)
+
+
+def main(settings: Settings) -> None:
+    run_service(KVStoreService(settings))
