@@ -1,4 +1,5 @@
-"""Tests for tandem.shared.kvcache.block_manager: allocation order, ref counts, hashing."""
+"""Tests for tandem.shared.kvcache.block_manager: allocation order, ref counts, hashing, and the
+prefix cache (reuse with exact block ids, LRU eviction, collisions, sharing, KV events)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from tandem.shared.kvcache.block_manager import BlockManager, NoFreeBlocksError,
 
 
 def assert_invariants(manager: BlockManager, tables: list[list[int]]) -> None:
-    """Free iff ref 0; refs equal table references; hashes only where recorded in a full block."""
+    """Free iff ref 0; refs equal table references; a block has a hash iff it is the one registered
+    under that hash, and then it is full; the cached count is the free hashed blocks."""
     free = list(manager.free_block_ids)
     assert len(free) == len(set(free)), f"duplicate ids on the free list: {free}"
     references = [0] * manager.num_blocks
@@ -25,10 +27,15 @@ def assert_invariants(manager: BlockManager, tables: list[list[int]]) -> None:
         assert on_free_list == (block.ref_count == 0), f"block {block} free-list membership is wrong"
         assert block.ref_count == references[block.block_id], f"block {block.block_id} ref count"
         assert (block.block_hash is None) == (block.token_ids is None)
-        if block.token_ids is not None:
+        if block.block_hash is None:
+            assert block.parent_hash is None, f"unhashed block {block.block_id} keeps a parent hash"
+        else:
             assert len(block.token_ids) == manager.block_size, "only full blocks carry a hash"
+            assert manager.hash_to_block.get(block.block_hash) == block.block_id, f"block {block} not registered"
     for block_hash, block_id in manager.hash_to_block.items():
         assert manager.blocks[block_id].block_hash == block_hash, "hash_to_block points at a stale block"
+    cached = sum(1 for block_id in free if manager.blocks[block_id].block_hash is not None)
+    assert manager.num_cached_blocks == cached, f"num_cached_blocks {manager.num_cached_blocks} != {cached}"
 
 
 def test_grow_free_reuse_exact_ids() -> None:
@@ -243,3 +250,232 @@ def test_reallocation_drops_hash() -> None:
     assert hashes[1] not in manager.hash_to_block, "a reused block's hash is forgotten"
     assert manager.hash_to_block == {hashes[0]: 0}, "the still-free block 0 stays findable"
     assert_invariants(manager, [other])
+
+
+# ---------------------------------------------------------------- prefix cache
+
+
+def cache_sequence(manager: BlockManager, tokens: list[int]) -> list[int]:
+    """Allocate and hash a table for ``tokens`` as a finished prefill would; returns the table."""
+    table: list[int] = []
+    manager.grow(table, len(tokens))
+    manager.hash_full_blocks(table, tokens, [])
+    return table
+
+
+def test_cached_blocks_are_found_and_claimed_with_exact_ids() -> None:
+    manager = BlockManager(num_blocks=8, block_size=4)
+    tokens = list(range(10, 20))  # two full blocks and a partial one
+    table = cache_sequence(manager, tokens)
+    assert table == [0, 1, 2]
+    manager.free(table)
+    assert list(manager.free_block_ids) == [3, 4, 5, 6, 7, 2, 1, 0]
+    assert manager.num_cached_blocks == 2, "the two full blocks stay cached; the partial one is not"
+    assert manager.find_cached_prefix(tokens) == [0, 1]
+    assert manager.find_cached_prefix(tokens[:7]) == [0], "only full blocks of the query can match"
+    assert manager.find_cached_prefix(tokens[:4] + [99, 15, 16, 17]) == [0], "the chain stops at a differing block"
+    assert manager.find_cached_prefix([99] + tokens[1:]) == [], "a differing first block hides the rest"
+    assert manager.find_cached_prefix(tokens[4:8]) == [], "block 1's tokens without its parent do not match"
+    assert_invariants(manager, [])
+
+    other: list[int] = []
+    manager.claim(other, [0, 1])
+    assert other == [0, 1] and manager.blocks[0].ref_count == manager.blocks[1].ref_count == 1
+    assert list(manager.free_block_ids) == [3, 4, 5, 6, 7, 2], "claimed blocks leave the free list"
+    assert manager.num_cached_blocks == 0
+    manager.grow(other, 12)
+    assert other == [0, 1, 3], "growth after a claim takes fresh blocks from the front"
+    assert manager.find_cached_prefix(tokens) == [0, 1], "claimed blocks stay findable"
+    assert_invariants(manager, [other])
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "claim", "expected"),
+    [(12, (), True), (16, (), False), (16, (0,), True), (20, (0,), False), (16, (0, 1), True), (17, (0, 1), False)],
+)
+def test_can_grow_counts_claimed_free_blocks(num_tokens: int, claim: tuple[int, ...], expected: bool) -> None:
+    manager = BlockManager(num_blocks=4, block_size=4)
+    held = cache_sequence(manager, list(range(8)))  # blocks 0, 1
+    manager.free(held[1:])  # block 1 free but cached: free list [2, 3, 1]; block 0 still in use
+    # Claiming block 0 (in use) saves a block; claiming block 1 too saves one more but takes it off
+    # the free list: 17 tokens need 5 blocks = 2 claimed + 3 fresh, and only 2 fresh would be left.
+    assert manager.can_grow([], num_tokens, claim=claim) is expected, f"{num_tokens} tokens claiming {claim}"
+
+
+def test_lru_eviction_order() -> None:
+    manager = BlockManager(num_blocks=4, block_size=2)
+    x, y, z = cache_sequence(manager, [1, 1]), cache_sequence(manager, [2, 2]), cache_sequence(manager, [3, 3])
+    assert (x, y, z) == ([0], [1], [2])
+    for table in (y, x, z):  # freed in this order: y is the least recently freed
+        manager.free(table)
+    assert list(manager.free_block_ids) == [3, 1, 0, 2] and manager.num_cached_blocks == 3
+    fresh: list[int] = []
+    manager.grow(fresh, 4)
+    assert fresh == [3, 1], "the never-used block first, then the least recently freed cached one"
+    assert manager.find_cached_prefix([2, 2]) == [], "y's block was evicted"
+    assert manager.find_cached_prefix([1, 1]) == [0] and manager.find_cached_prefix([3, 3]) == [2]
+
+    reused: list[int] = []
+    manager.claim(reused, [0])  # x is reused: out of the middle of the free list
+    assert list(manager.free_block_ids) == [2]
+    manager.free(reused)
+    assert list(manager.free_block_ids) == [2, 0], "a reused block is freed again as the most recent"
+    manager.grow(fresh, 6)
+    assert fresh == [3, 1, 2], "z (now the least recently freed) is evicted before x"
+    assert manager.find_cached_prefix([3, 3]) == [] and manager.find_cached_prefix([1, 1]) == [0]
+    assert_invariants(manager, [fresh])
+
+
+def test_equal_hash_with_other_tokens_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens: 42)  # every block collides
+    manager = BlockManager(num_blocks=4, block_size=2)
+    manager.free(cache_sequence(manager, [1, 2]))
+    assert manager.hash_to_block == {42: 0}
+    assert manager.find_cached_prefix([7, 8]) == [], "same hash, other tokens: never reused"
+    assert manager.find_cached_prefix([1, 2]) == [0]
+
+    held = cache_sequence(manager, [7, 8])  # fills with hash 42, which block 0 already holds
+    assert held == [1] and manager.blocks[1].block_hash is None, "a colliding block stays unregistered"
+    assert manager.hash_to_block == {42: 0}
+    assert_invariants(manager, [held])
+
+
+def test_equal_hash_and_tokens_under_another_parent_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_hash_block = bm_module.hash_block
+    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens: real_hash_block(None, tokens))  # parent ignored
+    manager = BlockManager(num_blocks=4, block_size=2)
+    manager.free(cache_sequence(manager, [1, 1]))  # block 0: root block [1, 1]
+    manager.free(cache_sequence(manager, [2, 2]))  # block 1: root block [2, 2]
+    assert manager.find_cached_prefix([1, 1, 2, 2]) == [0], "block 1 matches hash and tokens but not the parent"
+
+
+def test_shared_block_is_freed_to_the_cache_only_by_its_last_holder() -> None:
+    manager = BlockManager(num_blocks=4, block_size=2)
+    tokens = [5, 6, 7, 8, 9]
+    first = cache_sequence(manager, tokens)
+    assert first == [0, 1, 2]
+    second: list[int] = []
+    manager.claim(second, manager.find_cached_prefix(tokens))
+    assert second == [0, 1] and [manager.blocks[b].ref_count for b in (0, 1, 2)] == [2, 2, 1]
+    assert list(manager.free_block_ids) == [3], "claiming blocks in use takes nothing from the free list"
+    assert_invariants(manager, [first, second])
+
+    manager.free(first)
+    assert [manager.blocks[b].ref_count for b in (0, 1, 2)] == [1, 1, 0]
+    assert list(manager.free_block_ids) == [3, 2] and manager.num_cached_blocks == 0
+    assert_invariants(manager, [second])
+    manager.free(second)
+    assert list(manager.free_block_ids) == [3, 2, 1, 0] and manager.num_cached_blocks == 2
+    assert_invariants(manager, [])
+
+
+def test_events_are_reported_once_and_net() -> None:
+    manager = BlockManager(num_blocks=3, block_size=2)
+    assert manager.drain_events() == ([], [])
+    table = cache_sequence(manager, [1, 2, 3, 4, 5])
+    h0 = hash_block(None, [1, 2])
+    h1 = hash_block(h0, [3, 4])
+    assert manager.drain_events() == ([h0, h1], []), "one stored event per newly registered block"
+    assert manager.drain_events() == ([], []), "events are handed out once"
+    manager.free(table)  # freeing keeps blocks cached: no event
+    assert manager.drain_events() == ([], [])
+
+    fresh: list[int] = []
+    manager.grow(fresh, 4)  # takes block 2 (never hashed), then block 1 (h1, evicted)
+    assert fresh == [2, 1] and manager.drain_events() == ([], [h1])
+    manager.hash_full_blocks(fresh, [3, 3, 9, 9], [])  # stored, then evicted before any drain
+    manager.free(fresh)
+    manager.grow(fresh, 6)
+    assert manager.drain_events() == ([], [h0]), "a hash stored and removed between drains is not reported"
+    manager.free(fresh)
+    again = cache_sequence(manager, [1, 2])
+    assert again == [2] and manager.drain_events() == ([h0], []), "a hash stored again is reported again"
+    manager.free(again)
+    manager.grow(fresh, 6)  # takes 1, 0, then 2, evicting h0 ...
+    manager.hash_full_blocks(fresh, [1, 2], [])  # ... and stores it again, in block 1
+    assert fresh == [1, 0, 2] and manager.hash_to_block == {h0: 1}
+    assert manager.drain_events() == ([], []), "a hash removed and stored again between drains is not reported"
+    assert_invariants(manager, [fresh])
+
+
+def test_reset_prefix_cache_only_when_idle() -> None:
+    manager = BlockManager(num_blocks=3, block_size=2)
+    table = cache_sequence(manager, [1, 2, 3, 4])
+    manager.drain_events()
+    assert manager.reset_prefix_cache() is False and len(manager.hash_to_block) == 2, "blocks in use: nothing done"
+    manager.free(table)
+    assert manager.reset_prefix_cache() is True
+    assert manager.hash_to_block == {} and manager.num_cached_blocks == 0
+    assert sorted(manager.drain_events()[1]) == sorted([hash_block(None, [1, 2]), hash_block(hash_block(None, [1, 2]), [3, 4])])
+    assert list(manager.free_block_ids) == [2, 1, 0], "the free list order is kept"
+    assert_invariants(manager, [])
+
+
+def test_caching_disabled_registers_nothing() -> None:
+    manager = BlockManager(num_blocks=3, block_size=2, enable_caching=False)
+    table: list[int] = []
+    manager.grow(table, 4)
+    hashes: list[int] = []
+    manager.hash_full_blocks(table, [1, 2, 3, 4], hashes)
+    assert hashes == [hash_block(None, [1, 2]), hash_block(hashes[0], [3, 4])], "sequences still get hashes"
+    assert manager.hash_to_block == {} and all(b.block_hash is None for b in manager.blocks)
+    manager.free(table)
+    assert manager.find_cached_prefix([1, 2, 3, 4]) == [] and manager.num_cached_blocks == 0
+    assert manager.drain_events() == ([], [])
+    with pytest.raises(ValueError, match="no cached prefix"):
+        manager.claim([], [0])
+    assert_invariants(manager, [])
+
+
+def test_random_prefix_sharing_keeps_kv_contents_right() -> None:
+    """Random sequences over a 2-token alphabet (lots of shared prefixes) admitted through
+    find/claim, grown and freed in a tiny pool. A simulated cache records, per (block, slot), the
+    token prefix whose K/V was written there: every computed position must hold its own prefix,
+    writes must only hit blocks with one holder and no hash, and the drained events must track
+    ``hash_to_block`` exactly."""
+    rng = random.Random(1)
+    bs = 2
+    manager = BlockManager(num_blocks=12, block_size=bs)
+    kv: dict[tuple[int, int], tuple[int, ...]] = {}
+    seqs: list[tuple[list[int], list[int], list[int]]] = []  # (table, tokens, hashes), all tokens computed
+    published: set[int] = set()
+
+    def compute(table: list[int], tokens: list[int], start: int) -> None:
+        for pos in range(start, len(tokens)):
+            block = manager.blocks[table[pos // bs]]
+            assert block.ref_count == 1 and block.block_hash is None, f"write into shared/cached block {block}"
+            kv[(block.block_id, pos % bs)] = tuple(tokens[: pos + 1])
+
+    for _ in range(1500):
+        action = rng.random()
+        if action < 0.4:
+            tokens = [rng.randrange(2) for _ in range(rng.randint(1, 9))]
+            cached = manager.find_cached_prefix(tokens[:-1])
+            if not manager.can_grow([], len(tokens), claim=cached):
+                continue
+            table: list[int] = []
+            manager.claim(table, cached)
+            manager.grow(table, len(tokens))
+            compute(table, tokens, len(cached) * bs)
+            hashes = [manager.blocks[b].block_hash for b in cached]
+            manager.hash_full_blocks(table, tokens, hashes)
+            seqs.append((table, tokens, hashes))
+        elif action < 0.7 and seqs:
+            table, tokens, hashes = rng.choice(seqs)
+            extra = [rng.randrange(2) for _ in range(rng.randint(1, 3))]
+            if manager.can_grow(table, len(tokens) + len(extra)):
+                manager.grow(table, len(tokens) + len(extra))
+                tokens += extra
+                compute(table, tokens, len(tokens) - len(extra))
+                manager.hash_full_blocks(table, tokens, hashes)
+        elif seqs:
+            manager.free(seqs.pop(rng.randrange(len(seqs)))[0])
+        for table, tokens, _ in seqs:
+            for pos in range(len(tokens)):
+                assert kv[(table[pos // bs], pos % bs)] == tuple(tokens[: pos + 1]), f"stale K/V at {pos}"
+        assert_invariants(manager, [t for t, _, _ in seqs])
+        stored, removed = manager.drain_events()
+        assert not set(stored) & set(removed) and not set(stored) & published and set(removed) <= published
+        published = (published - set(removed)) | set(stored)
+        assert published == set(manager.hash_to_block), "events out of step with the cache"
+    assert manager.num_cached_blocks > 0

@@ -96,9 +96,10 @@ def record_logits(engine: LLMEngine) -> dict[tuple[str, int], torch.Tensor]:
     [(64, 24, False), (64, 1000, False), (6, 24, True), (5, 40, True)],
     ids=["chunked", "whole-prompts", "tiny-pool", "tinier-pool"],
 )
-def test_greedy_matches_reference(tiny, num_blocks: int, budget: int, expect_preemption: bool) -> None:
-    config = EngineConfig(block_size=16, num_blocks=num_blocks, max_num_seqs=8,
-                          max_num_batched_tokens=budget, max_model_len=256)
+@pytest.mark.parametrize("caching", [True, False], ids=["cache", "no-cache"])
+def test_greedy_matches_reference(tiny, num_blocks: int, budget: int, expect_preemption: bool, caching: bool) -> None:
+    config = EngineConfig(block_size=16, num_blocks=num_blocks, max_num_seqs=8, max_num_batched_tokens=budget,
+                          max_model_len=256, enable_prefix_caching=caching)
     engine = LLMEngine(tiny.model, tiny.tokenizer, config, "cpu", torch.float32)
     logged = record_logits(engine)
     prompts = make_prompts()

@@ -4,6 +4,7 @@ block ids, preemption order and recompute, admission queueing, and a pool fully 
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -14,27 +15,52 @@ from tandem.shared.kvcache.block_manager import BlockManager
 
 
 def make_scheduler(num_blocks: int, block_size: int = 4, budget: int = 64, max_seqs: int = 8,
-                   max_model_len: int = 1000) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), max_seqs, budget, max_model_len)
+                   max_model_len: int = 1000, caching: bool = True) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size, caching), max_seqs, budget, max_model_len)
 
 
-def make_seq(request_id: str, prompt_len: int, arrival: int, max_tokens: int = 4) -> Sequence:
+def make_seq(request_id: str, prompt_len: int, arrival: int, max_tokens: int = 4,
+             prompt: list[int] | None = None) -> Sequence:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    prompt = [(arrival * 31 + i) % 97 for i in range(prompt_len)]
-    return Sequence(request_id, prompt, prompt_len, params, arrival)
+    prompt = prompt if prompt is not None else [(arrival * 31 + i) % 97 for i in range(prompt_len)]
+    return Sequence(request_id, list(prompt), len(prompt), params, arrival)
 
 
-def fake_token(seq: Sequence) -> int:
+def fake_token(context: list[int]) -> int:
     """A deterministic function of the whole context, so recompute must reproduce it exactly."""
-    return (sum(seq.token_ids) * 7 + len(seq.token_ids)) % 101
+    return (sum(context) * 7 + len(context)) % 101
+
+
+def fake_run(scheduler: Scheduler, batch) -> list[int]:
+    """A model stand-in over a simulated KV cache: each computed position's (block, slot) records the
+    token prefix it was computed from, and a sampled token is a function of the prefixes read back
+    through the block table, so a cached block holding the wrong prefix changes the output."""
+    kv: dict[tuple[int, int], tuple[int, ...]] = scheduler.__dict__.setdefault("fake_kv", {})
+    bm, bs = scheduler.block_manager, scheduler.block_size
+    sampled = []
+    for seq, _ in batch.imports:  # the engine scatters the prompt's K/V in, then hashes it
+        for pos in range(seq.num_computed_tokens):
+            kv[(seq.block_table[pos // bs], pos % bs)] = tuple(seq.token_ids[: pos + 1])
+        scheduler.hash_computed(seq)
+    for item in batch.items:
+        seq, start = item.seq, item.seq.num_computed_tokens
+        for pos in range(start, start + item.num_query_tokens):
+            block = bm.blocks[seq.block_table[pos // bs]]
+            assert block.ref_count == 1 and block.block_hash is None, f"{seq.request_id} writes into shared {block}"
+            kv[(block.block_id, pos % bs)] = tuple(seq.token_ids[: pos + 1])
+        if item.samples:
+            context = [kv[(seq.block_table[p // bs], p % bs)] for p in range(seq.num_tokens)]
+            assert context == [tuple(seq.token_ids[: p + 1]) for p in range(seq.num_tokens)], "wrong K/V read"
+            sampled.append(fake_token(seq.token_ids))
+    return sampled
 
 
 def step(scheduler: Scheduler) -> list[tuple[str, int, bool]]:
     """One schedule + fake run + postprocess; returns the batch as (id, query tokens, samples)."""
     batch = scheduler.schedule()
     described = [(item.seq.request_id, item.num_query_tokens, item.samples) for item in batch.items]
-    sampled = [fake_token(item.seq) for item in batch.items if item.samples]
     check_invariants(scheduler)
+    sampled = fake_run(scheduler, batch)
     scheduler.postprocess(batch, sampled)
     check_invariants(scheduler)
     return described
@@ -46,14 +72,17 @@ def check_invariants(scheduler: Scheduler) -> None:
     assert arrivals == sorted(arrivals), f"running not sorted by arrival: {arrivals}"
     if scheduler.running and scheduler.waiting:
         assert max(arrivals) < min(s.arrival for s in scheduler.waiting), "a waiting seq is older than a running one"
-    used = [b for s in scheduler.running for b in s.block_table]
-    assert len(used) == len(set(used)), "a block is in two tables"
-    assert len(used) + bm.num_free_blocks == bm.num_blocks, "blocks leaked"
+    holders = Counter(b for s in scheduler.running for b in s.block_table)
+    for block_id, count in holders.items():
+        assert bm.blocks[block_id].ref_count == count, f"block {block_id}: ref count != tables holding it"
+    assert len(holders) + bm.num_free_blocks == bm.num_blocks, "blocks leaked"
     for seq in scheduler.waiting:
         assert not seq.block_table and seq.num_computed_tokens == 0, f"{seq.request_id} waits with blocks"
     for seq in scheduler.running:
         assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
         assert len(seq.block_hashes) == seq.num_computed_tokens // bm.block_size, "full blocks not hashed"
+        for block_id in seq.block_table[seq.num_computed_tokens // bm.block_size :]:  # still to be written
+            assert holders[block_id] == 1 and bm.blocks[block_id].block_hash is None, f"{seq.request_id}: shared tail"
 
 
 def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> int:
@@ -127,8 +156,9 @@ def test_admission_waits_for_blocks() -> None:
     assert scheduler.block_manager.num_free_blocks == 4
 
 
-def test_preemption_frees_youngest_and_recompute_keeps_outputs() -> None:
-    scheduler = make_scheduler(num_blocks=4, budget=100)
+@pytest.mark.parametrize(("caching", "recomputed"), [(False, 9), (True, 5)], ids=["no-cache", "cache"])
+def test_preemption_frees_youngest_and_recompute_keeps_outputs(caching: bool, recomputed: int) -> None:
+    scheduler = make_scheduler(num_blocks=4, budget=100, caching=caching)
     a, b = make_seq("a", 4, arrival=0, max_tokens=8), make_seq("b", 4, arrival=1, max_tokens=8)
     scheduler.add(a)
     scheduler.add(b)
@@ -146,9 +176,15 @@ def test_preemption_frees_youngest_and_recompute_keeps_outputs() -> None:
     assert b.num_computed_tokens == 0 and b.block_table == [] and b.token_ids == b_tokens
     assert a.block_table == [0, 2, 3]
     # b re-prefills prompt + its 5 outputs as one chunk once it fits, and samples its 6th token.
+    # With the cache, its first block (block 1, freed last, so evicted last) is still cached: only
+    # the other 5 tokens are recomputed (block 3, its second block, went to a).
     while b.status is SequenceStatus.WAITING:
         batch = step(scheduler)
-    assert batch[-1] == ("b", 9, True) and b.num_output_tokens == 6
+    assert batch[-1] == ("b", recomputed, True) and b.num_output_tokens == 6
+    if caching:
+        assert b.block_table[0] == 1, "b must have claimed its own cached first block"
+    bm = scheduler.block_manager
+    assert (bm.prefix_queries, bm.prefix_hits) == ((4 + 4 + 9, 4) if caching else (0, 0))
     run_to_completion(scheduler)
     assert scheduler.block_manager.num_free_blocks == 4
 
@@ -191,15 +227,16 @@ def test_imported_sequence_waits_then_scatters_and_decodes() -> None:
     scheduler.add(seq)
     batch = scheduler.schedule()
     assert [i.seq.request_id for i in batch.items] == ["a"] and not batch.imports, "imp must wait"
-    scheduler.postprocess(batch, [1])
+    scheduler.postprocess(batch, fake_run(scheduler, batch))
     while scheduler.running:
         step(scheduler)
     batch = scheduler.schedule()
     assert batch.imports == [(seq, kv)] and seq.pending_kv is None
     assert [(i.seq.request_id, i.num_query_tokens, i.samples) for i in batch.items] == [("imp", 1, True)]
     assert seq.num_computed_tokens == 6 and len(seq.block_table) == 2
-    scheduler.postprocess(batch, [9])
-    assert seq.output_token_ids == [5, 9]
+    scheduler.postprocess(batch, fake_run(scheduler, batch))
+    assert seq.output_token_ids == [5, fake_token(seq.token_ids[:7])]
+    assert len(seq.block_hashes) == 1, "the imported full block is hashed once it is scattered in"
 
 
 def test_abort_frees_blocks_at_once() -> None:
@@ -214,24 +251,110 @@ def test_abort_frees_blocks_at_once() -> None:
     assert scheduler.block_manager.num_free_blocks == 4 and not scheduler.has_unfinished()
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["distinct", "shared-prefixes"])
 @pytest.mark.parametrize("num_blocks,budget,max_seqs", [(6, 7, 4), (9, 5, 3), (40, 64, 16), (12, 1, 8)])
-def test_random_workload_matches_unconstrained_run(num_blocks: int, budget: int, max_seqs: int) -> None:
-    """Tiny pools and budgets (chunking, preemption) give the same tokens as a roomy scheduler."""
+def test_random_workload_matches_unconstrained_run(num_blocks: int, budget: int, max_seqs: int, shared: bool) -> None:
+    """Tiny pools and budgets (chunking, preemption, cache hits and evictions) give the same tokens
+    as a roomy scheduler without the cache; the fake runner checks every K/V read."""
     rng = random.Random(num_blocks * 1000 + budget)
-    prompts = [rng.randint(1, 20) for _ in range(12)]
+    base = [rng.randrange(97) for _ in range(20)]
+    prompt_lens = [rng.randint(1, 20) for _ in range(12)]
     # Keep every sequence within the pool's cap (num_blocks * block_size + 1 tokens).
-    specs = [(p, min(rng.randint(1, 12), num_blocks * 4 + 1 - p)) for p in prompts]
+    specs = [(p, min(rng.randint(1, 12), num_blocks * 4 + 1 - p)) for p in prompt_lens]
 
     def run(scheduler: Scheduler) -> dict[str, list[int]]:
-        seqs = [make_seq(f"r{i}", p, arrival=i, max_tokens=m) for i, (p, m) in enumerate(specs)]
+        seqs = [make_seq(f"r{i}", p, arrival=i, max_tokens=m, prompt=base[: p - 1] + [i] if shared else None)
+                for i, (p, m) in enumerate(specs)]
         for seq in seqs:
             scheduler.add(seq)
         run_to_completion(scheduler)
-        assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+        bm = scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
         assert all(s.num_output_tokens == m for s, (_, m) in zip(seqs, specs))
         return {s.request_id: s.output_token_ids for s in seqs}
 
     constrained = make_scheduler(num_blocks, budget=budget, max_seqs=max_seqs)
-    assert run(constrained) == run(make_scheduler(200, budget=1000, max_seqs=64))
+    assert run(constrained) == run(make_scheduler(200, budget=1000, max_seqs=64, caching=False))
     if num_blocks <= 9:
         assert constrained.num_preemptions > 0, "the small pool should have forced preemption"
+    if shared:
+        assert constrained.block_manager.prefix_hits > 0, "shared prefixes should hit the cache"
+
+
+# ---------------------------------------------------------------- prefix caching
+
+PROMPT = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32]  # two full blocks of 4 and a partial one
+
+
+@pytest.mark.parametrize(
+    ("prompt", "computed", "table", "hits"),
+    [
+        (PROMPT[:8] + [90, 91, 92], 3, [0, 1, 3], 8),  # shares both full blocks
+        (PROMPT, 2, [0, 1, 3], 8),  # the same prompt: its partial block is recomputed
+        (PROMPT[:6] + [90], 3, [0, 3], 4),  # shares a prefix ending mid-block: only whole blocks count
+        (PROMPT[:8], 4, [0, 3], 4),  # fully cached, ends on a block boundary: the last block is recomputed
+        ([90, 90, 90, 90, 90], 5, [3, 4], 0),  # nothing in common
+    ],
+    ids=["whole-blocks", "same-prompt", "mid-block", "exact-multiple", "miss"],
+)
+def test_admission_claims_the_cached_prefix(prompt: list[int], computed: int, table: list[int], hits: int) -> None:
+    scheduler = make_scheduler(num_blocks=16, budget=100)
+    scheduler.add(make_seq("a", 0, arrival=0, max_tokens=1, prompt=PROMPT))
+    assert step(scheduler) == [("a", 10, True)]
+    bm = scheduler.block_manager
+    assert list(bm.free_block_ids)[-3:] == [2, 1, 0] and bm.num_cached_blocks == 2, "a's full blocks stay cached"
+    b = make_seq("b", 0, arrival=1, max_tokens=2, prompt=prompt)
+    scheduler.add(b)
+    assert step(scheduler) == [("b", computed, True)], "only the uncached tokens are computed"
+    assert b.block_table == table, f"expected {table}, got {b.block_table}"
+    assert (bm.prefix_queries, bm.prefix_hits) == (10 + len(prompt), hits)
+    run_to_completion(scheduler)
+    assert bm.num_free_blocks == 16 and all(block.ref_count == 0 for block in bm.blocks)
+
+
+def test_cache_disabled_computes_everything() -> None:
+    scheduler = make_scheduler(num_blocks=16, budget=100, caching=False)
+    for i in range(2):
+        scheduler.add(make_seq(f"s{i}", 0, arrival=i, max_tokens=1, prompt=PROMPT))
+        assert step(scheduler) == [(f"s{i}", 10, True)]
+    bm = scheduler.block_manager
+    assert (bm.prefix_queries, bm.prefix_hits, bm.num_cached_blocks) == (0, 0, 0)
+    assert bm.drain_events() == ([], [])
+
+
+def test_running_sequences_share_blocks() -> None:
+    scheduler = make_scheduler(num_blocks=16, budget=100)
+    a = make_seq("a", 0, arrival=0, max_tokens=6, prompt=PROMPT[:8])
+    scheduler.add(a)
+    assert step(scheduler) == [("a", 8, True)] and a.block_table == [0, 1]
+    b = make_seq("b", 0, arrival=1, max_tokens=6, prompt=PROMPT[:8] + [40, 41])
+    scheduler.add(b)
+    assert step(scheduler) == [("a", 1, True), ("b", 2, True)]
+    bm = scheduler.block_manager
+    assert (a.block_table, b.block_table) == ([0, 1, 2], [0, 1, 3])
+    assert [bm.blocks[i].ref_count for i in range(4)] == [2, 2, 1, 1], "blocks 0 and 1 are held by both"
+    scheduler.abort("a")
+    assert [bm.blocks[i].ref_count for i in range(4)] == [1, 1, 0, 1] and bm.num_free_blocks == 13
+    run_to_completion(scheduler)
+    assert bm.num_free_blocks == 16 and bm.num_cached_blocks == 3, "blocks 0, 1 and b's full block 3"
+
+
+def test_chunked_prefill_continues_after_the_cached_prefix() -> None:
+    scheduler = make_scheduler(num_blocks=16, budget=5)
+    scheduler.add(make_seq("a", 0, arrival=0, max_tokens=1, prompt=PROMPT[:8]))
+    assert [step(scheduler), step(scheduler)] == [[("a", 5, False)], [("a", 3, True)]]
+    b = make_seq("b", 0, arrival=1, max_tokens=1, prompt=PROMPT[:8] + list(range(50, 57)))
+    scheduler.add(b)
+    assert [step(scheduler), step(scheduler)] == [[("b", 5, False)], [("b", 2, True)]], "15 - 8 cached = 7 to compute"
+    assert scheduler.block_manager.prefix_hits == 8
+
+
+@pytest.mark.parametrize(("caching", "second_step"), [(False, [("a", 1, True)]), (True, [("a", 1, True), ("b", 4, True)])])
+def test_a_cached_prefix_in_use_lets_the_head_in_sooner(caching: bool, second_step: list) -> None:
+    """b needs 3 blocks for 12 tokens with 1 free; 2 of them are a's blocks, which it can share."""
+    scheduler = make_scheduler(num_blocks=4, budget=100, caching=caching)
+    scheduler.add(make_seq("a", 0, arrival=0, max_tokens=6, prompt=PROMPT[:8]))
+    assert step(scheduler) == [("a", 8, True)]
+    scheduler.add(make_seq("b", 0, arrival=1, max_tokens=1, prompt=PROMPT[:8] + [7, 7, 7, 7]))
+    assert step(scheduler) == second_step
+    run_to_completion(scheduler)

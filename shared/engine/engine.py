@@ -9,6 +9,12 @@ freed). If that first token already ends the request (eos, stop, length) the nor
 reported and no KV is attached. The decode engine takes the request with ``kv`` and
 ``output_token_ids`` set and continues from token 1; its text deltas continue where the prefill
 worker's stopped (held-back text is re-derived, never sent twice).
+
+Prefix caching (``EngineConfig.enable_prefix_caching``, vLLM-style automatic prefix caching): full
+blocks stay in the pool after their sequence ends, keyed by chained block hash, and a new or
+re-prefilling sequence starts from the longest cached prefix of its tokens (see the scheduler).
+Imported blocks are hashed right after they are scattered in, so they are cacheable too.
+``drain_kv_events`` hands the services the hashes this engine started / stopped holding.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # query tokens per step (decodes + prefill chunks)
     max_model_len: int = 4096  # prompt + output tokens; also capped by the model's RoPE table
+    enable_prefix_caching: bool = True  # off: no lookups, no cached blocks, no KV events
 
     def validate(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
@@ -59,7 +66,7 @@ class LLMEngine:
         self.vocab_size: int = model.config.vocab_size
         self.max_model_len = min(config.max_model_len, model.config.max_position_embeddings)
         dtype = dtype if dtype is not None else next(model.parameters()).dtype
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -124,6 +131,7 @@ class LLMEngine:
             return outputs
         for seq, kv in batch.imports:
             self.runner.import_kv(seq.block_table, kv)
+            self.scheduler.hash_computed(seq)  # its prompt blocks hold valid K/V now: cacheable
         sampled = self.runner.run(batch)
         for seq in self.scheduler.postprocess(batch, sampled):
             outputs.append(self._make_output(seq, seq.token_ids[-1:]))
@@ -140,7 +148,17 @@ class LLMEngine:
             "num_blocks": self.block_manager.num_blocks,
             "usage": self.block_manager.usage,
             "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.block_manager.prefix_queries,  # tokens looked up at admission
+            "prefix_cache_hits": self.block_manager.prefix_hits,  # of those, tokens found cached
+            "cached_blocks": self.block_manager.num_cached_blocks,  # free but holding a cached prefix
         }
+
+    def drain_kv_events(self) -> tuple[list[int], list[int]]:
+        """``(stored, removed)`` block hashes since the last call, net; see ``BlockManager.drain_events``.
+
+        Call it on the thread that steps the engine (e.g. after each ``step``).
+        """
+        return self.block_manager.drain_events()
 
     def _make_output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         reason = seq.finish_reason

@@ -13,17 +13,27 @@ Invariants:
 - A sequence's first ``num_computed_tokens`` tokens have K/V in its blocks; waiting sequences hold
   no blocks and have ``num_computed_tokens == 0``. An imported hand-off keeps its prompt KV on the CPU
   (``pending_kv``) while waiting; on admission its prompt counts as computed and the KV is handed to
-  the engine to scatter in before the batch runs (``ScheduledBatch.imports``).
+  the engine to scatter in (and hash) before the batch runs (``ScheduledBatch.imports``).
+- Prefix caching (when the block manager has it on): any other admission (new, or preempted and
+  re-prefilling) claims the longest cached chain of full blocks of its known tokens *but the last*,
+  and counts those blocks as computed. So at least one token is always computed and sampled from;
+  when the known tokens end exactly on a block boundary and are all cached, the last block is not
+  claimed and is recomputed into a fresh block (never rewritten in place: a shared block is
+  read-only, and a recomputed K/V need not be bit-identical on GPU). Chunked prefill goes on from
+  there. Blocks are shared only through such claims, whole and already computed; a sequence writes
+  only past its ``num_computed_tokens``, into blocks it alone holds.
 - At most one running sequence is partially prefilled and it is the youngest: a chunk that stops
   short of the prompt's end used up the budget or the free blocks, so nothing is admitted after it.
 - A token is sampled only when a step computes the last known token (a partial chunk samples none).
 - Preemption (recompute): when a running sequence cannot grow, the youngest running sequence not yet
   in this batch (possibly itself) loses its blocks, gets ``num_computed_tokens = 0`` and goes to the
   front of ``waiting``; its output tokens are kept and re-prefilled with the prompt.
-- Admission waits (FCFS, no skipping) until the pool can hold all the head's known tokens; a prompt
+- Admission waits (FCFS, no skipping) until the pool can hold all the head's known tokens (its
+  cached prefix counts as held, a free cached block it claims as taken from the free list); a prompt
   larger than the whole pool is rejected by ``add``. Sequences are capped at
   ``min(max_model_len, num_blocks * block_size + 1)`` tokens, so a lone sequence always fits.
-- Finished sequences leave ``running`` and give their blocks back in ``postprocess``.
+- Finished and preempted sequences give their blocks back to the block manager, where the full ones
+  stay cached until evicted.
 """
 
 from __future__ import annotations
@@ -125,7 +135,8 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             seq = self.waiting[0]
-            if not self.block_manager.can_grow(seq.block_table, seq.num_tokens):
+            cached = self._cached_prefix(seq)
+            if not self.block_manager.can_grow(seq.block_table, seq.num_tokens, claim=cached):
                 break  # the head waits for blocks; later arrivals wait behind it
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -135,7 +146,25 @@ class Scheduler:
                 seq.num_computed_tokens = seq.num_prompt_tokens
                 batch.imports.append((seq, seq.pending_kv))
                 seq.pending_kv = None
+            elif self.block_manager.enable_caching:
+                self._claim_prefix(seq, cached)
             self._add_to_batch(batch, seq, seq.num_uncomputed_tokens, in_batch)
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks the waiting ``seq`` would claim: full blocks of its known tokens but the
+        last (that token must be computed to have logits to sample from). Empty for an import (its
+        K/V come with it) or with caching off."""
+        if seq.pending_kv is not None or not self.block_manager.enable_caching:
+            return []
+        return self.block_manager.find_cached_prefix(seq.token_ids[:-1])
+
+    def _claim_prefix(self, seq: Sequence, cached: list[int]) -> None:
+        """Take ``cached`` as ``seq``'s first blocks, computed, and count the lookup."""
+        bm = self.block_manager
+        bm.claim(seq.block_table, cached)
+        seq.block_hashes = [bm.blocks[block_id].block_hash for block_id in cached]
+        seq.num_computed_tokens = len(cached) * self.block_size
+        bm.record_prefix_query(seq.num_tokens, seq.num_computed_tokens)
 
     def _batch_full(self, batch: ScheduledBatch) -> bool:
         return batch.num_batched_tokens >= self.max_num_batched_tokens or len(batch.items) >= self.max_num_seqs
@@ -181,9 +210,7 @@ class Scheduler:
         for item in batch.items:
             seq = item.seq
             seq.num_computed_tokens += item.num_query_tokens
-            if seq.num_computed_tokens // self.block_size > len(seq.block_hashes):
-                computed = seq.token_ids[: seq.num_computed_tokens]
-                self.block_manager.hash_full_blocks(seq.block_table, computed, seq.block_hashes)
+            self.hash_computed(seq)
             if not item.samples:
                 continue
             seq.token_ids.append(int(next(sampled)))
@@ -194,6 +221,16 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason)
         return updated
+
+    def hash_computed(self, seq: Sequence) -> None:
+        """Hash (and so make cacheable) the blocks ``seq`` has fully computed since the last call.
+
+        Called once their K/V are really in the cache: after the step that computed them, or after
+        the engine scattered an import in.
+        """
+        if seq.num_computed_tokens // self.block_size > len(seq.block_hashes):
+            computed = seq.token_ids[: seq.num_computed_tokens]
+            self.block_manager.hash_full_blocks(seq.block_table, computed, seq.block_hashes)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark ``seq`` finished and give its blocks back (after the ``on_finish`` hook)."""

@@ -2,7 +2,8 @@
 scheduler moves between its queues, and the request/output messages the services exchange.
 
 A ``Sequence`` keeps one flat ``token_ids`` list (prompt followed by output). Its first
-``num_computed_tokens`` tokens have their K/V in the paged cache, in the blocks of ``block_table``.
+``num_computed_tokens`` tokens have their K/V in the paged cache, in the blocks of ``block_table``;
+the leading ones may be prefix-cache blocks shared with other sequences (read-only).
 """
 
 from __future__ import annotations

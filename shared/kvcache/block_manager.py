@@ -1,26 +1,40 @@
-"""Physical KV-cache block bookkeeping: ref counts, a free list and chained block hashes.
+"""Physical KV-cache block bookkeeping: ref counts, an LRU free list, chained block hashes and the
+prefix cache built on them.
 
-Modelled on vLLM v1's ``block_pool.py`` and nano-vllm's ``block_manager.py``. A sequence owns a
-*block table*: a plain ``list[int]`` of physical block ids, block ``i`` holding the K/V of token
-positions ``[i * block_size, (i + 1) * block_size)``. The manager hands out blocks on demand as the
-sequence grows and takes them back when it finishes or is preempted.
+Modelled on vLLM v1's ``block_pool.py`` (automatic prefix caching) and nano-vllm's
+``block_manager.py``. A sequence owns a *block table*: a plain ``list[int]`` of physical block ids,
+block ``i`` holding the K/V of token positions ``[i * block_size, (i + 1) * block_size)``. The
+manager hands out blocks on demand as the sequence grows and takes them back when it finishes or is
+preempted. A full block keeps its chained hash after it is freed: it stays *cached* (free, but
+findable by ``find_cached_prefix`` and reusable through ``claim``) until the free list hands it out
+for new contents, least recently freed first.
 
 Invariants (checked by the tests):
 - A block is on the free list if and only if its ``ref_count`` is 0; every block is either free or
   referenced by at least one block table (so ``num_free_blocks + #referenced == num_blocks``).
-- Only full blocks carry a ``block_hash``; a block's hash is the chained hash of its tokens and the
-  hash of the block before it, so it covers every token of the sequence up to the block's end.
-- ``hash_to_block`` maps a hash to a block currently holding exactly those tokens. A freed block keeps
-  its hash (its contents are still valid until it is reused); when it is taken from the free list
-  again its hash and its ``hash_to_block`` entry are dropped. Prefix caching (a later issue) will look
-  blocks up here; nothing reads it yet.
+- The free list is ordered by release: ``grow`` takes from the front, ``free`` appends to the back,
+  ``claim`` takes a cached block out of the middle in O(1) (an insertion-ordered dict).
+- ``block.block_hash is not None`` if and only if ``hash_to_block[block.block_hash] == block_id``:
+  one block per hash. Such a block is full, ``token_ids`` are its ``block_size`` tokens and
+  ``parent_hash`` the hash of the block before it in the chain (None for the first), so its hash
+  covers every token of the sequence up to its end. A block that fills with a hash some other block
+  already holds stays unregistered (no hash) and is an ordinary block.
+- A hashed block is never written: its K/V stay valid for its whole chain until it is evicted
+  (taken from the free list for new contents, which drops its hash). Writes go only to blocks a
+  single sequence holds, at positions past its computed tokens (the scheduler's side of this).
+- ``num_cached_blocks`` counts the free blocks with a hash.
+- Every change of the set of hashes in ``hash_to_block`` is reported once by ``drain_events``, as the
+  net change since the previous drain (``stored`` and ``removed`` are disjoint), so the pending events
+  never exceed ``2 * num_blocks`` hashes even if nobody drains them.
+- With ``enable_caching=False`` nothing is registered (no hashes on blocks, no events, no hits);
+  allocation order is the same either way.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,8 +49,9 @@ class Block:
 
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None  # set only once the block is full
-    token_ids: tuple[int, ...] | None = None  # the tokens the hash covers (for hash-collision checks)
+    block_hash: int | None = None  # set only while the block is registered in hash_to_block
+    token_ids: tuple[int, ...] | None = None  # the tokens the hash covers (checked on reuse)
+    parent_hash: int | None = None  # hash of the previous block of the chain (checked on reuse)
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -52,26 +67,36 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
 
 
 class BlockManager:
-    """Allocates physical blocks to block tables, with ref counts and a FIFO free list."""
+    """Allocates physical blocks to block tables, with ref counts, an LRU free list and a prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
-        # Allocate from the left, return to the right: a freed block is reused as late as possible,
-        # which keeps its (hashed) contents around longest for prefix caching.
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        # Keys only (values unused): O(1) popleft, append and removal from the middle.
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        self.prefix_queries = 0  # tokens looked up at admission
+        self.prefix_hits = 0  # of those, tokens found in the cache
+        self._num_cached_free = 0
+        self._stored: dict[int, None] = {}  # net changes since the last drain, in order
+        self._removed: dict[int, None] = {}
 
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold a reusable (hashed) prefix."""
+        return self._num_cached_free
+
+    @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0..1."""
+        """Fraction of blocks in use, 0..1 (cached free blocks count as free)."""
         return 1.0 - len(self.free_block_ids) / self.num_blocks
 
     def blocks_needed(self, block_table: Sequence[int], num_tokens: int) -> int:
@@ -79,8 +104,14 @@ class BlockManager:
         blocks_for_tokens = -(-num_tokens // self.block_size)
         return max(0, blocks_for_tokens - len(block_table))
 
-    def can_grow(self, block_table: Sequence[int], num_tokens: int) -> bool:
-        return self.blocks_needed(block_table, num_tokens) <= len(self.free_block_ids)
+    def can_grow(self, block_table: Sequence[int], num_tokens: int, claim: Sequence[int] = ()) -> bool:
+        """Whether the table, after claiming the cached blocks ``claim``, can grow to ``num_tokens``.
+
+        Claimed blocks that are free leave the free list, so they count against it too.
+        """
+        revived = sum(1 for block_id in claim if self.blocks[block_id].ref_count == 0)
+        needed = max(0, -(-num_tokens // self.block_size) - len(block_table) - len(claim))
+        return needed + revived <= len(self.free_block_ids)
 
     def grow(self, block_table: list[int], num_tokens: int) -> None:
         """Append block ids to ``block_table`` in place so it holds ``num_tokens`` tokens.
@@ -99,7 +130,7 @@ class BlockManager:
         """Drop one reference to each block of the table and clear the table in place.
 
         Blocks go back in reverse order so a table's tail blocks (the least shareable prefix) sit
-        nearer the front of the free list and are reused before its head blocks.
+        nearer the front of the free list and are evicted before its head blocks.
         """
         for block_id in reversed(block_table):
             block = self.blocks[block_id]
@@ -107,7 +138,9 @@ class BlockManager:
                 raise ValueError(f"block {block_id} freed while not referenced")
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_block_ids.append(block_id)
+                self.free_block_ids[block_id] = None
+                if block.block_hash is not None:
+                    self._num_cached_free += 1
         block_table.clear()
 
     def share(self, block_id: int) -> None:
@@ -117,36 +150,112 @@ class BlockManager:
             raise ValueError(f"block {block_id} is free; only referenced blocks can be shared")
         block.ref_count += 1
 
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Block ids of the longest cached chain of full blocks starting at ``token_ids[0]``.
+
+        Pure lookup: nothing is claimed. A block matches only if its hash, its parent's hash and its
+        tokens all equal ours, so a hash collision can never hand out another prefix's K/V.
+        """
+        found: list[int] = []
+        if not self.enable_caching:
+            return found
+        parent: int | None = None
+        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+            tokens = tuple(token_ids[start : start + self.block_size])
+            block_hash = hash_block(parent, tokens)
+            block_id = self.hash_to_block.get(block_hash)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tokens or block.parent_hash != parent:
+                break
+            found.append(block_id)
+            parent = block_hash
+        return found
+
+    def claim(self, block_table: list[int], block_ids: Sequence[int]) -> None:
+        """Append cached blocks (from ``find_cached_prefix``) to the table: ref +1 each, a free one
+        leaves the free list (it is no longer evictable) but keeps its hash."""
+        for block_id in block_ids:
+            if self.blocks[block_id].block_hash is None:
+                raise ValueError(f"block {block_id} holds no cached prefix; only cached blocks can be claimed")
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+                self._num_cached_free -= 1
+            block.ref_count += 1
+            block_table.append(block_id)
+
+    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admission's lookup (in tokens, like vLLM's prefix cache queries/hits)."""
+        self.prefix_queries += num_query_tokens
+        self.prefix_hits += num_hit_tokens
+
     def hash_full_blocks(
         self, block_table: Sequence[int], token_ids: Sequence[int], block_hashes: list[int]
     ) -> None:
         """Hash every block that became full since the last call; extend ``block_hashes`` in place.
 
-        ``token_ids`` are the sequence's tokens whose K/V are (or are being) written to the cache;
-        ``block_hashes[i]`` is the chained hash of block ``i``, so only blocks past
-        ``len(block_hashes)`` are hashed: the work per step is proportional to the new blocks.
+        ``token_ids`` are the sequence's tokens whose K/V are in the cache; ``block_hashes[i]`` is the
+        chained hash of block ``i``, so only blocks past ``len(block_hashes)`` are hashed: the work per
+        step is proportional to the new blocks. Each newly full block is registered (cacheable)
+        unless another block already holds its hash.
         """
         num_full = min(len(token_ids) // self.block_size, len(block_table))
         parent = block_hashes[-1] if block_hashes else None
         for index in range(len(block_hashes), num_full):
             start = index * self.block_size
             tokens = tuple(token_ids[start : start + self.block_size])
-            parent = hash_block(parent, tokens)
+            block_hash = hash_block(parent, tokens)
             block = self.blocks[block_table[index]]
-            block.block_hash = parent
-            block.token_ids = tokens
-            self.hash_to_block[parent] = block.block_id
-            block_hashes.append(parent)
+            if self.enable_caching and block_hash not in self.hash_to_block:
+                assert block.block_hash is None, f"block {block.block_id} hashed twice"
+                block.block_hash, block.token_ids, block.parent_hash = block_hash, tokens, parent
+                self.hash_to_block[block_hash] = block.block_id
+                self._note(block_hash, stored=True)
+            block_hashes.append(block_hash)
+            parent = block_hash
+
+    def drain_events(self) -> tuple[list[int], list[int]]:
+        """``(stored, removed)``: hashes that became findable / stopped being findable since the last
+        call, net (a hash stored and evicted in between appears in neither)."""
+        stored, removed = list(self._stored), list(self._removed)
+        self._stored.clear()
+        self._removed.clear()
+        return stored, removed
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (e.g. after new weights); False, doing nothing, while any
+        block is in use, because a running sequence's hashed blocks cannot be un-shared."""
+        if len(self.free_block_ids) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            if block.block_hash is not None:
+                self._evict(block)
+        return True
 
     def _take_free_block(self) -> int:
-        block_id = self.free_block_ids.popleft()
+        block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         assert block.ref_count == 0, f"block {block_id} on the free list with ref_count {block.ref_count}"
         if block.block_hash is not None:
-            # Its contents are about to be overwritten: forget the cached prefix it held.
-            if self.hash_to_block.get(block.block_hash) == block_id:
-                del self.hash_to_block[block.block_hash]
-            block.block_hash = None
-            block.token_ids = None
+            self._evict(block)  # its contents are about to be overwritten
         block.ref_count = 1
         return block_id
+
+    def _evict(self, block: Block) -> None:
+        """Drop a free block's cached prefix."""
+        assert block.block_hash is not None and block.ref_count == 0
+        del self.hash_to_block[block.block_hash]
+        self._note(block.block_hash, stored=False)
+        self._num_cached_free -= 1
+        block.block_hash = block.token_ids = block.parent_hash = None
+
+    def _note(self, block_hash: int, stored: bool) -> None:
+        # A store cancels a pending removal of the same hash and vice versa: only net changes count.
+        undo, record = (self._removed, self._stored) if stored else (self._stored, self._removed)
+        if block_hash in undo:
+            del undo[block_hash]
+        else:
+            record[block_hash] = None

@@ -1,0 +1,188 @@
+"""Prefix caching in the engine, on the tiny model (CPU, float32) against the contiguous-cache
+reference: prompts that share whole blocks, share a prefix ending mid-block, are fully cached on a
+block boundary or share nothing; eviction under a tiny pool with exact hits and KV events;
+preemption; the prefill_only export from cached blocks and imported blocks becoming cacheable.
+Every test checks exact token parity, exact hit counters and a pool of ref-0 blocks at the end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tandem.shared.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
+from tandem.shared.kvcache.block_manager import hash_block
+from tandem.shared.model import load_model, reference_generate
+from test_engine import record_logits, run
+
+BS = 16
+_rng = random.Random(3)
+BASE = [_rng.randrange(256) for _ in range(48)]
+OTHER = [_rng.randrange(256) for _ in range(48)]
+H0 = hash_block(None, BASE[:16])  # the chained hashes of BASE's first blocks
+H1 = hash_block(H0, BASE[16:32])
+G0 = hash_block(None, OTHER[:16])
+G1 = hash_block(G0, OTHER[16:32])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return load_model("tiny", device="cpu", dtype=torch.float32)
+
+
+def make_engine(tiny, num_blocks: int = 64, budget: int = 1000, caching: bool = True, **extra) -> LLMEngine:
+    config = EngineConfig(block_size=BS, num_blocks=num_blocks, max_num_seqs=8, max_num_batched_tokens=budget,
+                          max_model_len=256, enable_prefix_caching=caching, **extra)
+    return LLMEngine(tiny.model, tiny.tokenizer, config, "cpu", torch.float32)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def count_computed(engine: LLMEngine) -> list[int]:
+    """Wrap the runner to count the query tokens it computes (a one-element list, updated in place)."""
+    computed, run_batch = [0], engine.runner.run
+
+    def counting(batch):
+        computed[0] += batch.num_batched_tokens
+        return run_batch(batch)
+
+    engine.runner.run = counting
+    return computed
+
+
+_references: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}
+
+
+def reference(tiny, prompt: list[int], max_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """``reference_generate``, memoized: several tests and engines check the same prompts."""
+    key = (tuple(prompt), max_tokens)
+    if key not in _references:
+        _references[key] = reference_generate(tiny.model, prompt, max_tokens)
+    return _references[key]
+
+
+def check_parity(tiny, results, requests: list[EngineRequest], logged=None) -> None:
+    for request in requests:
+        ref_tokens, ref_logits = reference(tiny, request.prompt_token_ids, request.params.max_tokens)
+        assert results[request.request_id].tokens == ref_tokens, f"{request.request_id} diverged from the reference"
+        for index, ref_row in enumerate(ref_logits if logged is not None else []):
+            row = logged[(request.request_id, index)]
+            assert torch.allclose(row, ref_row, atol=1e-4, rtol=1e-4), f"logits of {request.request_id}[{index}]"
+
+
+def assert_all_free(engine: LLMEngine) -> None:
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "blocks still allocated"
+    assert all(block.ref_count == 0 for block in bm.blocks), "a block kept a reference"
+
+
+# Followers of a seed request (BASE[:40], 8 tokens: 47 computed, so BASE's first 2 blocks cached).
+FOLLOWERS = {
+    "whole": (BASE[:32] + OTHER[:10], 32),  # shares both cached blocks
+    "mid": (BASE[:20] + OTHER[:5], 16),  # the shared prefix ends mid-block: only the whole block counts
+    "exact": (BASE[:32], 16),  # fully cached, 2 whole blocks: the last one is recomputed
+    "seed-again": (BASE[:40], 32),
+    "miss": (OTHER[:30], 0),
+}
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["cache", "no-cache"])
+def test_followers_match_reference_and_skip_cached_tokens(tiny, caching: bool) -> None:
+    engine = make_engine(tiny, caching=caching)
+    logged, computed = record_logits(engine), count_computed(engine)
+    seed = [EngineRequest("seed", BASE[:40], greedy(8))]
+    run(engine, seed)
+    assert engine.drain_kv_events() == (([H0, H1], []) if caching else ([], [])), "the seed's 2 full blocks"
+    assert engine.stats()["cached_blocks"] == (2 if caching else 0)
+    followers = [EngineRequest(rid, prompt, greedy(6)) for rid, (prompt, _) in FOLLOWERS.items()]
+    results = run(engine, followers)  # all admitted in one step: they can only hit the seed's blocks
+    check_parity(tiny, results, followers, logged)
+    stats = engine.stats()
+    hits = sum(h for _, h in FOLLOWERS.values()) if caching else 0
+    queries = 40 + sum(len(p) for p, _ in FOLLOWERS.values()) if caching else 0
+    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (queries, hits)
+    every_token = sum(len(r.prompt_token_ids) + r.params.max_tokens - 1 for r in seed + followers)
+    assert computed[0] == every_token - hits, "cached tokens must not be computed again"
+    assert engine.drain_kv_events()[1] == [], "a roomy pool evicts nothing"
+    assert_all_free(engine)
+
+
+def test_eviction_under_a_tiny_pool_with_exact_hits_and_events(tiny) -> None:
+    """4 blocks; A and B alternate. Each wave's lookup, eviction and events, derived by hand:
+    - A (33 tokens, 1 out): blocks [0, 1, 2], caches H0 (0), H1 (1); freed -> free list [3, 2, 1, 0].
+    - B (40 tokens, 1 out): no hit; takes 3, 2, 1 (evicting H1, the least recently freed cached
+      block); caches G0 (3), G1 (2); freed -> [0, 1, 2, 3].
+    - A again (4 out): hits H0 (block 0; H1 is gone): 16 tokens; takes 1, then 2 (evicting G1) and
+      recomputes H1 into block 1; freed -> [3, 2, 1, 0].
+    - B again: hits G0 (block 3): 16 tokens; takes 2, 1 (evicting H1) and recomputes G1 into block 2.
+    """
+    engine = make_engine(tiny, num_blocks=4)
+    logged = record_logits(engine)
+    waves = [
+        (EngineRequest("a1", BASE[:33], greedy(1)), 0, ([H0, H1], [])),
+        (EngineRequest("b1", OTHER[:40], greedy(1)), 0, ([G0, G1], [H1])),
+        (EngineRequest("a2", BASE[:33], greedy(4)), 16, ([H1], [G1])),
+        (EngineRequest("b2", OTHER[:40], greedy(1)), 16, ([G1], [H1])),
+    ]
+    hits = 0
+    for request, wave_hits, events in waves:
+        check_parity(tiny, run(engine, [request]), [request], logged)
+        hits += wave_hits
+        assert engine.stats()["prefix_cache_hits"] == hits, f"after {request.request_id}"
+        assert engine.drain_kv_events() == events, f"events of {request.request_id}"
+    assert engine.stats()["prefix_cache_queries"] == 33 + 40 + 33 + 40
+    assert sorted(engine.block_manager.hash_to_block.items()) == sorted([(H0, 0), (G0, 3), (G1, 2)])
+    assert engine.stats()["cached_blocks"] == 3
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("num_blocks,budget", [(6, 24), (5, 40), (8, 7)], ids=["tiny-pool", "tinier-pool", "small-chunks"])
+def test_preemption_with_shared_prefixes_matches_reference(tiny, num_blocks: int, budget: int) -> None:
+    prompts = [BASE[:n] + [i] for i, n in enumerate([15, 16, 31, 33, 40, 20, 47])] + [BASE[:32], OTHER[:17]]
+    outcomes = {}
+    for caching in (True, False):
+        engine = make_engine(tiny, num_blocks=num_blocks, budget=budget, caching=caching)
+        logged = record_logits(engine)
+        requests = [EngineRequest(f"r{i}", p, greedy(10 + i % 5)) for i, p in enumerate(prompts)]
+        results = run(engine, requests)
+        check_parity(tiny, results, requests, logged)
+        stats = engine.stats()
+        assert (stats["prefix_cache_hits"] > 0) == caching, "shared prefixes and re-prefills should hit"
+        assert stats["prefix_cache_hits"] <= stats["prefix_cache_queries"]
+        assert_all_free(engine)
+        outcomes[caching] = ({rid: r.tokens for rid, r in results.items()}, stats["preemptions"])
+    assert outcomes[True][0] == outcomes[False][0], "the cache changed the outputs"
+    if budget != 7:
+        assert outcomes[True][1] > 0 and outcomes[False][1] > 0, "the small pool should have forced preemption"
+
+
+def test_prefill_export_from_cache_and_imported_blocks_are_cacheable(tiny) -> None:
+    prompt, params = BASE[:40], greedy(10)
+    prefill = make_engine(tiny, num_blocks=16)
+    first = run(prefill, [EngineRequest("p1", prompt, params, prefill_only=True)])["p1"]
+    second = run(prefill, [EngineRequest("p2", prompt, params, prefill_only=True)])["p2"]
+    assert prefill.stats()["prefix_cache_hits"] == 32, "p2's first two blocks come from the cache"
+    assert first.finish_reason == second.finish_reason == "prefilled" and first.tokens == second.tokens
+    assert torch.equal(second.kv[:2], first.kv[:2]), "cached blocks are exported as they are"
+    assert torch.allclose(second.kv[2, :, :, :8], first.kv[2, :, :, :8], atol=1e-5), "the recomputed partial block"
+    fresh = run(make_engine(tiny, num_blocks=16, caching=False), [EngineRequest("p", prompt, params, prefill_only=True)])
+    for got, want in ((second.kv[:2], fresh["p"].kv[:2]), (second.kv[2, :, :, :8], fresh["p"].kv[2, :, :, :8])):
+        assert torch.allclose(got, want, atol=1e-5), "the export differs from a cache-free prefill's"
+    assert_all_free(prefill)
+
+    decode = make_engine(tiny, num_blocks=16)
+    handoff = EngineRequest("d1", prompt, params, kv=second.kv, output_token_ids=second.tokens)
+    decode.add_request(handoff)
+    decoded = [t for out in decode.step() for t in out.new_token_ids]
+    assert decode.drain_kv_events() == ([H0, H1], []), "imported full blocks are hashed once scattered in"
+    while decode.has_unfinished():
+        decoded += [t for out in decode.step() for t in out.new_token_ids]
+    assert second.tokens + decoded == reference(tiny, prompt, 10)[0], "the hand-off diverged"
+    follower = EngineRequest("d2", BASE[:36], greedy(5))  # shares both imported blocks
+    check_parity(tiny, run(decode, [follower]), [follower])
+    assert decode.stats()["prefix_cache_hits"] == 32 and decode.stats()["prefix_cache_queries"] == 36
+    assert_all_free(decode)
