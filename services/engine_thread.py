@@ -41,11 +41,13 @@ class EngineThread:
         loop: asyncio.AbstractEventLoop,
         on_outputs: Callable[[list[RequestOutput]], None],
         on_failure: Callable[[list[str], BaseException], None],
+        on_kv_events: Callable[[list[int], list[int]], None] | None = None,
     ) -> None:
         self.engine = engine
         self._loop = loop
         self._on_outputs = on_outputs
         self._on_failure = on_failure
+        self._on_kv_events = on_kv_events
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: set[str] = set()
         self._stopping = threading.Event()
@@ -115,3 +117,7 @@ class EngineThread:
             self.stats = self.engine.stats()
             if outputs:
                 self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+            if self._on_kv_events is not None:
+                stored, removed = self.engine.drain_kv_events()
+                if stored or removed:
+                    self._loop.call_soon_threadsafe(self._on_kv_events, stored, removed)

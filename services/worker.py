@@ -18,9 +18,10 @@ from tandem.services.runtime import ServiceRuntime
 from tandem.shared import subjects
 from tandem.shared.config import Settings
 from tandem.shared.engine import EngineConfig, LLMEngine, RequestOutput
-from tandem.shared.kvcache.cache import kv_cache_bytes_per_block
+from tandem.shared.kvcache.cache import kv_cache_bytes_per_block, kv_namespace
+from tandem.shared.kvevents import ensure_kv_events_stream, publish_kv_event
 from tandem.shared.messages import (
-    Cancel, ErrorCode, ErrorReply, Heartbeat, ProtocolError, StreamChunk, decode, encode,
+    Cancel, ErrorCode, ErrorReply, Heartbeat, KVEvent, ProtocolError, StreamChunk, decode, encode,
 )
 from tandem.shared.model import LoadedModel, load_model, resolve_dtype
 
@@ -85,11 +86,17 @@ class EngineWorker(ServiceRuntime):
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            enable_prefix_caching=settings.enable_prefix_caching,
         )
         self.engine = LLMEngine(self.loaded.model, self.loaded.tokenizer, self.engine_config, self.device, self.dtype)
         self.streams: dict[str, Stream] = {}
         self.thread: EngineThread | None = None
         self._outbox: list[tuple[str, bytes]] = []
+        cfg = self.loaded.config
+        self.kv_namespace = kv_namespace(self.model_name, self.dtype, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                         settings.block_size)
+        self._kv_events: asyncio.Queue[KVEvent] = asyncio.Queue()
+        self._kv_seq = 0
         self.log.info(
             "model %s ready: %d KV blocks of %d tokens, max_model_len %d",
             self.model_name, self.engine_config.num_blocks, settings.block_size, self.max_model_len,
@@ -100,9 +107,11 @@ class EngineWorker(ServiceRuntime):
 
     async def setup(self) -> None:
         loop = asyncio.get_running_loop()
-        self.thread = EngineThread(self.engine, loop, self.on_outputs, self.on_failure)
+        self.thread = EngineThread(self.engine, loop, self.on_outputs, self.on_failure, self.on_kv_events)
         self.thread.start()
         await self.nc.subscribe(subjects.CANCEL, cb=self._on_cancel)
+        self.queue_kv_event([], [], cleared=True)  # a fresh cache: whatever this id held before is gone
+        self.spawn(self.publish_kv_events(), "KV event publisher")
 
     async def teardown(self) -> None:
         if self.thread is not None:
@@ -114,8 +123,36 @@ class EngineWorker(ServiceRuntime):
             service=self.name, instance_id=self.instance_id, host=self.host, pid=os.getpid(),
             model=self.model_name, running=stats["running"], waiting=stats["waiting"],
             free_blocks=stats["free_blocks"], num_blocks=stats["num_blocks"],
-            block_size=self.settings.block_size, max_model_len=self.max_model_len,
+            block_size=self.settings.block_size, max_model_len=self.max_model_len, kv_namespace=self.kv_namespace,
+            prefix_cache_queries=stats.get("prefix_cache_queries", 0), prefix_cache_hits=stats.get("prefix_cache_hits", 0),
         )
+
+    def on_kv_events(self, stored: list[int], removed: list[int]) -> None:
+        self.queue_kv_event(stored, removed)
+
+    def queue_kv_event(self, stored: list[int], removed: list[int], cleared: bool = False) -> None:
+        event = KVEvent(source=self.instance_id, service=self.name, namespace=self.kv_namespace, seq=self._kv_seq,
+                        stored=stored, removed=removed, cleared=cleared)
+        self._kv_seq += 1
+        self._kv_events.put_nowait(event)
+
+    async def publish_kv_events(self) -> None:
+        """One publisher, in order: the router detects gaps by sequence number."""
+        js = self.nc.jetstream()
+        try:
+            await ensure_kv_events_stream(js)
+        except Exception as exc:  # no JetStream on this server: live subscribers still hear events
+            self.log.warning("KV events stream unavailable (%s); publishing without persistence", exc)
+            js = None
+        while True:
+            event = await self._kv_events.get()
+            if js is not None:
+                try:
+                    await publish_kv_event(js, event)
+                    continue
+                except Exception as exc:
+                    self.log.warning("KV event %d not persisted (%s); publishing it plainly", event.seq, exc)
+            await self.nc.publish(subjects.kv_events(self.name, self.instance_id), encode(event))
 
     def check_request(self, model: str, prompt_token_ids: list[int]) -> None:
         """Refuse what the engine cannot serve, with the code a client can act on."""

@@ -43,6 +43,7 @@ class Settings(BaseSettings):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(512, ge=16)  # also the prefill chunk size
     max_model_len: int = Field(2048, ge=16)
+    enable_prefix_caching: bool = True
 
     # bus
     heartbeat_interval_s: float = Field(0.5, gt=0)

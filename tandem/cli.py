@@ -44,10 +44,12 @@ def add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step; the prefill chunk size")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--torch-threads", type=int, help="CPU threads per worker for model math (0: torch default)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse cached KV blocks of shared prompt prefixes (default: on)")
 
 
 ENGINE_FLAGS = ("device", "dtype", "block_size", "num_blocks", "kv_cache_mib", "gpu_memory_utilization", "max_num_seqs",
-                "max_num_batched_tokens", "max_model_len", "torch_threads")
+                "max_num_batched_tokens", "max_model_len", "torch_threads", "enable_prefix_caching")
 KVSTORE_FLAGS = ("kvstore_ram_mib", "kvstore_disk_mib", "kvstore_dir")
 
 
@@ -107,9 +109,11 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     """Engine flags given to ``up``/``bench``, passed on to the workers it starts."""
     argv = []
     for name in ENGINE_FLAGS:
-        value = getattr(args, name, None)
-        if value is not None:
-            argv += [f"--{name.replace('_', '-')}", str(value)]
+        value, flag = getattr(args, name, None), name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(f"--{flag}" if value else f"--no-{flag}")
+        elif value is not None:
+            argv += [f"--{flag}", str(value)]
     return argv
 
 

@@ -102,6 +102,8 @@ class Completion:
     ttft_s: float | None
     tpot_s: float | None  # mean time per output token after the first
     request_id: str = ""
+    decode_worker: str = ""  # where the router placed it
+    prefill_worker: str | None = None
     token_times: list[float] = field(default_factory=list, repr=False)
 
 
@@ -133,7 +135,8 @@ class Client:
         ttft = times[0] - start if times else None
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
         return Completion("".join(text), ids, accepted.prompt_token_ids if accepted else [], reason, ttft, tpot,
-                          accepted.request_id if accepted else "", times)
+                          accepted.request_id if accepted else "", accepted.decode_worker if accepted else "",
+                          accepted.prefill_worker if accepted else None, times)
 
     async def _stream(self, prompt, model, request_id, timeout_s, params):
         try:

@@ -39,6 +39,7 @@ def data_dir(tmp_path_factory) -> Path:
 class System:
     url: str
     logdir: Path
+    env: dict[str, str]
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def instance(self, service: str) -> str:
@@ -58,6 +59,16 @@ class System:
             if name in self.processes:
                 self.stop(name)
 
+    def restart(self, name: str) -> None:
+        """Stop one service process and start it again with the same arguments and instance id."""
+        proc = self.processes[name]
+        self.stop(name)
+        self.processes[name] = subprocess.Popen(proc.args, env=self.env, stdout=open(self.logdir / f"{name}.log", "ab"),
+                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        service = name.split("-")[0]
+        want = {service: sum(n.startswith(service) for n in self.processes)}
+        run_sync(wait_until_ready(self.url, want, self.check_alive, 120))
+
     def check_alive(self) -> None:
         dead = {n: p.returncode for n, p in self.processes.items() if p.poll() is not None}
         assert not dead, f"service processes exited: {dead}\n{self.logs()}"
@@ -66,11 +77,14 @@ class System:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.logdir.glob("*.log")))
 
 
-def launch(url: str, service: str, instance_id: str, logdir: Path, data_dir: Path, args: list[str]) -> subprocess.Popen:
+def service_env(data_dir: Path) -> dict[str, str]:
     # CPU unless a test passes --device; one thread each, as `tandem up` would share out 2 cores.
-    env = dict(os.environ, TANDEM_DATA_DIR=str(data_dir), TANDEM_PROBE_INTERVAL_S="0.5",
-               TANDEM_HEARTBEAT_INTERVAL_S="0.2", TANDEM_DEVICE="cpu", TANDEM_TORCH_THREADS="1",
-               PYTHONUNBUFFERED="1")
+    return dict(os.environ, TANDEM_DATA_DIR=str(data_dir), TANDEM_PROBE_INTERVAL_S="0.5",
+                TANDEM_HEARTBEAT_INTERVAL_S="0.2", TANDEM_DEVICE="cpu", TANDEM_TORCH_THREADS="1",
+                PYTHONUNBUFFERED="1")
+
+
+def launch(url: str, service: str, instance_id: str, logdir: Path, env: dict[str, str], args: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tandem.cli", "serve", service, "--nats-url", url,
            "--instance-id", instance_id, *args]
     log = open(logdir / f"{instance_id}.log", "wb")
@@ -95,13 +109,13 @@ def start_system(nats_server, data_dir, tmp_path_factory):
     def start(prefill: int = 1, decode: int = 1, router: int = 1, model_args: list[str] = (),
               prefill_args: list[str] = (), decode_args: list[str] = ()) -> System:
         logdir = tmp_path_factory.mktemp("logs")
-        system = System(nats_server.url, logdir)
+        system = System(nats_server.url, logdir, service_env(data_dir))
         plan = [("decode", decode), ("prefill", prefill), ("router", router)]
         for service, count in plan:
             for i in range(count):
                 name = f"{service}-{len(systems)}-{i}"
                 extra = [*model_args, *{"prefill": prefill_args, "decode": decode_args}.get(service, ())]
-                system.processes[name] = launch(nats_server.url, service, name, logdir, data_dir, extra)
+                system.processes[name] = launch(nats_server.url, service, name, logdir, system.env, extra)
         want = {s: n for s, n in plan if n}
         try:
             run_sync(wait_until_ready(nats_server.url, want, system.check_alive, 120))

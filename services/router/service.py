@@ -48,6 +48,15 @@ class Worker:
     def load(self) -> int:
         return self.beat.running + self.beat.waiting + len(self.assigned)
 
+    def reserve(self) -> float:
+        stamp = time.monotonic()
+        self.assigned.append(stamp)
+        return stamp
+
+    def release(self, stamp: float) -> None:
+        if stamp in self.assigned:  # a heartbeat may have pruned it already
+            self.assigned.remove(stamp)
+
 
 class Router(ServiceRuntime):
     name = "router"
@@ -58,6 +67,7 @@ class Router(ServiceRuntime):
         self.meta = load_model_meta(settings.model, data_dir=settings.data_dir)
         self.workers: dict[str, dict[str, Worker]] = {"prefill": {}, "decode": {}, "kvstore": {}}
         self.index = KVIndex()
+        self._stream_seq = 0
 
     def metadata(self) -> dict[str, str]:
         return {**super().metadata(), "model": self.meta.name}
@@ -67,17 +77,28 @@ class Router(ServiceRuntime):
         await self.follow_kv_events()
         await self.add_endpoint("generate", subjects.ROUTER_GENERATE, self.on_generate, queue_group="router")
 
-    async def follow_kv_events(self) -> None:
-        """Replay the KV events stream from its start, then follow it live."""
+    async def follow_kv_events(self, catch_up_timeout_s: float = 30.0) -> None:
+        """Replay the KV events stream from its start, then follow it live. Requests are taken
+        only once the replay reached the stream's end as of start-up, so a restarted router
+        places the way its predecessor did from its first request on."""
         js = self.nc.jetstream()
         try:
             await ensure_kv_events_stream(js)
+            last = (await js.stream_info(subjects.KV_EVENTS_STREAM)).state.last_seq
             await js.subscribe(subjects.KV_EVENTS_ALL, cb=self.on_kv_event, ordered_consumer=True)
         except Exception as exc:  # a server without JetStream: live events only, no rebuild
             self.log.warning("KV events stream unavailable (%s); indexing live events only", exc)
             await self.nc.subscribe(subjects.KV_EVENTS_ALL, cb=self.on_kv_event)
+            return
+        deadline = time.monotonic() + catch_up_timeout_s
+        while self._stream_seq < last and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self.log.info("KV index rebuilt from %d stream events: %d sources, %d blocks", self._stream_seq,
+                      len(self.index.sources), len(self.index.holders))
 
     async def on_kv_event(self, msg) -> None:
+        if msg.reply and msg.reply.startswith("$JS.ACK"):  # a stream message: remember how far the replay got
+            self._stream_seq = max(self._stream_seq, msg.metadata.sequence.stream)
         try:
             self.index.apply(decode(msg.data, KVEvent))
         except ProtocolError as exc:
@@ -173,12 +194,19 @@ class Router(ServiceRuntime):
                     ErrorCode.PROMPT_TOO_LONG,
                     f"prompt has {len(ids)} tokens; the context holds {decode_worker.beat.max_model_len}",
                 )
-            prefill_worker, reason = await self.place_prefill(msg, ids, decode_worker, choice)
-            if prefill_worker is not None or await self.forward_decode(msg, ids, decode_worker):
+            # Counted before the round trips, so requests placed meanwhile already see this load.
+            stamp = decode_worker.reserve()
+            try:
+                prefill_worker, reason = await self.place_prefill(msg, ids, decode_worker, choice)
+                placed = prefill_worker is not None or await self.forward_decode(msg, ids, decode_worker)
+            except BaseException:
+                decode_worker.release(stamp)
+                raise
+            if placed:
                 break
+            decode_worker.release(stamp)
         else:
             raise ProtocolError(ErrorCode.NO_WORKERS, "no decode worker answered")
-        decode_worker.assigned.append(time.monotonic())
         await self.publish_decision(msg, ids, ranked_decode, decode_worker, prefill_worker, reason)
         return GenerateAccepted(
             request_id=msg.request_id, prompt_token_ids=ids, decode_worker=decode_worker.beat.instance_id,
@@ -212,9 +240,14 @@ class Router(ServiceRuntime):
     async def forward_prefill(self, msg: GenerateRequest, ids: list[int], prefill: Worker, dec: Worker) -> bool:
         work = PrefillRequest(request_id=msg.request_id, prompt_token_ids=ids, params=msg.params,
                               stream_subject=msg.stream_subject, decode_worker=dec.beat.instance_id, model=self.meta.name)
-        if await self.forward(subjects.prefill(prefill.beat.instance_id), work, prefill):
-            prefill.assigned.append(time.monotonic())
-            return True
+        stamp = prefill.reserve()
+        try:
+            if await self.forward(subjects.prefill(prefill.beat.instance_id), work, prefill):
+                return True
+        except BaseException:
+            prefill.release(stamp)
+            raise
+        prefill.release(stamp)
         return False
 
     async def forward_decode(self, msg: GenerateRequest, ids: list[int], dec: Worker) -> bool:

@@ -1,0 +1,195 @@
+"""KV transfer between two processes on one host: NATS frames against the shared-memory ring.
+
+For each block size, a consumer process (what a decode worker does) and this process (what a
+prefill worker does) move ``--total-mib`` of KV blocks, ``--blocks-per-transfer`` blocks per
+transfer and ``--concurrency`` transfers in flight, two ways in the same run:
+
+- nats: ``send_kv`` acknowledged frames + crc32 per block, then an admit message whose checksums
+  ``KVReceiver.take`` verifies (as services/prefill ``hand_off`` and decode ``on_admit`` do);
+- ring: ``ShmRing.try_write`` into the consumer's ring, a small descriptor message, the consumer
+  ``read``s (and releases) the slots and acks (``--ring-checksum`` adds crc32 on both ends).
+
+It prints MB/s for each (median of ``--repeat`` runs) and the ratio. ``--device cuda`` moves GPU
+memory in the producer to GPU memory in the consumer (the ring pinned with cudaHostRegister)::
+
+    python benchmarks/kv_transfer.py                       # CPU: 64 KiB and 2 MiB blocks
+    python benchmarks/kv_transfer.py --device cuda --total-mib 4096 --block-kib 2048 --blocks-per-transfer 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+import zlib
+
+import msgpack
+import nats
+import numpy as np
+import torch
+
+from tandem.shared.frames import KVReceiver, block_checksums, send_kv
+from tandem.shared.messages import KVTransfer
+from tandem.shared.natsserver import NatsServer
+from tandem.shared.shmring import ShmRing, SlotDescriptor, host_id
+
+MiB = 1 << 20
+
+
+def crc(t: torch.Tensor) -> int:
+    return zlib.crc32(t.cpu().numpy())
+
+
+async def consumer(args: argparse.Namespace) -> None:
+    nc = await nats.connect(args.nats_url, pending_size=256 * MiB)
+    block = args.block_kib * 1024
+    slots = max(args.ring_mib * MiB // block, args.concurrency * args.blocks_per_transfer)
+    ring = ShmRing.create("bench", block, slots, pin=args.device == "cuda")
+    receiver = KVReceiver(max_bytes_in_flight=1 << 40)
+    dev = torch.device(args.device)
+    # Where the decode worker wants its KV: blocks of its preallocated pool. The subscription
+    # handles one message at a time, so one transfer's worth stands in for the pool.
+    pool = torch.empty(block * args.blocks_per_transfer, dtype=torch.uint8, device=dev)
+
+    def land(data: torch.Tensor) -> torch.Tensor:
+        if dev.type == "cuda":
+            return pool[: data.numel()].copy_(data)
+        pool.numpy()[: data.numel()] = data.numpy()  # a memcpy, as the ring's CPU copies are
+        return pool[: data.numel()]
+
+    async def on_frame(msg) -> None:
+        receiver.on_frame(msg.data)
+        await msg.respond(b"ok")
+
+    async def on_admit(msg) -> None:
+        head = msgpack.unpackb(msg.data)
+        blob = receiver.take(KVTransfer(**head["transfer"]))
+        kv = land(torch.frombuffer(blob, dtype=torch.uint8))
+        await msg.respond(str(crc(kv)).encode() if head["check"] else b"ok")
+
+    def read(head: dict) -> torch.Tensor:
+        desc = SlotDescriptor.from_wire(head["desc"])
+        kv = ring.read(desc, out=pool[: desc.length])
+        if head["sums"] and block_checksums(kv.cpu().numpy(), block) != head["sums"]:
+            raise ValueError("checksum mismatch")
+        return kv
+
+    async def on_ring(msg) -> None:
+        head = msgpack.unpackb(msg.data)
+        # GPU copies wait on DMA: off the loop, so acks flush meanwhile; a CPU memcpy is cheaper
+        # than a thread hand-off
+        kv = await asyncio.to_thread(read, head) if dev.type == "cuda" else read(head)
+        await msg.respond(str(crc(kv)).encode() if head["check"] else b"ok")
+
+    async def on_info(msg) -> None:
+        await msg.respond(msgpack.packb({"ring": ring.name, "host_id": host_id()}))
+
+    for subject, cb in (("bench.kv", on_frame), ("bench.admit", on_admit), ("bench.ring", on_ring), ("bench.info", on_info)):
+        await nc.subscribe(subject, cb=cb)
+    await nc.flush()
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
+    ring.close()
+    await nc.close()
+
+
+async def producer(args: argparse.Namespace, url: str) -> dict[str, list[float]]:
+    block = args.block_kib * 1024
+    per = block * args.blocks_per_transfer
+    count = max(1, args.total_mib * MiB // per)
+    label = f"[{args.block_kib} KiB blocks, {args.blocks_per_transfer}/transfer, {count} transfers, {args.device}]"
+    proc = subprocess.Popen([sys.executable, __file__, "--role", "consumer", "--nats-url", url, "--device", args.device,
+                             "--block-kib", str(args.block_kib), "--blocks-per-transfer", str(args.blocks_per_transfer),
+                             "--concurrency", str(args.concurrency), "--ring-mib", str(args.ring_mib)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready", "consumer did not start"
+    nc = await nats.connect(url, pending_size=256 * MiB)
+    info = msgpack.unpackb((await nc.request("bench.info", b"", timeout=10)).data)
+    assert info["host_id"] == host_id(), "consumer is on another host"
+    ring = ShmRing.attach(info["ring"], pin=args.device == "cuda")
+    print(f"{label} consumer pid {proc.pid} ready, ring {ring.name}: {ring.num_slots} x {ring.slot_bytes} B", flush=True)
+    src = torch.from_numpy(np.random.default_rng(0).integers(0, 256, count * per, dtype=np.uint8)).to(args.device)
+    sem, fallbacks = asyncio.Semaphore(args.concurrency), 0
+
+    async def via_nats(part: torch.Tensor, check: bool = False) -> bytes:
+        blob = memoryview(part.cpu().numpy())
+        t = KVTransfer(transfer_id=uuid.uuid4().hex, num_blocks=args.blocks_per_transfer, block_bytes=block,
+                       checksums=block_checksums(blob, block))
+        await send_kv(nc, "bench.kv", t.transfer_id, blob, window=8, timeout_s=60)
+        head = {"transfer": t.model_dump(), "check": check}
+        return (await nc.request("bench.admit", msgpack.packb(head), timeout=60)).data
+
+    async def via_ring(part: torch.Tensor, check: bool = False) -> bytes:
+        nonlocal fallbacks
+        desc = await asyncio.to_thread(ring.try_write, part) if part.is_cuda else ring.try_write(part)
+        if desc is None:  # ring full: what a service does, send frames instead
+            fallbacks += 1
+            return await via_nats(part, check)
+        sums = block_checksums(part.cpu().numpy(), block) if args.ring_checksum else None
+        head = {"desc": desc.to_wire(), "check": check, "sums": sums}
+        return (await nc.request("bench.ring", msgpack.packb(head), timeout=60)).data
+
+    async def run(path) -> float:
+        async def one(i: int) -> None:
+            async with sem:
+                await path(src[i * per : (i + 1) * per])
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(count)))
+        return count * per / (time.perf_counter() - start) / 1e6
+
+    results: dict[str, list[float]] = {"nats": [], "ring": []}
+    for name, path in (("nats", via_nats), ("ring", via_ring)):  # warm up, and check the bytes land
+        assert int(await path(src[:per], True)) == crc(src[:per]), f"{name}: bytes differ"
+    for r in range(args.repeat):
+        for name, path in (("nats", via_nats), ("ring", via_ring)):
+            results[name].append(await run(path))
+            print(f"{label} run {r + 1}/{args.repeat} {name}: {results[name][-1]:,.0f} MB/s", flush=True)
+    if fallbacks:
+        print(f"{label} ring full {fallbacks} times: those transfers went over NATS")
+    ring.close()
+    await nc.close()
+    proc.stdin.close()
+    proc.wait(30)
+    return results
+
+
+async def main(args: argparse.Namespace) -> None:
+    server = None if args.nats_url else NatsServer.start()
+    url = args.nats_url or server.url
+    print(f"nats at {url}; {args.total_mib} MiB per run, {args.concurrency} transfers in flight", flush=True)
+    rows = []
+    try:
+        for kib in args.block_kib:
+            res = await producer(argparse.Namespace(**{**vars(args), "block_kib": kib}), url)
+            nats_mbs, ring_mbs = statistics.median(res["nats"]), statistics.median(res["ring"])
+            rows.append((kib, nats_mbs, ring_mbs))
+    finally:
+        if server:
+            server.stop()
+    print(f"\n{'block':>9} | {'nats MB/s':>10} | {'ring MB/s':>10} | ring / nats   ({args.device}, median of {args.repeat})")
+    for kib, n, r in rows:
+        print(f"{kib:>5} KiB | {n:>10,.0f} | {r:>10,.0f} | {r / n:.1f}x")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--role", choices=["producer", "consumer"], default="producer")
+    p.add_argument("--nats-url", default=None, help="use this server instead of an embedded one")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--block-kib", type=int, nargs="+", default=[64, 2048], help="KV block sizes, one run each")
+    p.add_argument("--blocks-per-transfer", type=int, default=8)
+    p.add_argument("--total-mib", type=int, default=64, help="bytes moved per run")
+    p.add_argument("--concurrency", type=int, default=4, help="transfers in flight")
+    p.add_argument("--ring-mib", type=int, default=64, help="ring size (raised to hold every transfer in flight)")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--ring-checksum", action="store_true", help="crc32 per block on the ring path too")
+    a = p.parse_args()
+    if a.role == "consumer":
+        a.block_kib = a.block_kib[0]
+        asyncio.run(consumer(a))
+    else:
+        asyncio.run(main(a))
