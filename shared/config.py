@@ -51,6 +51,8 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(30.0, gt=0)
     probe_interval_s: float = Field(2.0, gt=0)  # how often decode checks that a client still listens
     kv_window: int = Field(8, ge=1)  # KV frames in flight per transfer
+    kv_ring_mib: int = Field(256, ge=0)  # decode: shared-memory ring for same-host hand-offs; 0 disables the fast path
+    kv_ring_slot_kib: int = Field(1024, ge=4)
 
     # router
     router_load_weight: float = Field(1.0, ge=0)  # blocks of recompute one queued sequence is worth

@@ -93,7 +93,8 @@ class Ack(_Message):
 
 
 class PrefillRequest(_Message):
-    """Router to a prefill worker: prefill, emit the first token, hand the KV to ``decode_worker``."""
+    """Router to a prefill worker: prefill, emit the first token, hand the KV to ``decode_worker``
+    (through its shared-memory ring ``decode_ring`` when the prefill worker is on ``decode_host``)."""
 
     kind: Literal["prefill"] = "prefill"
     request_id: str
@@ -102,6 +103,18 @@ class PrefillRequest(_Message):
     stream_subject: str
     decode_worker: str
     model: str
+    decode_ring: str = ""
+    decode_host: str = ""
+
+
+class RingSlots(BaseModel):
+    """Where a hand-off's KV bytes lie in the decode worker's ring (a SlotDescriptor on the wire)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    ring: str
+    slots: list[Annotated[int, Field(ge=0)]]
+    length: int = Field(ge=1)
+    generation: int = Field(ge=0)
 
 
 class KVTransfer(BaseModel):
@@ -124,7 +137,9 @@ class DecodeRequest(_Message):
     params: SamplingParams
     stream_subject: str
     model: str
-    transfer: KVTransfer | None = None
+    transfer: KVTransfer | None = None  # KV sent ahead as NATS frames ...
+    ring: RingSlots | None = None  # ... or left in the decode worker's shared-memory ring
+    kv_namespace: str = ""  # the sender's KV layout: must equal the receiver's when KV comes along
 
 
 class StreamChunk(_Message):
@@ -170,6 +185,10 @@ class Heartbeat(_Message):
     kv_namespace: str = ""  # blocks are comparable only within one (see tandem.shared.kvcache.cache)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    host_id: str = ""  # workers with equal host ids share /dev/shm (tandem.shared.shmring.host_id)
+    kv_ring: str = ""  # a decode worker's shared-memory ring for KV hand-offs on this host
+    kv_transfers_ring: int = 0  # hand-offs received through the ring ...
+    kv_transfers_nats: int = 0  # ... and as NATS frames
 
 
 class KVEvent(_Message):

@@ -44,12 +44,14 @@ def add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step; the prefill chunk size")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--torch-threads", type=int, help="CPU threads per worker for model math (0: torch default)")
+    p.add_argument("--kv-ring-mib", type=int,
+                   help="shared-memory ring for same-host KV hand-offs (decode: its size; 0 turns the fast path off)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse cached KV blocks of shared prompt prefixes (default: on)")
 
 
 ENGINE_FLAGS = ("device", "dtype", "block_size", "num_blocks", "kv_cache_mib", "gpu_memory_utilization", "max_num_seqs",
-                "max_num_batched_tokens", "max_model_len", "torch_threads", "enable_prefix_caching")
+                "max_num_batched_tokens", "max_model_len", "torch_threads", "enable_prefix_caching", "kv_ring_mib")
 KVSTORE_FLAGS = ("kvstore_ram_mib", "kvstore_disk_mib", "kvstore_dir")
 
 

@@ -10,7 +10,7 @@ import asyncio
 
 import nats
 import pytest
-from support import PARITY_LENGTHS, assert_pools_free, prompt_of
+from support import PARITY_LENGTHS, assert_pools_free, prompt_of, worker_beats
 
 from tandem.client import Client, connect
 from tandem.shared.model import load_model
@@ -20,13 +20,18 @@ PREFILL_CHUNK = 32
 NEW_TOKENS = 10
 
 
-@pytest.fixture(scope="module")
-def system(start_system):
-    return start_system(
+@pytest.fixture(scope="module", params=["ring", "nats"], ids=["kv-via-shm-ring", "kv-via-nats-frames"])
+def system(request, start_system):
+    """Prefill hands KV to decode through decode's shared-memory ring, or (ring off) as NATS frames."""
+    ring = [] if request.param == "ring" else ["--kv-ring-mib", "0"]
+    system = start_system(
         prefill=1, decode=1,
         prefill_args=["--max-num-batched-tokens", str(PREFILL_CHUNK)],
-        decode_args=["--num-blocks", "400"],
+        decode_args=["--num-blocks", "400", *ring],
     )
+    system.kv_path = request.param
+    yield system
+    system.stop_all()  # the other path's system must not share the bus with this one
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +53,14 @@ async def test_greedy_parity_through_disaggregated_path(system, tiny):
             mismatches.append((len(result.prompt_token_ids), result.token_ids, list(expected)))
         assert result.finish_reason == "length"
     assert not mismatches, f"token ids differ from the contiguous reference (len, got, want): {mismatches}"
+
+
+async def test_hand_offs_took_the_expected_path(system):
+    async with connect(system.url) as client:
+        await client.complete(prompt_of(40), max_tokens=3, temperature=0.0, ignore_eos=True)
+    (beat,) = [b for i, b in (await worker_beats(system.url)).items() if i.startswith("decode")]
+    used = {"ring": beat.kv_transfers_ring, "nats": beat.kv_transfers_nats}
+    assert used[system.kv_path] > 0 and sum(used.values()) == used[system.kv_path], f"hand-offs by path: {used}"
 
 
 async def test_64_concurrent_requests_complete_and_free_every_block(system):

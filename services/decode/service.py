@@ -4,7 +4,11 @@
 
 - ``tandem.v1.decode.<id>.kv``: binary KV frames from prefill workers (see :mod:`tandem.shared.frames`);
 - ``tandem.v1.decode.<id>.admit``: a :class:`DecodeRequest`, prefilled elsewhere (its KV arrived as
-  frames and is verified here) or to prefill locally when no prefill worker is alive.
+  frames and is verified here, or lies in this worker's shared-memory ring when the prefill worker
+  is on the same host) or to prefill locally.
+
+The ring (:mod:`tandem.shared.shmring`, ``--kv-ring-mib``, 0 disables it) is created at start and
+advertised in heartbeats with this host's id; the router passes both on to prefill workers.
 
 The scheduler (:mod:`tandem.shared.engine.scheduler`) queues sequences when blocks run out and
 preempts by recompute when the running batch outgrows the pool. Every ``probe_interval_s`` the
@@ -15,6 +19,7 @@ aborted and its blocks freed.
 from __future__ import annotations
 
 import asyncio
+import re
 
 import torch
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
@@ -25,9 +30,12 @@ from tandem.services.worker import EngineWorker, Stream
 from tandem.shared import subjects
 from tandem.shared.config import Settings
 from tandem.shared.engine import EngineRequest
-from tandem.shared.frames import KVReceiver
-from tandem.shared.messages import DecodeRequest, ErrorCode, Probe, ProtocolError, decode, encode, Ack
 from tandem.shared.engine import SamplingParams as EngineSampling
+from tandem.shared.frames import KVReceiver
+from tandem.shared.messages import Ack, DecodeRequest, ErrorCode, Heartbeat, Probe, ProtocolError, decode, encode
+from tandem.shared.shmring import RingError, ShmRing, SlotDescriptor, host_id
+
+RING_STALE_S = 120.0  # a READY slot whose admit never came: far beyond any admit timeout
 
 
 def engine_sampling(params) -> EngineSampling:
@@ -43,11 +51,31 @@ class DecodeService(EngineWorker):
         super().__init__(settings)
         cfg = self.loaded.config
         self.kv_shape = (cfg.num_layers, 2, settings.block_size, cfg.num_kv_heads, cfg.head_dim)
-        per_block = torch.Size(self.kv_shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+        self.block_bytes = torch.Size(self.kv_shape).numel() * torch.empty((), dtype=self.dtype).element_size()
         # Room for prompts in flight: a quarter of the pool, at least one full-length prompt.
         blocks_for_one = -(-self.max_model_len // settings.block_size)
-        budget = max(self.engine_config.num_blocks // 4, blocks_for_one) * per_block
+        budget = max(self.engine_config.num_blocks // 4, blocks_for_one) * self.block_bytes
         self.receiver = KVReceiver(max_bytes_in_flight=budget)
+        self.ring: ShmRing | None = None
+        self.transfers = {"ring": 0, "nats": 0}
+        if settings.kv_ring_mib:
+            slot = settings.kv_ring_slot_kib * 1024
+            label = re.sub(r"[^A-Za-z0-9_.]", "_", self.instance_id)[:64]  # ring labels allow fewer characters
+            self.ring = ShmRing.create(label, slot_bytes=slot,
+                                       num_slots=max(1, settings.kv_ring_mib * 1024 * 1024 // slot))
+            self.log.info("KV ring %s: %d MiB in %d KiB slots", self.ring.name, settings.kv_ring_mib,
+                          settings.kv_ring_slot_kib)
+
+    def heartbeat(self) -> Heartbeat:
+        return super().heartbeat().model_copy(update={
+            "host_id": host_id(), "kv_ring": self.ring.name if self.ring else "",
+            "kv_transfers_ring": self.transfers["ring"], "kv_transfers_nats": self.transfers["nats"],
+        })
+
+    async def teardown(self) -> None:
+        await super().teardown()
+        if self.ring is not None:
+            self.ring.close()  # the process leaves by os._exit: atexit would not unlink it
 
     async def setup(self) -> None:
         await super().setup()
@@ -62,12 +90,7 @@ class DecodeService(EngineWorker):
     async def on_admit(self, request: Request) -> None:
         msg: DecodeRequest = decode(request.data, DecodeRequest)
         self.check_request(msg.model, msg.prompt_token_ids)
-        kv = None
-        if msg.transfer is not None:
-            blob = self.receiver.take(msg.transfer)
-            kv = torch.frombuffer(blob, dtype=self.dtype).view(msg.transfer.num_blocks, *self.kv_shape)
-            if msg.transfer.block_bytes != kv[0].numel() * kv.element_size():
-                raise ProtocolError(ErrorCode.INVALID_REQUEST, "KV block layout differs from this worker's")
+        kv = self.received_kv(msg)
         engine_request = EngineRequest(
             request_id=msg.request_id,
             prompt_token_ids=list(msg.prompt_token_ids),
@@ -89,10 +112,34 @@ class DecodeService(EngineWorker):
         )
         await request.respond(encode(Ack(request_id=msg.request_id)))
 
+    def received_kv(self, msg: DecodeRequest) -> torch.Tensor | None:
+        """The prompt's KV blocks that came with ``msg``, from NATS frames or the ring; None if none."""
+        if (msg.ring or msg.transfer) and msg.kv_namespace != self.kv_namespace:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST,
+                                f"KV blocks of layout {msg.kv_namespace!r} cannot enter a {self.kv_namespace!r} cache")
+        if msg.ring is not None:
+            if self.ring is None or msg.ring.ring != self.ring.name:
+                raise ProtocolError(ErrorCode.INVALID_REQUEST, f"ring {msg.ring.ring!r} is not this worker's")
+            try:
+                raw = self.ring.read(SlotDescriptor.from_wire(msg.ring.model_dump()))
+            except RingError as exc:
+                raise ProtocolError(ErrorCode.BAD_FRAME, f"ring slots unusable: {exc}") from None
+            self.transfers["ring"] += 1
+        elif msg.transfer is not None:
+            raw = torch.frombuffer(self.receiver.take(msg.transfer), dtype=torch.uint8)
+            self.transfers["nats"] += 1
+        else:
+            return None
+        if raw.numel() % self.block_bytes:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, "KV bytes are not a whole number of this worker's blocks")
+        return raw.view(self.dtype).view(raw.numel() // self.block_bytes, *self.kv_shape)
+
     async def probe_loop(self) -> None:
         """Abort sequences whose client stopped listening (closed, crashed, or cancelled silently)."""
         while True:
             await asyncio.sleep(self.settings.probe_interval_s)
+            if self.ring is not None:
+                self.ring.reclaim(stale_after_s=RING_STALE_S)
             streams = list(self.streams.items())
             results = await asyncio.gather(*(self._listening(rid, s) for rid, s in streams))
             for (request_id, _), alive in zip(streams, results):

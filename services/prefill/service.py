@@ -3,8 +3,9 @@
 ``tandem serve prefill --nats-url URL``. Endpoint ``tandem.v1.prefill.<id>.prefill`` takes a
 :class:`PrefillRequest`. The engine prefills it (chunked: ``max_num_batched_tokens`` per step,
 batched with other prompts), samples the first token, which goes straight to the client, then
-the prompt's KV blocks travel to the chosen decode worker as checksummed binary frames, followed
-by a :class:`DecodeRequest` that admits the sequence there. If the first token already ends the
+the prompt's KV blocks travel to the chosen decode worker — through its shared-memory ring when
+both are on one host, otherwise as checksummed binary frames over NATS — followed by a
+:class:`DecodeRequest` that admits the sequence there. If the first token already ends the
 request (EOS, a stop string, ``max_tokens=1``) nothing is handed off.
 """
 
@@ -24,8 +25,9 @@ from tandem.shared.config import Settings
 from tandem.shared.engine import EngineRequest, RequestOutput
 from tandem.shared.frames import block_checksums, send_kv
 from tandem.shared.messages import (
-    Ack, DecodeRequest, ErrorCode, ErrorReply, KVTransfer, PrefillRequest, ProtocolError, decode, encode,
+    Ack, DecodeRequest, ErrorCode, ErrorReply, KVTransfer, PrefillRequest, ProtocolError, RingSlots, decode, encode,
 )
+from tandem.shared.shmring import RingError, ShmRing, host_id
 
 PREFILLED = "prefilled"  # the engine's finish reason for a prefill-only sequence it handed back
 
@@ -37,6 +39,7 @@ class PrefillService(EngineWorker):
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         self.pending: dict[str, PrefillRequest] = {}
+        self.rings: dict[str, ShmRing] = {}  # decode workers' rings on this host, attached on first use
 
     async def setup(self) -> None:
         await super().setup()
@@ -70,22 +73,21 @@ class PrefillService(EngineWorker):
         return True
 
     async def hand_off(self, msg: PrefillRequest, out: RequestOutput, stream: Stream) -> None:
+        """Move the prompt's KV to the decode worker (its ring on this host, else NATS frames),
+        then admit the sequence there."""
         kv: torch.Tensor = out.kv.contiguous()
-        blob = memoryview(kv.view(torch.uint8).numpy()).cast("B")
-        block_bytes = len(blob) // kv.shape[0]
-        transfer = KVTransfer(
-            transfer_id=uuid.uuid4().hex, num_blocks=kv.shape[0], block_bytes=block_bytes,
-            checksums=block_checksums(blob, block_bytes),
-        )
         admit = DecodeRequest(
             request_id=msg.request_id, prompt_token_ids=msg.prompt_token_ids,
             output_token_ids=list(out.new_token_ids), params=msg.params,
-            stream_subject=msg.stream_subject, model=msg.model, transfer=transfer,
+            stream_subject=msg.stream_subject, model=msg.model, kv_namespace=self.kv_namespace,
         )
         timeout = self.settings.request_timeout_s
         try:
-            await send_kv(self.nc, subjects.decode_kv(msg.decode_worker), transfer.transfer_id, blob,
-                          window=self.settings.kv_window, timeout_s=timeout)
+            slots = self.write_to_ring(msg, kv)
+            if slots is not None:
+                admit = admit.model_copy(update={"ring": slots})
+            else:
+                admit = admit.model_copy(update={"transfer": await self.send_frames(msg, kv, timeout)})
             reply = decode((await self.nc.request(subjects.decode_admit(msg.decode_worker), encode(admit), timeout=timeout)).data)
         except Exception as exc:
             self.log.warning("hand-off of %s to %s failed: %s", msg.request_id, msg.decode_worker, exc)
@@ -95,8 +97,37 @@ class PrefillService(EngineWorker):
             self.log.warning("decode %s refused %s: %s", msg.decode_worker, msg.request_id, reply.message)
             self.send_chunk(stream, msg.request_id, [], "", "error", reply)
             return
-        self.log.info("handed %s to decode %s: %d blocks, %d bytes", msg.request_id, msg.decode_worker,
-                      transfer.num_blocks, len(blob))
+        self.log.info("handed %s to decode %s: %d blocks, %d bytes, %s", msg.request_id, msg.decode_worker,
+                      kv.shape[0], kv.numel() * kv.element_size(), "shared memory" if admit.ring else "NATS frames")
+
+    def write_to_ring(self, msg: PrefillRequest, kv: torch.Tensor) -> RingSlots | None:
+        """The KV written into the decode worker's ring, or None: another host, fast path off
+        (``--kv-ring-mib 0``), ring gone or full. None means NATS frames."""
+        if not (self.settings.kv_ring_mib and msg.decode_ring and msg.decode_host == host_id()):
+            return None
+        ring = self.rings.get(msg.decode_ring)
+        if ring is None:
+            try:
+                ring = self.rings[msg.decode_ring] = ShmRing.attach(msg.decode_ring)
+            except RingError as exc:
+                self.log.warning("cannot attach KV ring %s (%s); using NATS frames", msg.decode_ring, exc)
+                return None
+        desc = ring.try_write(kv.view(torch.uint8).view(-1))
+        return None if desc is None else RingSlots(**desc.to_wire())
+
+    async def send_frames(self, msg: PrefillRequest, kv: torch.Tensor, timeout: float) -> KVTransfer:
+        blob = memoryview(kv.view(torch.uint8).numpy()).cast("B")
+        block_bytes = len(blob) // kv.shape[0]
+        transfer = KVTransfer(transfer_id=uuid.uuid4().hex, num_blocks=kv.shape[0], block_bytes=block_bytes,
+                              checksums=block_checksums(blob, block_bytes))
+        await send_kv(self.nc, subjects.decode_kv(msg.decode_worker), transfer.transfer_id, blob,
+                      window=self.settings.kv_window, timeout_s=timeout)
+        return transfer
+
+    async def teardown(self) -> None:
+        await super().teardown()
+        for ring in self.rings.values():
+            ring.close()
 
     def on_failure(self, request_ids: list[str], exc: BaseException) -> None:
         for request_id in request_ids:

@@ -239,7 +239,8 @@ class Router(ServiceRuntime):
 
     async def forward_prefill(self, msg: GenerateRequest, ids: list[int], prefill: Worker, dec: Worker) -> bool:
         work = PrefillRequest(request_id=msg.request_id, prompt_token_ids=ids, params=msg.params,
-                              stream_subject=msg.stream_subject, decode_worker=dec.beat.instance_id, model=self.meta.name)
+                              stream_subject=msg.stream_subject, decode_worker=dec.beat.instance_id, model=self.meta.name,
+                              decode_ring=dec.beat.kv_ring, decode_host=dec.beat.host_id)
         stamp = prefill.reserve()
         try:
             if await self.forward(subjects.prefill(prefill.beat.instance_id), work, prefill):
