@@ -5,11 +5,13 @@ from __future__ import annotations
 import msgpack
 import nats
 import pytest
+import torch
 from support import prompt_of
 
 from tandem.client import connect
 from tandem.shared import subjects
 from tandem.shared.frames import pack_frame
+from tandem.shared.kvcache.cache import kv_namespace
 from tandem.shared.messages import (
     DecodeRequest, ErrorReply, GenerateRequest, KVTransfer, PrefillRequest, SamplingParams, decode, encode,
 )
@@ -123,9 +125,16 @@ async def test_bad_kv_frame_gets_typed_error(system, frame, code):
     assert isinstance(reply, ErrorReply) and reply.code.value == code, f"expected {code}, got {reply!r}"
 
 
-async def test_admit_with_missing_or_corrupt_kv_is_refused(system):
+TINY_FP32 = kv_namespace("tiny", torch.float32, 4, 4, 32, 16)
+
+
+async def test_admit_with_missing_corrupt_or_foreign_kv_is_refused(system):
     dec = system.instance("decode")
-    msg = valid_message("decode", system)
+    msg = {**valid_message("decode", system), "kv_namespace": TINY_FP32}
+    foreign = KVTransfer(transfer_id="other-layout", num_blocks=1, block_bytes=4, checksums=[0])
+    reply = await ask(system.url, subjects.decode_admit(dec),
+                      encode(DecodeRequest(**{**msg, "transfer": foreign, "kv_namespace": "tiny/bfloat16/x"})))
+    assert isinstance(reply, ErrorReply) and reply.code.value == "invalid_request" and "layout" in reply.message, reply
     transfer = KVTransfer(transfer_id="never-sent", num_blocks=1, block_bytes=4, checksums=[0])
     reply = await ask(system.url, subjects.decode_admit(dec), encode(DecodeRequest(**{**msg, "transfer": transfer})))
     assert isinstance(reply, ErrorReply) and reply.code.value == "invalid_request", reply
