@@ -186,3 +186,26 @@ def test_prefill_export_from_cache_and_imported_blocks_are_cacheable(tiny) -> No
     check_parity(tiny, run(decode, [follower]), [follower])
     assert decode.stats()["prefix_cache_hits"] == 32 and decode.stats()["prefix_cache_queries"] == 36
     assert_all_free(decode)
+
+
+@pytest.mark.parametrize("prompt_len,blocks", [(50, 3), (49, 3), (48, 2), (33, 1), (40, 1)])
+def test_prefix_import_matches_fresh_computation(tiny, prompt_len: int, blocks: int) -> None:
+    """KV fetched from a KV-store (whole blocks before the last prompt token) continues exactly."""
+    prompt = (BASE + OTHER)[:prompt_len]
+    donor = make_engine(tiny)
+    exported = run(donor, [EngineRequest("src", prompt, greedy(2), prefill_only=True)])["src"].kv
+    engine = make_engine(tiny)
+    computed = count_computed(engine)
+    results = run(engine, [EngineRequest("imp", prompt, greedy(6), kv=exported[:blocks].clone())])
+    expected, _ = reference(tiny, prompt, 6)
+    assert results["imp"].tokens == expected, f"{blocks} imported blocks of a {prompt_len}-token prompt diverged"
+    # The uncached rest of the prompt, then one token per later output: nothing imported is recomputed.
+    assert computed[0] == prompt_len - blocks * BS + 5, f"computed {computed[0]} tokens"
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("prompt_len,blocks", [(48, 3), (32, 2), (20, 0)])
+def test_prefix_import_must_leave_the_last_token(tiny, prompt_len: int, blocks: int) -> None:
+    kv = torch.zeros(blocks, *make_engine(tiny).runner.kv_cache.shape[1:])
+    with pytest.raises(ValueError, match="prefix import"):
+        make_engine(tiny).add_request(EngineRequest("x", (BASE + OTHER)[:prompt_len], greedy(2), kv=kv))

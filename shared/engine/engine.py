@@ -181,8 +181,17 @@ class LLMEngine:
             self._exported_kv[seq.request_id] = self.runner.export_kv(seq.block_table, seq.num_prompt_tokens)
 
     def _check_kv(self, kv: torch.Tensor, num_prompt_tokens: int, has_outputs: bool) -> None:
-        expected = (-(-num_prompt_tokens // self.config.block_size), *self.runner.kv_cache.shape[1:])
-        if tuple(kv.shape) != expected:
-            raise ValueError(f"kv has shape {tuple(kv.shape)}, expected {expected} for this prompt and model")
-        if not has_outputs:
-            raise ValueError("a request with kv needs output_token_ids (the token sampled after the prompt)")
+        """Two kinds of imported K/V: a hand-off covers the whole prompt and comes with the token
+        sampled after it; a prefix (fetched from a KV-store) covers only full blocks before the
+        prompt's last token, which is computed here so that there are logits to sample from."""
+        layout = tuple(self.runner.kv_cache.shape[1:])
+        if kv.dim() != 1 + len(layout) or tuple(kv.shape[1:]) != layout:
+            raise ValueError(f"kv has shape {tuple(kv.shape)}, expected (n, {', '.join(map(str, layout))})")
+        whole = -(-num_prompt_tokens // self.config.block_size)
+        if has_outputs and kv.shape[0] != whole:
+            raise ValueError(f"a hand-off needs the prompt's {whole} blocks of kv, got {kv.shape[0]}")
+        if not has_outputs and not 0 < kv.shape[0] * self.config.block_size < num_prompt_tokens:
+            raise ValueError(
+                f"a prefix import covers full blocks before the prompt's last token: at most "
+                f"{(num_prompt_tokens - 1) // self.config.block_size} blocks, got {kv.shape[0]}"
+            )

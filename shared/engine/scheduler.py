@@ -142,8 +142,10 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)
             if seq.pending_kv is not None:
-                self.block_manager.grow(seq.block_table, seq.num_prompt_tokens)
-                seq.num_computed_tokens = seq.num_prompt_tokens
+                # A hand-off brings the whole prompt's K/V; a KV-store fetch its first full blocks.
+                imported = min(seq.pending_kv.shape[0] * self.block_size, seq.num_prompt_tokens)
+                self.block_manager.grow(seq.block_table, imported)
+                seq.num_computed_tokens = imported
                 batch.imports.append((seq, seq.pending_kv))
                 seq.pending_kv = None
             elif self.block_manager.enable_caching:
