@@ -105,6 +105,9 @@ class PrefillRequest(_Message):
     model: str
     decode_ring: str = ""
     decode_host: str = ""
+    kvstore: str = ""  # a KV-store to fetch the prompt's cached prefix from and offer its new blocks to
+    kvstore_fetch_blocks: int = Field(0, ge=0)  # leading blocks worth fetching (the store has more than the worker)
+    kvstore_held_blocks: int = Field(0, ge=0)  # leading blocks the store already holds (offer only the rest)
 
 
 class RingSlots(BaseModel):

@@ -107,14 +107,18 @@ def start_system(nats_server, data_dir, tmp_path_factory):
     systems: list[System] = []
 
     def start(prefill: int = 1, decode: int = 1, router: int = 1, model_args: list[str] = (),
-              prefill_args: list[str] = (), decode_args: list[str] = ()) -> System:
+              prefill_args: list[str] = (), decode_args: list[str] = (), kvstore: int = 0,
+              kvstore_args: list[str] = ()) -> System:
         logdir = tmp_path_factory.mktemp("logs")
         system = System(nats_server.url, logdir, service_env(data_dir))
-        plan = [("decode", decode), ("prefill", prefill), ("router", router)]
+        plan = [("kvstore", kvstore), ("decode", decode), ("prefill", prefill), ("router", router)]
         for service, count in plan:
             for i in range(count):
                 name = f"{service}-{len(systems)}-{i}"
-                extra = [*model_args, *{"prefill": prefill_args, "decode": decode_args}.get(service, ())]
+                if service == "kvstore":
+                    extra = ["--kvstore-dir", str(logdir / name), *kvstore_args]
+                else:
+                    extra = [*model_args, *{"prefill": prefill_args, "decode": decode_args}.get(service, ())]
                 system.processes[name] = launch(nats_server.url, service, name, logdir, system.env, extra)
         want = {s: n for s, n in plan if n}
         try:

@@ -24,6 +24,7 @@ import msgpack
 import nats
 import pytest
 
+from tandem.services.kvstore.client import KVStoreClient
 from tandem.services.kvstore.store import namespace_digest
 from tandem.shared import natsserver, subjects
 from tandem.shared.frames import KVReceiver, block_checksums, pack_frame, send_kv
@@ -76,41 +77,26 @@ async def connect(url: str):
 
 
 async def kv_lookup(nc, store: str, hashes: list[int], namespace: str = NS) -> KVLookupReply:
-    reply = await nc.request(subjects.kvstore_lookup(store), encode(KVLookupRequest(namespace=namespace, hashes=hashes)))
-    return decode(reply.data, (KVLookupReply, ErrorReply))
+    try:
+        return await KVStoreClient(nc, store, timeout_s=10).lookup(namespace, hashes)
+    except ProtocolError as exc:
+        return error_reply(exc)
 
 
 async def kv_put(nc, store: str, hashes: list[int], blob: bytes, block_bytes: int) -> KVPutReply:
-    """Frames to the store's kv subject, then the put naming that transfer and one hash per block."""
-    tid = uuid.uuid4().hex
-    await send_kv(nc, subjects.kvstore_kv(store), tid, blob, window=4, timeout_s=10)
-    transfer = KVTransfer(transfer_id=tid, num_blocks=len(blob) // block_bytes, block_bytes=block_bytes,
-                          checksums=block_checksums(blob, block_bytes))
-    put = KVPutRequest(request_id=tid, namespace=NS, hashes=hashes, transfer=transfer)
-    return decode((await nc.request(subjects.kvstore_put(store), encode(put), timeout=10)).data)
+    try:
+        return await KVStoreClient(nc, store, timeout_s=10).put(NS, hashes, blob, block_bytes)
+    except ProtocolError as exc:
+        return error_reply(exc)
 
 
 async def kv_get(nc, store: str, hashes: list[int], prefix_only: bool = False) -> tuple[KVGetReply, dict[int, bytes]]:
-    """Subscribe an inbox that acks each frame, ask, then take the verified bytes block by block."""
-    receiver, inbox = KVReceiver(1 << 30), nc.new_inbox()
-
-    async def on_frame(msg) -> None:
-        try:
-            receiver.on_frame(msg.data)
-            await msg.respond(b"ok")
-        except ProtocolError as exc:
-            await msg.respond(encode(error_reply(exc)))
-
-    sub = await nc.subscribe(inbox, cb=on_frame, pending_bytes_limit=256 * MIB)
+    """The blocks found, by hash (an ErrorReply and nothing when the store refused)."""
     try:
-        get = KVGetRequest(request_id="get-1", namespace=NS, hashes=hashes, inbox=inbox, prefix_only=prefix_only)
-        reply = decode((await nc.request(subjects.kvstore_get(store), encode(get), timeout=10)).data)
-    finally:
-        await sub.unsubscribe()
-    if isinstance(reply, ErrorReply) or reply.transfer is None:
-        return reply, {}
-    blob, bb = receiver.take(reply.transfer), reply.transfer.block_bytes
-    return reply, {h: bytes(blob[i * bb : (i + 1) * bb]) for i, h in enumerate(reply.found)}
+        found, blob, bb = await KVStoreClient(nc, store, timeout_s=10).get(NS, hashes, prefix_only=prefix_only)
+    except ProtocolError as exc:
+        return error_reply(exc), {}
+    return KVGetReply(request_id="get", found=found), {h: bytes(blob[i * bb : (i + 1) * bb]) for i, h in enumerate(found)}
 
 
 async def stats(nc, store: str) -> dict:
@@ -165,13 +151,13 @@ async def test_put_get_round_trip(stores, server, block_bytes):
         assert (await kv_put(nc, store.id, hashes, blob, block_bytes)).stored == 5
         assert (await kv_put(nc, store.id, hashes[:2], blob[: 2 * block_bytes], block_bytes)).stored == 0
         reply, got = await kv_get(nc, store.id, [hashes[3], 12345, hashes[0], hashes[4]])
-        assert reply.found == [hashes[3], hashes[0], hashes[4]] and reply.transfer.block_bytes == block_bytes
+        assert reply.found == [hashes[3], hashes[0], hashes[4]]
         for i in (3, 0, 4):
             assert got[hashes[i]] == blob[i * block_bytes : (i + 1) * block_bytes]
         reply, got = await kv_get(nc, store.id, [hashes[0], 12345, hashes[1]], prefix_only=True)
         assert reply.found == [hashes[0]] and len(got) == 1
         reply, got = await kv_get(nc, store.id, [777])
-        assert reply.found == [] and reply.transfer is None
+        assert reply.found == [] and got == {}
         s = await stats(nc, store.id)
         assert s["ram_bytes"] + s["disk_bytes"] >= 5 * block_bytes and s["ram_bytes"] <= 4 * MIB
         assert s["hits_ram"] + s["hits_disk"] >= 4 and s["misses"] >= 2

@@ -6,6 +6,7 @@ import pytest
 
 from tandem.services.router.kv_index import KVIndex
 from tandem.services.router.policy import prefill_locally, rank
+from tandem.shared.kvcache.block_manager import BlockManager, prefix_hashes
 from tandem.shared.messages import KVEvent
 
 NS = "tiny/float32/L4xH4xD32/bs16"
@@ -91,3 +92,14 @@ def test_rank_picks_cheapest(workers, load_weight, choice):
                                                         (10, 10, 0, True)])
 def test_prefill_locally_threshold(prompt, cached, limit, local):
     assert prefill_locally(prompt, cached, limit) is local
+
+
+@pytest.mark.parametrize("length", [0, 15, 16, 17, 48])
+def test_prefix_hashes_name_blocks_as_the_block_manager_does(length):
+    tokens = list(range(100, 100 + length))
+    manager = BlockManager(8, 16)
+    table: list[int] = []
+    manager.grow(table, length)
+    hashes: list[int] = []
+    manager.hash_full_blocks(table, tokens, hashes)
+    assert prefix_hashes(tokens, 16) == hashes

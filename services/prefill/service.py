@@ -18,14 +18,17 @@ import torch
 from nats.micro.request import Request
 
 from tandem.services.decode.service import engine_sampling
+from tandem.services.kvstore.client import KVStoreClient
 from tandem.services.runtime import run_service
 from tandem.services.worker import EngineWorker, Stream
 from tandem.shared import subjects
 from tandem.shared.config import Settings
 from tandem.shared.engine import EngineRequest, RequestOutput
 from tandem.shared.frames import block_checksums, send_kv
+from tandem.shared.kvcache.block_manager import prefix_hashes
 from tandem.shared.messages import (
     Ack, DecodeRequest, ErrorCode, ErrorReply, KVTransfer, PrefillRequest, ProtocolError, RingSlots, decode, encode,
+    error_reply,
 )
 from tandem.shared.shmring import RingError, ShmRing, host_id
 
@@ -52,16 +55,61 @@ class PrefillService(EngineWorker):
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"request {msg.request_id} is already running here")
         self.streams[msg.request_id] = Stream(msg.stream_subject)
         self.pending[msg.request_id] = msg
+        if msg.kvstore and msg.kvstore_fetch_blocks:  # a store round trip: off this subscription's path
+            self.spawn(self.admit(msg, request), f"admit {msg.request_id}")
+        else:
+            await self.admit(msg, request)
+
+    async def admit(self, msg: PrefillRequest, request: Request) -> None:
+        prefix = await self.fetch_prefix(msg) if msg.kvstore and msg.kvstore_fetch_blocks else None
         try:
             await self.thread.add(EngineRequest(
                 request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids),
-                params=engine_sampling(msg.params), prefill_only=True,
+                params=engine_sampling(msg.params), prefill_only=True, kv=prefix,
             ))
         except ValueError as exc:
             del self.streams[msg.request_id], self.pending[msg.request_id]
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) from None
-        self.log.info("prefill %s: %d tokens for decode %s", msg.request_id, len(msg.prompt_token_ids), msg.decode_worker)
+            await request.respond(encode(error_reply(ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)), msg.request_id)))
+            return
+        self.log.info("prefill %s: %d tokens (%d from kvstore) for decode %s", msg.request_id,
+                      len(msg.prompt_token_ids), 0 if prefix is None else prefix.shape[0] * self.settings.block_size,
+                      msg.decode_worker)
         await request.respond(encode(Ack(request_id=msg.request_id)))
+
+    async def fetch_prefix(self, msg: PrefillRequest) -> torch.Tensor | None:
+        """The prompt's leading blocks from the KV-store, or None (a miss or a failure: compute them)."""
+        bs = self.settings.block_size
+        want = min(msg.kvstore_fetch_blocks, (len(msg.prompt_token_ids) - 1) // bs)  # the last token is computed
+        if want <= 0:
+            return None
+        hashes = prefix_hashes(msg.prompt_token_ids, bs)[:want]
+        try:
+            found, blob, block_bytes = await KVStoreClient(self.nc, msg.kvstore).get(self.kv_namespace, hashes,
+                                                                                   prefix_only=True)
+        except Exception as exc:
+            self.log.warning("kvstore %s fetch for %s failed (%s); computing the prefix", msg.kvstore, msg.request_id, exc)
+            return None
+        layout = self.engine.runner.kv_cache.shape[1:]
+        if not found or block_bytes != layout.numel() * self.dtype.itemsize:
+            return None  # nothing cached, or blocks of another layout under this namespace: compute
+        return torch.frombuffer(blob, dtype=torch.uint8).view(self.dtype).view(len(found), *layout)
+
+    async def offer_to_store(self, msg: PrefillRequest, kv: torch.Tensor) -> None:
+        """Give the KV-store the prompt's full blocks it does not hold yet."""
+        hashes = prefix_hashes(msg.prompt_token_ids, self.settings.block_size)
+        new = slice(msg.kvstore_held_blocks, len(hashes))
+        if not hashes[new]:
+            return
+        blocks = kv[new].contiguous()
+        blob = memoryview(blocks.view(torch.uint8).numpy()).cast("B")
+        try:
+            reply = await KVStoreClient(self.nc, msg.kvstore).put(self.kv_namespace, hashes[new], blob,
+                                                                  len(blob) // blocks.shape[0])
+        except Exception as exc:
+            self.log.warning("offering %s's blocks to kvstore %s failed: %s", msg.request_id, msg.kvstore, exc)
+            return
+        self.log.info("offered %d blocks of %s to kvstore %s (%d new)", len(hashes[new]), msg.request_id,
+                      msg.kvstore, reply.stored)
 
     def handle_output(self, out: RequestOutput, stream: Stream) -> bool:
         msg = self.pending.pop(out.request_id, None) if out.finished else None
@@ -99,6 +147,8 @@ class PrefillService(EngineWorker):
             return
         self.log.info("handed %s to decode %s: %d blocks, %d bytes, %s", msg.request_id, msg.decode_worker,
                       kv.shape[0], kv.numel() * kv.element_size(), "shared memory" if admit.ring else "NATS frames")
+        if msg.kvstore:
+            await self.offer_to_store(msg, kv)
 
     def write_to_ring(self, msg: PrefillRequest, kv: torch.Tensor) -> RingSlots | None:
         """The KV written into the decode worker's ring, or None: another host, fast path off

@@ -16,7 +16,6 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tandem.shared.kvcache.block_manager import hash_block
 from tandem.shared.messages import KVEvent
 
 log = logging.getLogger("tandem.router.index")
@@ -92,12 +91,3 @@ class KVIndex:
         source = self.sources.get(source_id)
         return sum(len(b) for b in source.blocks.values()) if source else 0
 
-
-def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the prompt's full blocks, as every worker's block manager computes them."""
-    hashes: list[int] = []
-    parent = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 from nats.micro.request import Request
 
-from tandem.services.router.kv_index import KVIndex, prefix_hashes
+from tandem.services.router.kv_index import KVIndex
 from tandem.services.router.policy import Candidate, prefill_locally, rank
 from tandem.services.runtime import ServiceRuntime, run_service
 from tandem.shared import subjects
 from tandem.shared.config import Settings
+from tandem.shared.kvcache.block_manager import prefix_hashes
 from tandem.shared.kvevents import ensure_kv_events_stream
 from tandem.shared.messages import (
     Ack, DecodeRequest, ErrorCode, ErrorReply, GenerateAccepted, GenerateRequest, Heartbeat, KVEvent, PrefillRequest,
@@ -219,10 +220,23 @@ class Router(ServiceRuntime):
         cached_tokens = min(len(ids), choice.cached_blocks * dec.beat.block_size)
         if prefill_locally(len(ids), cached_tokens, self.settings.local_prefill_max_tokens):
             return None, f"{len(ids) - cached_tokens} uncached tokens: decode prefills locally"
-        for prefill_worker, _ in self.ranked(self.alive("prefill", self.meta.name), ids):
-            if await self.forward_prefill(msg, ids, prefill_worker, dec):
-                return prefill_worker, f"{choice.cached_blocks} blocks cached on decode; prefill remote"
+        for prefill_worker, pchoice in self.ranked(self.alive("prefill", self.meta.name), ids):
+            store, held = self.best_store(prefill_worker, ids)
+            fetch = held if held > pchoice.cached_blocks else 0
+            if await self.forward_prefill(msg, ids, prefill_worker, dec, store, fetch, held):
+                where = f", {fetch} from kvstore {store}" if fetch else ""
+                return prefill_worker, f"prefill remote: {pchoice.cached_blocks} blocks cached there{where}"
         return None, "no prefill worker answered: decode prefills locally"
+
+    def best_store(self, worker: Worker, ids: list[int]) -> tuple[str, int]:
+        """The live KV-store holding the longest cached prefix in ``worker``'s layout, and its length."""
+        self.sweep()
+        stores = list(self.workers["kvstore"].values())
+        if not stores:
+            return "", 0
+        overlap = self.index.prefix_overlap(worker.beat.kv_namespace, prefix_hashes(ids, worker.beat.block_size))
+        best = max(stores, key=lambda s: (overlap.get(s.beat.instance_id, 0), s.beat.instance_id))
+        return best.beat.instance_id, overlap.get(best.beat.instance_id, 0)
 
     async def publish_decision(self, msg: GenerateRequest, ids: list[int], ranked: list[tuple[Worker, Candidate]],
                                dec: Worker, prefill: Worker | None, reason: str) -> None:
@@ -237,10 +251,12 @@ class Router(ServiceRuntime):
         self.log.info("placed %s: %d prompt tokens, decode %s, prefill %s (%s)", msg.request_id, len(ids),
                       dec.beat.instance_id, prefill.beat.instance_id if prefill else "local", reason)
 
-    async def forward_prefill(self, msg: GenerateRequest, ids: list[int], prefill: Worker, dec: Worker) -> bool:
+    async def forward_prefill(self, msg: GenerateRequest, ids: list[int], prefill: Worker, dec: Worker,
+                              store: str, fetch: int, held: int) -> bool:
         work = PrefillRequest(request_id=msg.request_id, prompt_token_ids=ids, params=msg.params,
                               stream_subject=msg.stream_subject, decode_worker=dec.beat.instance_id, model=self.meta.name,
-                              decode_ring=dec.beat.kv_ring, decode_host=dec.beat.host_id)
+                              decode_ring=dec.beat.kv_ring, decode_host=dec.beat.host_id, kvstore=store,
+                              kvstore_fetch_blocks=fetch, kvstore_held_blocks=held)
         stamp = prefill.reserve()
         try:
             if await self.forward(subjects.prefill(prefill.beat.instance_id), work, prefill):

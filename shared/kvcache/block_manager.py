@@ -66,6 +66,17 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
+def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of every full block of ``token_ids``, as a block manager assigns them: what
+    routers, prefill workers and KV-stores use to name a prompt's blocks."""
+    hashes: list[int] = []
+    parent = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
 class BlockManager:
     """Allocates physical blocks to block tables, with ref counts, an LRU free list and a prefix cache."""
 
