@@ -89,7 +89,9 @@ async def consumer(args: argparse.Namespace) -> None:
         await msg.respond(msgpack.packb({"ring": ring.name, "host_id": host_id()}))
 
     for subject, cb in (("bench.kv", on_frame), ("bench.admit", on_admit), ("bench.ring", on_ring), ("bench.info", on_info)):
-        await nc.subscribe(subject, cb=cb)
+        # Room for every frame in flight (transfers x window x frame size): a receiver that can hold
+        # less than that is a slow consumer, and the server cuts it off.
+        await nc.subscribe(subject, cb=cb, pending_bytes_limit=2048 * MiB)
     await nc.flush()
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it

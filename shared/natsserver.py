@@ -27,6 +27,7 @@ from pathlib import Path
 log = logging.getLogger("tandem.nats")
 
 MAX_PAYLOAD = 8 * 1024 * 1024  # KV frames are chunked under this
+MAX_PENDING = 512 * 1024 * 1024  # per-client outbound buffer: KV frames in flight to one receiver
 
 
 def die_with_parent() -> None:
@@ -82,6 +83,7 @@ class NatsServer:
             "port: -1",
             "http_port: -1",
             f"max_payload: {MAX_PAYLOAD}",
+            f"max_pending: {MAX_PENDING}",
             f'ports_file_dir: "{workdir}"',
         ]
         if jetstream:
