@@ -68,6 +68,11 @@ class ServiceRuntime:
     def metadata(self) -> dict[str, str]:
         return {"instance_id": self.instance_id, "host": self.host, "pid": str(os.getpid())}
 
+    def metrics(self) -> dict:
+        """This instance's counters and gauges, shown as each endpoint's ``data`` in ``$SRV.STATS``
+        (``nats micro stats tandem-decode``); the metrics issue adds Prometheus."""
+        return {}
+
     # -- helpers ----------------------------------------------------------------------------------
     async def add_endpoint(self, name: str, subject: str, handler: Handler, queue_group: str | None = None) -> None:
         async def guarded(request: Request) -> None:
@@ -127,6 +132,7 @@ class ServiceRuntime:
                 version=__version__,
                 description=self.description,
                 metadata=self.metadata(),
+                stats_handler=lambda _endpoint: self.metrics(),
             ),
         )
         await self.setup()

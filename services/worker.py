@@ -127,6 +127,10 @@ class EngineWorker(ServiceRuntime):
             prefix_cache_queries=stats.get("prefix_cache_queries", 0), prefix_cache_hits=stats.get("prefix_cache_hits", 0),
         )
 
+    def metrics(self) -> dict:
+        stats = self.thread.stats if self.thread else self.engine.stats()
+        return {**stats, "kv_namespace": self.kv_namespace, "steps": self.thread.steps if self.thread else 0}
+
     def on_kv_events(self, stored: list[int], removed: list[int]) -> None:
         self.queue_kv_event(stored, removed)
 

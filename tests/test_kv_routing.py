@@ -7,7 +7,9 @@ KV events); a new router process rebuilds the index from the JetStream stream an
 from __future__ import annotations
 
 import asyncio
+import json
 
+import nats
 import pytest
 from support import prompt_of, worker_beats
 
@@ -45,3 +47,23 @@ async def test_requests_follow_their_cached_prefix_across_a_router_restart(syste
     beats = await worker_beats(system.url)
     hits = {i: b.prefix_cache_hits for i, b in beats.items()}
     assert all(hits[h] >= 2 * (PREFIX_TOKENS - 16) for h in homes), f"prefix cache hits per worker: {hits}"
+
+
+async def test_srv_stats_show_prefix_cache_counters(system):
+    nc = await nats.connect(system.url)
+    try:
+        inbox, replies = nc.new_inbox(), []
+
+        async def collect(msg):
+            replies.append(json.loads(msg.data))
+
+        sub = await nc.subscribe(inbox, cb=collect)
+        await nc.publish("$SRV.STATS.tandem-decode", b"", reply=inbox)
+        await asyncio.sleep(0.5)
+        await sub.unsubscribe()
+    finally:
+        await nc.close()
+    assert len(replies) == 2, f"expected both decode workers in $SRV.STATS, got {len(replies)}"
+    data = [e["data"] for r in replies for e in r["endpoints"]]
+    assert all("prefix_cache_hits" in d and "prefix_cache_queries" in d for d in data), data
+    assert sum(d["prefix_cache_hits"] for d in data) > 0

@@ -72,6 +72,10 @@ class DecodeService(EngineWorker):
             "kv_transfers_ring": self.transfers["ring"], "kv_transfers_nats": self.transfers["nats"],
         })
 
+    def metrics(self) -> dict:
+        return {**super().metrics(), "kv_transfers_ring": self.transfers["ring"],
+                "kv_transfers_nats": self.transfers["nats"]}
+
     async def teardown(self) -> None:
         await super().teardown()
         if self.ring is not None:

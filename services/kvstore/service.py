@@ -59,6 +59,7 @@ class KVStoreService(ServiceRuntime):
         self.store = KVBlockStore(int(settings.kvstore_ram_mib * MIB), disk_bytes, disk_dir)
         self.receiver = KVReceiver(max_bytes_in_flight=PUT_BYTES_IN_FLIGHT)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstore")
+        self.tier_stats: dict = self.store.stats()  # refreshed after every store operation
         self._gets = asyncio.Semaphore(MAX_CONCURRENT_GETS)
         self._events: asyncio.Queue[KVEvent] = asyncio.Queue()
         self._seq = 0
@@ -156,6 +157,10 @@ class KVStoreService(ServiceRuntime):
         stored = await self._call(self._put_all, msg.namespace, msg.hashes, blob, msg.transfer.block_bytes)
         await request.respond(encode(KVPutReply(request_id=msg.request_id, stored=stored)))
 
+    def metrics(self) -> dict:
+        """Tier usage and hit counters as of the last store operation (read on the store's thread)."""
+        return dict(self.tier_stats)
+
     async def on_stats(self, request: Request) -> None:
         stats = await self._call(self.store.stats)
         stats.update(instance_id=self.instance_id, events_published=self.events_published,
@@ -172,9 +177,9 @@ class KVStoreService(ServiceRuntime):
         """Run ``fn`` on the store's thread, then queue the KV events it caused (in order)."""
 
         def run():
-            return fn(*args), self.store.drain_events()
+            return fn(*args), self.store.drain_events(), self.store.stats()
 
-        result, events = await asyncio.get_running_loop().run_in_executor(self._thread, run)
+        result, events, self.tier_stats = await asyncio.get_running_loop().run_in_executor(self._thread, run)
         for namespace, (stored, removed) in events.items():
             self._emit(namespace, stored, removed)
         return result
