@@ -125,7 +125,9 @@ class DecodeService(EngineWorker):
             if self.ring is None or msg.ring.ring != self.ring.name:
                 raise ProtocolError(ErrorCode.INVALID_REQUEST, f"ring {msg.ring.ring!r} is not this worker's")
             try:
-                raw = self.ring.read(SlotDescriptor.from_wire(msg.ring.model_dump()))
+                # On a GPU worker the slots go straight into device memory (pinned -> GPU DMA).
+                staging = torch.empty(msg.ring.length, dtype=torch.uint8, device=self.device)
+                raw = self.ring.read(SlotDescriptor.from_wire(msg.ring.model_dump()), out=staging)
             except RingError as exc:
                 raise ProtocolError(ErrorCode.BAD_FRAME, f"ring slots unusable: {exc}") from None
             self.transfers["ring"] += 1

@@ -100,7 +100,7 @@ class PrefillService(EngineWorker):
         new = slice(msg.kvstore_held_blocks, len(hashes))
         if not hashes[new]:
             return
-        blocks = kv[new].contiguous()
+        blocks = kv[new].cpu().contiguous()
         blob = memoryview(blocks.view(torch.uint8).numpy()).cast("B")
         try:
             reply = await KVStoreClient(self.nc, msg.kvstore).put(self.kv_namespace, hashes[new], blob,
@@ -162,11 +162,11 @@ class PrefillService(EngineWorker):
             except RingError as exc:
                 self.log.warning("cannot attach KV ring %s (%s); using NATS frames", msg.decode_ring, exc)
                 return None
-        desc = ring.try_write(kv.view(torch.uint8).view(-1))
+        desc = ring.try_write(kv.view(torch.uint8).view(-1))  # from GPU memory straight into pinned slots
         return None if desc is None else RingSlots(**desc.to_wire())
 
     async def send_frames(self, msg: PrefillRequest, kv: torch.Tensor, timeout: float) -> KVTransfer:
-        blob = memoryview(kv.view(torch.uint8).numpy()).cast("B")
+        blob = memoryview(kv.cpu().view(torch.uint8).numpy()).cast("B")
         block_bytes = len(blob) // kv.shape[0]
         transfer = KVTransfer(transfer_id=uuid.uuid4().hex, num_blocks=kv.shape[0], block_bytes=block_bytes,
                               checksums=block_checksums(blob, block_bytes))

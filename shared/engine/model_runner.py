@@ -79,9 +79,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def export_kv(self, block_table: Seq[int], num_tokens: int) -> torch.Tensor:
-        """CPU copy of the blocks holding the first ``num_tokens`` tokens: ``[n, L, 2, bs, Hkv, D]``."""
+        """A copy of the blocks holding the first ``num_tokens`` tokens, ``[n, L, 2, bs, Hkv, D]``,
+        on the cache's device: the hand-off moves it from there (GPU -> pinned ring directly)."""
         num_blocks = -(-num_tokens // self.block_size)
-        return gather_blocks(self.kv_cache, list(block_table[:num_blocks])).cpu()
+        return gather_blocks(self.kv_cache, list(block_table[:num_blocks]))
 
     @torch.inference_mode()
     def import_kv(self, block_table: Seq[int], kv: torch.Tensor) -> None:

@@ -78,7 +78,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "prefilled" | None
     num_prompt_tokens: int
     num_output_tokens: int
-    kv: torch.Tensor | None = None  # prompt KV on CPU, for prefill_only requests
+    kv: torch.Tensor | None = None  # prompt KV on the engine's device, for prefill_only requests
 
 
 class SequenceStatus(enum.Enum):
