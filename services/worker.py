@@ -14,14 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from tandem.services.engine_thread import EngineThread
+from tandem.services.kv_event_publisher import KVEventPublisher
 from tandem.services.runtime import ServiceRuntime
 from tandem.shared import subjects
 from tandem.shared.config import Settings
 from tandem.shared.engine import EngineConfig, LLMEngine, RequestOutput
 from tandem.shared.kvcache.cache import kv_cache_bytes_per_block, kv_namespace
-from tandem.shared.kvevents import ensure_kv_events_stream, publish_kv_event
 from tandem.shared.messages import (
-    Cancel, ErrorCode, ErrorReply, Heartbeat, KVEvent, ProtocolError, StreamChunk, decode, encode,
+    Cancel, ErrorCode, ErrorReply, Heartbeat, ProtocolError, StreamChunk, decode, encode,
 )
 from tandem.shared.model import LoadedModel, load_model, resolve_dtype
 
@@ -95,8 +95,6 @@ class EngineWorker(ServiceRuntime):
         cfg = self.loaded.config
         self.kv_namespace = kv_namespace(self.model_name, self.dtype, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                          settings.block_size)
-        self._kv_events: asyncio.Queue[KVEvent] = asyncio.Queue()
-        self._kv_seq = 0
         self.log.info(
             "model %s ready: %d KV blocks of %d tokens, max_model_len %d",
             self.model_name, self.engine_config.num_blocks, settings.block_size, self.max_model_len,
@@ -107,11 +105,11 @@ class EngineWorker(ServiceRuntime):
 
     async def setup(self) -> None:
         loop = asyncio.get_running_loop()
+        self.kv_events = KVEventPublisher(self.nc, self.name, self.instance_id, self.kv_namespace)
+        self.spawn(self.kv_events.run(), "KV event publisher")
         self.thread = EngineThread(self.engine, loop, self.on_outputs, self.on_failure, self.on_kv_events)
         self.thread.start()
         await self.nc.subscribe(subjects.CANCEL, cb=self._on_cancel)
-        self.queue_kv_event([], [], cleared=True)  # a fresh cache: whatever this id held before is gone
-        self.spawn(self.publish_kv_events(), "KV event publisher")
 
     async def teardown(self) -> None:
         if self.thread is not None:
@@ -132,31 +130,7 @@ class EngineWorker(ServiceRuntime):
         return {**stats, "kv_namespace": self.kv_namespace, "steps": self.thread.steps if self.thread else 0}
 
     def on_kv_events(self, stored: list[int], removed: list[int]) -> None:
-        self.queue_kv_event(stored, removed)
-
-    def queue_kv_event(self, stored: list[int], removed: list[int], cleared: bool = False) -> None:
-        event = KVEvent(source=self.instance_id, service=self.name, namespace=self.kv_namespace, seq=self._kv_seq,
-                        stored=stored, removed=removed, cleared=cleared)
-        self._kv_seq += 1
-        self._kv_events.put_nowait(event)
-
-    async def publish_kv_events(self) -> None:
-        """One publisher, in order: the router detects gaps by sequence number."""
-        js = self.nc.jetstream()
-        try:
-            await ensure_kv_events_stream(js)
-        except Exception as exc:  # no JetStream on this server: live subscribers still hear events
-            self.log.warning("KV events stream unavailable (%s); publishing without persistence", exc)
-            js = None
-        while True:
-            event = await self._kv_events.get()
-            if js is not None:
-                try:
-                    await publish_kv_event(js, event)
-                    continue
-                except Exception as exc:
-                    self.log.warning("KV event %d not persisted (%s); publishing it plainly", event.seq, exc)
-            await self.nc.publish(subjects.kv_events(self.name, self.instance_id), encode(event))
+        self.kv_events.add(stored, removed)
 
     def check_request(self, model: str, prompt_token_ids: list[int]) -> None:
         """Refuse what the engine cannot serve, with the code a client can act on."""

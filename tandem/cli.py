@@ -64,6 +64,7 @@ def parser() -> argparse.ArgumentParser:
     add_engine(up)
     up.add_argument("--prefill", type=int, default=1, help="prefill workers")
     up.add_argument("--decode", type=int, default=1, help="decode workers")
+    up.add_argument("--kvstore", type=int, default=1, help="KV-stores (RAM, then disk under <data-dir>/kvstore)")
     up.add_argument("--demo", nargs="?", const=DEMO_PROMPT, metavar="PROMPT",
                     help="once up, generate from PROMPT and print it")
     up.add_argument("--exit-after-demo", action="store_true", help="stop everything after the demo")
@@ -143,7 +144,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     settings = settings_from(args, *ENGINE_FLAGS)
     setup_logging(settings.log_level)
-    sup = Supervisor(settings, num_prefill=args.prefill, num_decode=args.decode, extra_args=engine_argv(args))
+    sup = Supervisor(settings, num_prefill=args.prefill, num_decode=args.decode, num_kvstore=args.kvstore,
+                     extra_args=engine_argv(args))
     def on_signal(_signum, _frame):
         raise KeyboardInterrupt  # SIGTERM stops as cleanly as Ctrl-C
 
@@ -152,7 +154,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         sup.start()
         run_async(sup.wait_ready())
         sup.write_state()
-        print(f"tandem up: NATS at {sup.url} (router, {args.prefill} prefill, {args.decode} decode; Ctrl-C stops)",
+        print(f"tandem up: NATS at {sup.url} (router, {args.prefill} prefill, {args.decode} decode, "
+              f"{args.kvstore} kvstore; Ctrl-C stops)",
               flush=True)
         if args.demo:
             run_async(demo(sup.url, args.demo))

@@ -30,7 +30,7 @@ from tandem.shared.natsserver import NatsServer, die_with_parent
 
 log = logging.getLogger("tandem.up")
 
-SERVICE_ORDER = ("router", "prefill", "decode")  # stop order; start order is the reverse
+SERVICE_ORDER = ("router", "prefill", "decode", "kvstore")  # stop order; start order is the reverse
 
 
 def state_file(data_dir: Path) -> Path:
@@ -59,6 +59,7 @@ class Supervisor:
     settings: Settings
     num_prefill: int = 1
     num_decode: int = 1
+    num_kvstore: int = 0
     extra_args: list[str] = field(default_factory=list)
     children: list[Child] = field(default_factory=list)
     server: NatsServer | None = None
@@ -70,7 +71,7 @@ class Supervisor:
         else:
             self.server = NatsServer.start(binary=self.settings.nats_binary)
             self.url = self.server.url
-        plan = ["decode"] * self.num_decode + ["prefill"] * self.num_prefill + ["router"]
+        plan = ["kvstore"] * self.num_kvstore + ["decode"] * self.num_decode + ["prefill"] * self.num_prefill + ["router"]
         for service in plan:
             self.spawn(service)
 
@@ -96,7 +97,7 @@ class Supervisor:
         cmd = [sys.executable, "-m", "tandem.cli", "serve", service, "--nats-url", self.url,
                "--model", self.settings.model, "--log-level", self.settings.log_level,
                "--torch-threads", str(self.worker_threads()), *self.extra_args]
-        if service != "router":
+        if service in ("prefill", "decode"):
             cmd += ["--gpu-memory-utilization", f"{self.memory_share(service):.4f}"]
         env = dict(os.environ, TANDEM_DATA_DIR=str(self.settings.data_dir), PYTHONUNBUFFERED="1")
         env.pop("TANDEM_INSTANCE_ID", None)
