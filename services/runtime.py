@@ -28,6 +28,7 @@ from tandem.shared.messages import Heartbeat, encode, error_reply
 
 Handler = Callable[[Request], Awaitable[None]]
 SHUTDOWN_TIMEOUT_S = 5.0
+BULK_PENDING_BYTES = 1 << 30
 
 
 def setup_logging(level: str) -> None:
@@ -74,7 +75,15 @@ class ServiceRuntime:
         return {}
 
     # -- helpers ----------------------------------------------------------------------------------
-    async def add_endpoint(self, name: str, subject: str, handler: Handler, queue_group: str | None = None) -> None:
+    async def add_endpoint(self, name: str, subject: str, handler: Handler, queue_group: str | None = None,
+                           bulk: bool = False) -> None:
+        """Serve ``subject`` with ``handler``, replying a typed error for anything it raises.
+
+        ``bulk`` endpoints take KV frames: several transfers of up to ``window x max_payload``
+        bytes each may be in flight at once, more than a subscription buffers by default (64 MiB),
+        and a subscription over its limit drops messages. They get a plain subscription with room
+        for ``BULK_PENDING_BYTES`` instead of a micro endpoint (whose limits cannot be set), so
+        they are missing from ``$SRV.STATS``."""
         async def guarded(request: Request) -> None:
             try:
                 await handler(request)
@@ -86,6 +95,9 @@ class ServiceRuntime:
                 except Exception:
                     self.log.exception("%s: could not send error reply", name)
 
+        if bulk:  # nats.aio.msg.Msg offers the same .data and .respond as a micro Request
+            await self.nc.subscribe(subject, queue=queue_group or "", cb=guarded, pending_bytes_limit=BULK_PENDING_BYTES)
+            return
         await self._service.add_endpoint(
             EndpointConfig(name=name, subject=subject, handler=guarded, queue_group=queue_group)
         )

@@ -83,7 +83,7 @@ class DecodeService(EngineWorker):
 
     async def setup(self) -> None:
         await super().setup()
-        await self.add_endpoint("kv", subjects.decode_kv(self.instance_id), self.on_kv_frame)
+        await self.add_endpoint("kv", subjects.decode_kv(self.instance_id), self.on_kv_frame, bulk=True)
         await self.add_endpoint("admit", subjects.decode_admit(self.instance_id), self.on_admit)
         self.spawn(self.probe_loop(), "probe loop")
 

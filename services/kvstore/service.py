@@ -81,7 +81,7 @@ class KVStoreService(ServiceRuntime):
         await self.add_endpoint("lookup", subjects.kvstore_lookup(iid), self.on_lookup)
         await self.add_endpoint("lookup_all", subjects.KVSTORE_LOOKUP_ALL, self.on_lookup, queue_group=iid)
         await self.add_endpoint("get", subjects.kvstore_get(iid), self.on_get)
-        await self.add_endpoint("kv", subjects.kvstore_kv(iid), self.on_kv_frame)
+        await self.add_endpoint("kv", subjects.kvstore_kv(iid), self.on_kv_frame, bulk=True)
         await self.add_endpoint("put", subjects.kvstore_put(iid), self.on_put)
         await self.add_endpoint("stats", subjects.kvstore_stats(iid), self.on_stats)
 
