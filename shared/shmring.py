@@ -68,6 +68,25 @@ _SLOT = np.dtype([("state", "<u4"), ("pid", "<u4"), ("gen", "<u8"), ("start", "<
 FREE, WRITING, READY, READING = 0, 1, 2, 3
 
 
+_streams = threading.local()
+
+
+@contextmanager
+def _copy_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
+    """A side stream of this thread's for ring copies, ordered after the work already queued on
+    the current stream (which produced the source). Waiting on it alone, rather than on the shared
+    current stream, keeps one transfer from waiting for copies queued by another."""
+    cache = getattr(_streams, "by_device", None)
+    if cache is None:
+        cache = _streams.by_device = {}
+    stream = cache.get(device)
+    if stream is None:
+        stream = cache[device] = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield stream
+
+
 class RingError(RuntimeError):
     """A ring cannot be used as asked: bad name or layout, stale descriptor, wrong namespace."""
 
@@ -317,9 +336,10 @@ class ShmRing:
         """Copy ``data`` to bytes [offset, offset+len) of a reserved transfer, one copy per run."""
         if isinstance(data, torch.Tensor) and data.is_cuda:
             src = data.detach().contiguous().reshape(-1).view(torch.uint8)
-            for addr, pos, n in self._spans(desc, offset, src.numel()):
-                self._buf[addr : addr + n].copy_(src[pos - offset : pos - offset + n], non_blocking=True)
-            torch.cuda.current_stream(src.device).synchronize()  # bytes in place before commit
+            with _copy_stream(src.device) as stream:
+                for addr, pos, n in self._spans(desc, offset, src.numel()):
+                    self._buf[addr : addr + n].copy_(src[pos - offset : pos - offset + n], non_blocking=True)
+            stream.synchronize()  # bytes in place before commit
             return
         if isinstance(data, torch.Tensor):
             src = data.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -386,15 +406,18 @@ class ShmRing:
             dst = out.reshape(-1).view(torch.uint8)
             if dst.numel() < desc.length:
                 raise ValueError(f"out holds {dst.numel()} bytes, the transfer {desc.length}")
-            pos, dst_np = 0, None if dst.is_cuda else dst.numpy()
-            for part in parts:
-                if dst_np is None:
-                    dst[pos : pos + part.numel()].copy_(part, non_blocking=True)
-                else:
+            pos = 0
+            if dst.is_cuda:
+                with _copy_stream(dst.device) as stream:
+                    for part in parts:
+                        dst[pos : pos + part.numel()].copy_(part, non_blocking=True)
+                        pos += part.numel()
+                stream.synchronize()  # the DMA must finish before the slots can be reused
+            else:
+                dst_np = dst.numpy()
+                for part in parts:
                     dst_np[pos : pos + part.numel()] = part.numpy()
-                pos += part.numel()
-            if dst.is_cuda:  # the DMA must finish before the slots can be reused
-                torch.cuda.current_stream(dst.device).synchronize()
+                    pos += part.numel()
         finally:
             del parts
             self.release(desc)
