@@ -110,10 +110,30 @@ class Completion:
 class Client:
     """A connection to a tandem deployment. Make one with :func:`connect`."""
 
-    def __init__(self, nc: nats.NATS, request_timeout_s: float = 30.0) -> None:
+    def __init__(self, nc: nats.NATS, request_timeout_s: float = 30.0, worker_timeout_s: float = 3.0) -> None:
         self.nc = nc
         self.request_timeout_s = request_timeout_s
+        self.worker_timeout_s = worker_timeout_s  # a worker silent this long has died with our request
         self.client_id = uuid.uuid4().hex[:12]
+        self._last_beat: dict[str, float] = {}
+        self._beats = None
+
+    async def _watch_workers(self) -> None:
+        """Follow every worker's heartbeats (once per client), so a request whose worker died
+        fails at once with :class:`WorkerFailureError` instead of waiting for its timeout."""
+        if self._beats is not None:
+            return
+
+        async def on_beat(msg) -> None:
+            self._last_beat[msg.subject.rsplit(".", 1)[-1]] = time.monotonic()
+
+        self._beats = await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
+
+    def _check_alive(self, request_id: str, workers: list[str], since: float) -> None:
+        now = time.monotonic()
+        for worker in workers:
+            if now - self._last_beat.get(worker, since) > self.worker_timeout_s:
+                raise WorkerFailureError(f"worker {worker} stopped sending heartbeats", request_id)
 
     async def generate(self, prompt: str | list[int], *, model: str | None = None, request_id: str | None = None,
                        timeout_s: float | None = None, **params) -> AsyncIterator[Chunk]:
@@ -162,14 +182,24 @@ class Client:
                 prompt=prompt if isinstance(prompt, str) else None,
                 prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
             )
+            await self._watch_workers()
             accepted = await self._place(request, timeout)
+            placed = last_output = time.monotonic()
             pending: dict[int, StreamChunk] = {}
             next_index = 0
             while not finished:
                 try:
-                    data = await asyncio.wait_for(queue.get(), timeout)
+                    data = await asyncio.wait_for(queue.get(), min(timeout, self.worker_timeout_s / 4))
                 except asyncio.TimeoutError:
-                    raise RequestTimeoutError(f"no output for {timeout:.0f}s", request_id) from None
+                    if time.monotonic() - last_output > timeout:
+                        raise RequestTimeoutError(f"no output for {timeout:.0f}s", request_id) from None
+                    # The prefill worker holds the request until the decode worker streams from it.
+                    holders = [accepted.decode_worker]
+                    if accepted.prefill_worker and next_index <= 1:
+                        holders.append(accepted.prefill_worker)
+                    self._check_alive(request_id, holders, placed)
+                    continue
+                last_output = time.monotonic()
                 chunk = decode(data, (StreamChunk, Probe))
                 if isinstance(chunk, Probe):
                     continue
@@ -208,7 +238,8 @@ class Client:
 
 
 @asynccontextmanager
-async def connect(url: str = "nats://127.0.0.1:4222", *, request_timeout_s: float = 30.0) -> AsyncIterator[Client]:
+async def connect(url: str = "nats://127.0.0.1:4222", *, request_timeout_s: float = 30.0,
+                  worker_timeout_s: float = 3.0) -> AsyncIterator[Client]:
     """Connect to the NATS server of a tandem deployment."""
     try:
         nc = await nats.connect(url, name="tandem-client", connect_timeout=5, max_reconnect_attempts=3,
@@ -216,6 +247,6 @@ async def connect(url: str = "nats://127.0.0.1:4222", *, request_timeout_s: floa
     except Exception as exc:
         raise TandemError(f"cannot reach NATS at {url}: {exc}") from None
     try:
-        yield Client(nc, request_timeout_s)
+        yield Client(nc, request_timeout_s, worker_timeout_s)
     finally:
         await nc.drain()
