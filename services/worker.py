@@ -105,7 +105,7 @@ class EngineWorker(ServiceRuntime):
 
     async def setup(self) -> None:
         loop = asyncio.get_running_loop()
-        self.kv_events = KVEventPublisher(self.nc, self.name, self.instance_id, self.kv_namespace)
+        self.kv_events = KVEventPublisher(self.nc, self.name, self.instance_id)
         self.spawn(self.kv_events.run(), "KV event publisher")
         self.thread = EngineThread(self.engine, loop, self.on_outputs, self.on_failure, self.on_kv_events)
         self.thread.start()
@@ -130,7 +130,7 @@ class EngineWorker(ServiceRuntime):
         return {**stats, "kv_namespace": self.kv_namespace, "steps": self.thread.steps if self.thread else 0}
 
     def on_kv_events(self, stored: list[int], removed: list[int]) -> None:
-        self.kv_events.add(stored, removed)
+        self.kv_events.add(self.kv_namespace, stored, removed)
 
     def check_request(self, model: str, prompt_token_ids: list[int]) -> None:
         """Refuse what the engine cannot serve, with the code a client can act on."""

@@ -30,14 +30,14 @@ import msgpack
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 from nats.micro.request import Request
 
+from tandem.services.kv_event_publisher import KVEventPublisher
 from tandem.services.kvstore.store import KVBlockStore
 from tandem.services.runtime import ServiceRuntime, run_service
 from tandem.shared import subjects
 from tandem.shared.config import Settings
 from tandem.shared.frames import KVReceiver, block_checksums, send_kv
-from tandem.shared.kvevents import ensure_kv_events_stream, publish_kv_event
 from tandem.shared.messages import (
-    ErrorCode, Heartbeat, KVEvent, KVGetReply, KVGetRequest, KVLookupReply, KVLookupRequest, KVPutReply,
+    ErrorCode, Heartbeat, KVGetReply, KVGetRequest, KVLookupReply, KVLookupRequest, KVPutReply,
     KVPutRequest, KVTransfer, ProtocolError, decode, encode, error_reply,
 )
 
@@ -45,7 +45,6 @@ MIB = 1 << 20
 PUT_BYTES_IN_FLIGHT = 512 * MIB  # put transfers being reassembled at once
 GET_MAX_BYTES = 512 * MIB  # one get sends at most this much; ``found`` says what was sent
 MAX_CONCURRENT_GETS = 4
-EVENT_CHUNK = 4096  # hashes per KVEvent
 
 
 class KVStoreService(ServiceRuntime):
@@ -61,22 +60,13 @@ class KVStoreService(ServiceRuntime):
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstore")
         self.tier_stats: dict = self.store.stats()  # refreshed after every store operation
         self._gets = asyncio.Semaphore(MAX_CONCURRENT_GETS)
-        self._events: asyncio.Queue[KVEvent] = asyncio.Queue()
-        self._seq = 0
-        self.events_published = 0
-        self.events_failed = 0
+        self.kv_events = KVEventPublisher(None, self.name, self.instance_id)  # connected in setup
 
     async def setup(self) -> None:
-        self.js = self.nc.jetstream()
-        try:
-            await ensure_kv_events_stream(self.js)
-        except Exception as exc:  # no JetStream: serve anyway, events will fail and be counted
-            self.log.warning("could not create the KV events stream: %s", exc)
-        held = await self._call(self.store.namespaces)
-        self._emit("", [], [], cleared=True)
-        for namespace, hashes in held.items():
-            self._emit(namespace, hashes, [])
-        self.spawn(self._publish_loop(), "kv event publisher")
+        self.kv_events.nc = self.nc
+        for namespace, hashes in (await self._call(self.store.namespaces)).items():
+            self.kv_events.add(namespace, hashes, [])  # what survived on disk; the first event clears the rest
+        self.spawn(self.kv_events.run(), "kv event publisher")
         iid = self.instance_id
         await self.add_endpoint("lookup", subjects.kvstore_lookup(iid), self.on_lookup)
         await self.add_endpoint("lookup_all", subjects.KVSTORE_LOOKUP_ALL, self.on_lookup, queue_group=iid)
@@ -163,8 +153,8 @@ class KVStoreService(ServiceRuntime):
 
     async def on_stats(self, request: Request) -> None:
         stats = await self._call(self.store.stats)
-        stats.update(instance_id=self.instance_id, events_published=self.events_published,
-                     events_failed=self.events_failed, put_bytes_in_flight=self.receiver.bytes_in_flight)
+        stats.update(instance_id=self.instance_id, events_published=self.kv_events.published,
+                     events_failed=self.kv_events.failed, put_bytes_in_flight=self.receiver.bytes_in_flight)
         await request.respond(msgpack.packb(stats, use_bin_type=True))
 
     # -- internals ----------------------------------------------------------------------------------
@@ -181,25 +171,8 @@ class KVStoreService(ServiceRuntime):
 
         result, events, self.tier_stats = await asyncio.get_running_loop().run_in_executor(self._thread, run)
         for namespace, (stored, removed) in events.items():
-            self._emit(namespace, stored, removed)
+            self.kv_events.add(namespace, stored, removed)
         return result
-
-    def _emit(self, namespace: str, stored: list[int], removed: list[int], cleared: bool = False) -> None:
-        for i in range(0, max(len(stored), len(removed), 1), EVENT_CHUNK):
-            self._events.put_nowait(KVEvent(
-                source=self.instance_id, service=self.name, namespace=namespace, seq=self._seq,
-                stored=stored[i : i + EVENT_CHUNK], removed=removed[i : i + EVENT_CHUNK], cleared=cleared and i == 0))
-            self._seq += 1
-
-    async def _publish_loop(self) -> None:
-        while True:
-            event = await self._events.get()
-            try:
-                await publish_kv_event(self.js, event)
-                self.events_published += 1
-            except Exception as exc:  # lost: the seq gap tells readers
-                self.events_failed += 1
-                self.log.warning("KV event %d not published: %s", event.seq, exc)
 
 
 def main(settings: Settings) -> None:
