@@ -209,3 +209,27 @@ def test_prefix_import_must_leave_the_last_token(tiny, prompt_len: int, blocks: 
     kv = torch.zeros(blocks, *make_engine(tiny).runner.kv_cache.shape[1:])
     with pytest.raises(ValueError, match="prefix import"):
         make_engine(tiny).add_request(EngineRequest("x", (BASE + OTHER)[:prompt_len], greedy(2), kv=kv))
+
+
+def test_hand_offs_sharing_a_prefix_share_its_blocks_and_match_reference(tiny) -> None:
+    """Two prompts with a common 32-token prefix, prefilled elsewhere and imported one after the
+    other: the second shares the first's cached blocks instead of writing them again."""
+    prompts = [BASE[:32] + OTHER[:10], BASE[:32] + OTHER[20:27]]
+    donor = make_engine(tiny, caching=False)
+    exports = run(donor, [EngineRequest(f"p{i}", p, greedy(2), prefill_only=True) for i, p in enumerate(prompts)])
+    engine = make_engine(tiny)
+    handoff = [EngineRequest(f"d{i}", p, greedy(6), kv=exports[f"p{i}"].kv, output_token_ids=exports[f"p{i}"].tokens)
+               for i, p in enumerate(prompts)]
+    results = run(engine, handoff[:1])
+    cached = engine.block_manager.find_cached_prefix(prompts[1])
+    assert len(cached) == 2, "the first hand-off's two shared prompt blocks stay cached"
+    engine.add_request(handoff[1])
+    outputs = engine.step()
+    assert engine.scheduler.requests["d1"].block_table[:2] == cached, "the import shares the cached blocks"
+    tokens = [t for out in outputs for t in out.new_token_ids]
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    for i, later in enumerate((results["d0"].tokens, tokens)):
+        expected, _ = reference(tiny, prompts[i], 6)
+        assert exports[f"p{i}"].tokens + later == expected, f"hand-off {i} diverged from the reference"
+    assert_all_free(engine)

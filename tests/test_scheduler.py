@@ -38,8 +38,8 @@ def fake_run(scheduler: Scheduler, batch) -> list[int]:
     kv: dict[tuple[int, int], tuple[int, ...]] = scheduler.__dict__.setdefault("fake_kv", {})
     bm, bs = scheduler.block_manager, scheduler.block_size
     sampled = []
-    for seq, _ in batch.imports:  # the engine scatters the prompt's K/V in, then hashes it
-        for pos in range(seq.num_computed_tokens):
+    for seq, _, first in batch.imports:  # the engine scatters the prompt's K/V in, then hashes it
+        for pos in range(first * bs, seq.num_computed_tokens):  # blocks before ``first`` were cached
             kv[(seq.block_table[pos // bs], pos % bs)] = tuple(seq.token_ids[: pos + 1])
         scheduler.hash_computed(seq)
     for item in batch.items:
@@ -231,12 +231,35 @@ def test_imported_sequence_waits_then_scatters_and_decodes() -> None:
     while scheduler.running:
         step(scheduler)
     batch = scheduler.schedule()
-    assert batch.imports == [(seq, kv)] and seq.pending_kv is None
+    ((imported, blocks, first),) = batch.imports
+    assert imported is seq and torch.equal(blocks, kv) and first == 0 and seq.pending_kv is None
     assert [(i.seq.request_id, i.num_query_tokens, i.samples) for i in batch.items] == [("imp", 1, True)]
     assert seq.num_computed_tokens == 6 and len(seq.block_table) == 2
     scheduler.postprocess(batch, fake_run(scheduler, batch))
     assert seq.output_token_ids == [5, fake_token(seq.token_ids[:7])]
     assert len(seq.block_hashes) == 1, "the imported full block is hashed once it is scattered in"
+
+
+def test_import_shares_blocks_this_cache_already_holds() -> None:
+    scheduler = make_scheduler(num_blocks=8, budget=100)
+    shared = list(range(10, 18))  # two blocks of 4
+    scheduler.add(make_seq("a", 0, arrival=0, max_tokens=1, prompt=shared + [1, 2]))
+    run_to_completion(scheduler)
+    cached = scheduler.block_manager.find_cached_prefix(shared)
+    assert len(cached) == 2, "a's two full prompt blocks stay cached"
+    seq = make_seq("imp", 0, arrival=1, max_tokens=3, prompt=shared + [7, 7, 7])
+    seq.token_ids.append(5)  # the token the prefill worker sampled
+    seq.pending_kv = torch.arange(3.0).view(3, 1)  # K/V of all three prompt blocks
+    queries = scheduler.block_manager.prefix_queries
+    scheduler.add(seq)
+    batch = scheduler.schedule()
+    ((imported, blocks, first),) = batch.imports
+    assert seq.block_table[:2] == cached, "the cached blocks are shared, not copied"
+    assert first == 2 and blocks.tolist() == [[2.0]], "only the uncached third block is scattered"
+    assert scheduler.block_manager.prefix_queries == queries, "an import is not a prefix-cache query"
+    scheduler.postprocess(batch, fake_run(scheduler, batch))
+    run_to_completion(scheduler)
+    assert seq.output_token_ids[0] == 5 and len(seq.output_token_ids) == 3
 
 
 def test_abort_frees_blocks_at_once() -> None:

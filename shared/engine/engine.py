@@ -129,8 +129,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
-        for seq, kv in batch.imports:
-            self.runner.import_kv(seq.block_table, kv)
+        for seq, kv, first in batch.imports:
+            if kv.shape[0]:
+                self.runner.import_kv(seq.block_table[first:], kv)
             self.scheduler.hash_computed(seq)  # its prompt blocks hold valid K/V now: cacheable
         sampled = self.runner.run(batch)
         for seq in self.scheduler.postprocess(batch, sampled):

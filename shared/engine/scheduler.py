@@ -61,7 +61,8 @@ class ScheduledSequence:
 class ScheduledBatch:
     items: list[ScheduledSequence] = field(default_factory=list)
     # Admitted hand-offs: scatter each CPU kv into seq.block_table before running the batch.
-    imports: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)
+    # (sequence, K/V blocks to scatter, index of its first block they go to: blocks before it were cached)
+    imports: list[tuple[Sequence, torch.Tensor, int]] = field(default_factory=list)
     num_batched_tokens: int = 0
 
     def __bool__(self) -> bool:
@@ -143,10 +144,13 @@ class Scheduler:
             bisect.insort(self.running, seq, key=_arrival)
             if seq.pending_kv is not None:
                 # A hand-off brings the whole prompt's K/V; a KV-store fetch its first full blocks.
+                # Blocks this cache already holds are shared, not written again: only the rest is
+                # scattered in (a common system prompt costs its blocks once per worker).
                 imported = min(seq.pending_kv.shape[0] * self.block_size, seq.num_prompt_tokens)
+                self._claim_prefix(seq, cached, count=False)
                 self.block_manager.grow(seq.block_table, imported)
                 seq.num_computed_tokens = imported
-                batch.imports.append((seq, seq.pending_kv))
+                batch.imports.append((seq, seq.pending_kv[len(cached):], len(cached)))
                 seq.pending_kv = None
             elif self.block_manager.enable_caching:
                 self._claim_prefix(seq, cached)
@@ -154,19 +158,24 @@ class Scheduler:
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks the waiting ``seq`` would claim: full blocks of its known tokens but the
-        last (that token must be computed to have logits to sample from). Empty for an import (its
-        K/V come with it) or with caching off."""
-        if seq.pending_kv is not None or not self.block_manager.enable_caching:
+        last (that token must be computed to have logits to sample from); for an import, cached
+        full blocks among those it brings. Empty with caching off."""
+        if not self.block_manager.enable_caching:
             return []
+        if seq.pending_kv is not None:
+            covered = min(seq.pending_kv.shape[0] * self.block_size, seq.num_prompt_tokens)
+            return self.block_manager.find_cached_prefix(seq.token_ids[:covered])
         return self.block_manager.find_cached_prefix(seq.token_ids[:-1])
 
-    def _claim_prefix(self, seq: Sequence, cached: list[int]) -> None:
-        """Take ``cached`` as ``seq``'s first blocks, computed, and count the lookup."""
+    def _claim_prefix(self, seq: Sequence, cached: list[int], count: bool = True) -> None:
+        """Take ``cached`` as ``seq``'s first blocks, computed, and count the lookup (imports are
+        not counted: their K/V arrive with them either way)."""
         bm = self.block_manager
         bm.claim(seq.block_table, cached)
         seq.block_hashes = [bm.blocks[block_id].block_hash for block_id in cached]
         seq.num_computed_tokens = len(cached) * self.block_size
-        bm.record_prefix_query(seq.num_tokens, seq.num_computed_tokens)
+        if count:
+            bm.record_prefix_query(seq.num_tokens, seq.num_computed_tokens)
 
     def _batch_full(self, batch: ScheduledBatch) -> bool:
         return batch.num_batched_tokens >= self.max_num_batched_tokens or len(batch.items) >= self.max_num_seqs
