@@ -143,6 +143,8 @@ class DecodeRequest(_Message):
     transfer: KVTransfer | None = None  # KV sent ahead as NATS frames ...
     ring: RingSlots | None = None  # ... or left in the decode worker's shared-memory ring
     kv_namespace: str = ""  # the sender's KV layout: must equal the receiver's when KV comes along
+    kvstore: str = ""  # a KV-store to offer the sequence's full blocks to when it ends ...
+    kvstore_held_blocks: int = Field(0, ge=0)  # ... past the leading blocks it already holds
 
 
 class StreamChunk(_Message):

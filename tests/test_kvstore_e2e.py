@@ -64,3 +64,19 @@ async def test_prefix_from_the_kvstore_matches_fresh_computation(system):
     expected, _ = reference_generate(tiny.model, fresh.prompt_token_ids, NEW_TOKENS)
     assert fresh.token_ids == expected, "computed fresh, the output differs from the reference"
     assert again.token_ids == fresh.token_ids, "with the prefix from the kvstore, the output changed"
+
+
+async def test_finished_sequences_leave_their_blocks_in_the_store(system):
+    store = system.instance("kvstore")
+    before = await store_stats(system.url, store)
+    prompt = prompt_of(40, salt=3)  # two full prompt blocks; 40 generated tokens fill two more
+    async with connect(system.url) as client:
+        result = await client.complete(prompt, max_tokens=40, temperature=0.0, ignore_eos=True)
+    assert len(result.token_ids) == 40
+    expected = (40 + 40 - 1) // 16  # the last token's K/V is never computed
+    for _ in range(50):  # the prefill worker offers the prompt's blocks, decode the rest when it ends
+        after = await store_stats(system.url, store)
+        if after["puts"] - before["puts"] >= expected:
+            break
+        await asyncio.sleep(0.1)
+    assert after["puts"] - before["puts"] == expected, f"store puts {before['puts']} -> {after['puts']}"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tandem.shared.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
-from tandem.shared.kvcache.block_manager import hash_block
+from tandem.shared.kvcache.block_manager import hash_block, prefix_hashes
 from tandem.shared.model import load_model, reference_generate
 from test_engine import record_logits, run
 
@@ -232,4 +232,22 @@ def test_hand_offs_sharing_a_prefix_share_its_blocks_and_match_reference(tiny) -
     for i, later in enumerate((results["d0"].tokens, tokens)):
         expected, _ = reference(tiny, prompts[i], 6)
         assert exports[f"p{i}"].tokens + later == expected, f"hand-off {i} diverged from the reference"
+    assert_all_free(engine)
+
+
+def test_export_on_finish_returns_every_full_computed_block(tiny) -> None:
+    prompt = BASE[:20]
+    engine = make_engine(tiny)
+    engine.add_request(EngineRequest("e", prompt, greedy(30), export_on_finish=True))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    tokens = [t for out in outputs for t in out.new_token_ids]
+    last = outputs[-1]
+    computed = len(prompt) + len(tokens) - 1  # the last sampled token has no K/V yet
+    assert last.kv is not None and last.kv.shape[0] == computed // BS == 3
+    assert last.kv_hashes == prefix_hashes(prompt + tokens, BS)[:3]
+    fresh = make_engine(tiny)
+    exported = run(fresh, [EngineRequest("f", (prompt + tokens)[:49], greedy(2), prefill_only=True)])["f"].kv
+    torch.testing.assert_close(last.kv, exported[:3], msg="exported blocks hold the sequence's K/V")
     assert_all_free(engine)

@@ -25,11 +25,12 @@ import torch
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 from nats.micro.request import Request
 
+from tandem.services.kvstore.client import KVStoreClient
 from tandem.services.runtime import run_service
 from tandem.services.worker import EngineWorker, Stream
 from tandem.shared import subjects
 from tandem.shared.config import Settings
-from tandem.shared.engine import EngineRequest
+from tandem.shared.engine import EngineRequest, RequestOutput
 from tandem.shared.engine import SamplingParams as EngineSampling
 from tandem.shared.frames import KVReceiver
 from tandem.shared.messages import Ack, DecodeRequest, ErrorCode, Heartbeat, Probe, ProtocolError, decode, encode
@@ -58,6 +59,7 @@ class DecodeService(EngineWorker):
         self.receiver = KVReceiver(max_bytes_in_flight=budget)
         self.ring: ShmRing | None = None
         self.transfers = {"ring": 0, "nats": 0}
+        self.offers: dict[str, tuple[str, int]] = {}  # request -> (kvstore, leading blocks it holds)
         if settings.kv_ring_mib:
             slot = settings.kv_ring_slot_kib * 1024
             label = re.sub(r"[^A-Za-z0-9_.]", "_", self.instance_id)[:64]  # ring labels allow fewer characters
@@ -101,20 +103,51 @@ class DecodeService(EngineWorker):
             params=engine_sampling(msg.params),
             kv=kv,
             output_token_ids=list(msg.output_token_ids),
+            export_on_finish=bool(msg.kvstore),
         )
         if msg.request_id in self.streams:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"request {msg.request_id} is already running here")
         self.streams[msg.request_id] = Stream(msg.stream_subject, next_index=len(msg.output_token_ids))
+        if msg.kvstore:
+            self.offers[msg.request_id] = (msg.kvstore, msg.kvstore_held_blocks)
         try:
             await self.thread.add(engine_request)
         except ValueError as exc:
             del self.streams[msg.request_id]
+            self.offers.pop(msg.request_id, None)
             raise ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) from None
         self.log.info(
             "admit %s: %d prompt tokens, %s", msg.request_id, len(msg.prompt_token_ids),
             f"{msg.transfer.num_blocks} KV blocks received" if msg.transfer else "prefilling locally",
         )
         await request.respond(encode(Ack(request_id=msg.request_id)))
+
+    def handle_output(self, out: RequestOutput, stream: Stream) -> bool:
+        offer = self.offers.pop(out.request_id, None) if out.finished else None
+        if offer is not None and out.kv is not None:
+            self.spawn(self.offer_to_store(out, *offer), f"offer {out.request_id}'s blocks")
+        return False  # the chunk goes out as usual
+
+    async def offer_to_store(self, out: RequestOutput, store: str, held: int) -> None:
+        """Give the KV-store the full blocks of a finished sequence it does not hold yet (the
+        prompt's came from the prefill worker; these are mostly the generated ones), so a next turn
+        that repeats this conversation finds them."""
+        hashes = out.kv_hashes[held:]
+        if not hashes:
+            return
+        blocks = await asyncio.to_thread(lambda: out.kv[held:].cpu().contiguous())
+        blob = memoryview(blocks.view(torch.uint8).numpy()).cast("B")
+        try:
+            reply = await KVStoreClient(self.nc, store).put(self.kv_namespace, hashes, blob, len(blob) // len(hashes))
+        except Exception as exc:
+            self.log.warning("offering %s's blocks to kvstore %s failed: %s", out.request_id, store, exc)
+            return
+        self.log.info("offered %d blocks of %s to kvstore %s (%d new)", len(hashes), out.request_id, store, reply.stored)
+
+    def on_failure(self, request_ids: list[str], exc: BaseException) -> None:
+        for request_id in request_ids:
+            self.offers.pop(request_id, None)
+        super().on_failure(request_ids, exc)
 
     def received_kv(self, msg: DecodeRequest) -> torch.Tensor | None:
         """The prompt's KV blocks that came with ``msg``, from NATS frames or the ring; None if none."""

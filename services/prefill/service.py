@@ -128,6 +128,8 @@ class PrefillService(EngineWorker):
             request_id=msg.request_id, prompt_token_ids=msg.prompt_token_ids,
             output_token_ids=list(out.new_token_ids), params=msg.params,
             stream_subject=msg.stream_subject, model=msg.model, kv_namespace=self.kv_namespace,
+            # The full prompt blocks go to the store from here; decode offers the blocks after them.
+            kvstore=msg.kvstore, kvstore_held_blocks=len(msg.prompt_token_ids) // self.settings.block_size,
         )
         timeout = self.settings.request_timeout_s
         try:

@@ -268,8 +268,10 @@ class Router(ServiceRuntime):
         return False
 
     async def forward_decode(self, msg: GenerateRequest, ids: list[int], dec: Worker) -> bool:
+        store, held = self.best_store(dec, ids)
         work = DecodeRequest(request_id=msg.request_id, prompt_token_ids=ids, params=msg.params,
-                             stream_subject=msg.stream_subject, model=self.meta.name)
+                             stream_subject=msg.stream_subject, model=self.meta.name, kvstore=store,
+                             kvstore_held_blocks=held)
         return await self.forward(subjects.decode_admit(dec.beat.instance_id), work, dec)
 
     async def forward(self, subject: str, work, worker: Worker) -> bool:

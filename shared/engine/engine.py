@@ -28,7 +28,7 @@ from tandem.shared.engine.detokenizer import IncrementalDetokenizer
 from tandem.shared.engine.model_runner import ModelRunner
 from tandem.shared.engine.scheduler import Scheduler
 from tandem.shared.engine.sequence import EngineRequest, RequestOutput, Sequence, SequenceStatus
-from tandem.shared.kvcache.block_manager import BlockManager
+from tandem.shared.kvcache.block_manager import BlockManager, prefix_hashes
 from tandem.shared.tokenizer import Tokenizer
 
 
@@ -79,6 +79,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._aborted_outputs: list[RequestOutput] = []
         self._exported_kv: dict[str, torch.Tensor] = {}
+        self._exported_hashes: dict[str, list[int]] = {}
 
     def add_request(self, request: EngineRequest) -> None:
         """Validate and queue a request; ``ValueError`` says what is wrong with it."""
@@ -107,6 +108,7 @@ class LLMEngine:
             params=params,
             arrival=next(self._arrivals),
             prefill_only=request.prefill_only,
+            export_on_finish=request.export_on_finish,
             pending_kv=request.kv,
             detokenizer=IncrementalDetokenizer(self.tokenizer, len(prompt), params.stop),
         )
@@ -175,11 +177,18 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             kv=self._exported_kv.pop(seq.request_id, None),
+            kv_hashes=self._exported_hashes.pop(seq.request_id, None),
         )
 
     def _on_finish(self, seq: Sequence) -> None:
-        if seq.finish_reason == "prefilled":  # gather before the scheduler frees the blocks
+        # Gathered before the scheduler frees the blocks.
+        if seq.finish_reason == "prefilled":
             self._exported_kv[seq.request_id] = self.runner.export_kv(seq.block_table, seq.num_prompt_tokens)
+        elif seq.export_on_finish and seq.finish_reason != "abort":
+            full = seq.num_computed_tokens // self.config.block_size * self.config.block_size
+            if full:
+                self._exported_kv[seq.request_id] = self.runner.export_kv(seq.block_table, full)
+                self._exported_hashes[seq.request_id] = prefix_hashes(seq.token_ids[:full], self.config.block_size)
 
     def _check_kv(self, kv: torch.Tensor, num_prompt_tokens: int, has_outputs: bool) -> None:
         """Two kinds of imported K/V: a hand-off covers the whole prompt and comes with the token

@@ -65,6 +65,7 @@ class EngineRequest:
     kv: torch.Tensor | None = None
     output_token_ids: list[int] = field(default_factory=list)
     prefill_only: bool = False  # stop after the first sampled token and return the prompt's KV
+    export_on_finish: bool = False  # return the K/V of every full computed block when it ends (for a KV-store)
 
 
 @dataclass
@@ -79,6 +80,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     kv: torch.Tensor | None = None  # prompt KV on the engine's device, for prefill_only requests
+    kv_hashes: list[int] | None = None  # with export_on_finish: the chained hash of each block of ``kv``
 
 
 class SequenceStatus(enum.Enum):
@@ -101,6 +103,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full computed blocks
     prefill_only: bool = False
+    export_on_finish: bool = False
     pending_kv: torch.Tensor | None = None  # imported prompt KV, kept on CPU until admitted
     detokenizer: IncrementalDetokenizer | None = None
     finish_reason: str | None = None
