@@ -121,19 +121,39 @@ def test_engine_bf16_matches_reference(tiny_cuda):
     assert exact >= MIN_EXACT, f"only {exact} of {len(prompts)} prompts token-exact"
 
 
-def test_full_disaggregated_path_bf16(start_system, tiny_cuda, model_dir):
+@pytest.fixture(scope="module")
+def gpu_system(start_system, model_dir):
+    """Router, prefill and decode sharing the GPU, and a KV-store: hand-offs through the pinned ring."""
     share = ["--device", "cuda", "--gpu-memory-utilization", "0.3"]
-    system = start_system(prefill=1, decode=1, model_args=["--model", str(model_dir)],
-                          prefill_args=[*share, "--max-num-batched-tokens", "32"], decode_args=share)
-    texts = [prompt_of(n, salt=i) for i, n in enumerate(PARITY_LENGTHS)]
+    return start_system(prefill=1, decode=1, kvstore=1, model_args=["--model", str(model_dir)],
+                        prefill_args=[*share, "--max-num-batched-tokens", "32"], decode_args=share)
 
+
+def complete_all(url: str, texts: list[str]):
     async def run():
-        async with connect(system.url) as client:
+        async with connect(url) as client:
             return await asyncio.gather(*(
                 client.complete(t, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True) for t in texts))
 
-    results = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_full_disaggregated_path_bf16(gpu_system, tiny_cuda):
+    texts = [prompt_of(n, salt=i) for i, n in enumerate(PARITY_LENGTHS)]
+    results = complete_all(gpu_system.url, texts)
     expected = references(tiny_cuda.model, [r.prompt_token_ids for r in results])
     exact = sum(r.token_ids == ref for r, (ref, _) in zip(results, expected))
     print(f"\nfull path bf16 on CUDA: {exact}/{len(texts)} token-exact")
     assert exact >= MIN_EXACT, f"only {exact} of {len(texts)} prompts token-exact through the bus"
+
+
+def test_shared_prefixes_through_caches_and_store_bf16(gpu_system, tiny_cuda):
+    """Prompts sharing a 64-token prefix, one after another: later ones reuse cached blocks on the
+    prefill and decode workers (the KV-store holds them too); outputs stay those of the reference."""
+    prefix = prompt_of(64, salt=5)
+    texts = [prefix + prompt_of(n, salt=50 + n) for n in (3, 16, 17, 40)]
+    results = [complete_all(gpu_system.url, [t])[0] for t in texts]
+    expected = references(tiny_cuda.model, [r.prompt_token_ids for r in results])
+    exact = sum(r.token_ids == ref for r, (ref, _) in zip(results, expected))
+    print(f"\nshared prefixes bf16 on CUDA: {exact}/{len(texts)} token-exact")
+    assert exact >= len(texts) - 1, f"only {exact} of {len(texts)} shared-prefix prompts token-exact"
