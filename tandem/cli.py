@@ -149,7 +149,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     def on_signal(_signum, _frame):
         raise KeyboardInterrupt  # SIGTERM stops as cleanly as Ctrl-C
 
+    # Both explicitly: a shell that starts `up` in the background hands it SIGINT ignored.
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         sup.start()
         run_async(sup.wait_ready())
@@ -175,20 +177,15 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 async def demo(url: str, prompt: str) -> None:
-    """One sampled generation through the whole system, with its timings."""
+    """One sampled generation through the whole system, printed in one piece with its timings
+    (streaming it would interleave with the services' log lines on the same terminal)."""
     from tandem.client import connect
 
     async with connect(url) as client:
-        print(f"--- demo: {prompt!r} (temperature 0.8, top-k 40, seed 0, 64 tokens)", flush=True)
-        print(prompt, end="", flush=True)
-        start, first, count, reason = time.perf_counter(), None, 0, None
-        async for chunk in client.generate(prompt, max_tokens=64, temperature=0.8, top_k=40, seed=0):
-            first = first or time.perf_counter()
-            count += len(chunk.token_ids)
-            reason = chunk.finish_reason
-            print(visible(chunk.text), end="", flush=True)
-        ttft = (first - start) * 1e3 if first else float("nan")
-        print(f"\n--- {count} tokens, finish {reason}, first token after {ttft:.0f} ms", flush=True)
+        result = await client.complete(prompt, max_tokens=64, temperature=0.8, top_k=40, seed=0)
+    print(f"--- demo: {prompt!r} (temperature 0.8, top-k 40, seed 0, 64 tokens)\n{prompt}{visible(result.text)}\n"
+          f"--- {len(result.token_ids)} tokens, finish {result.finish_reason}, first token after "
+          f"{result.ttft_s * 1e3:.0f} ms, then {result.tpot_s * 1e3:.1f} ms per token", flush=True)
 
 
 def visible(text: str) -> str:
