@@ -14,11 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from tandem.services.engine_thread import EngineThread
+from tandem.services.kvstore.client import KVStoreClient
 from tandem.services.kv_event_publisher import KVEventPublisher
 from tandem.services.runtime import ServiceRuntime
 from tandem.shared import subjects
 from tandem.shared.config import Settings
 from tandem.shared.engine import EngineConfig, LLMEngine, RequestOutput
+from tandem.shared.frames import tensor_bytes
 from tandem.shared.kvcache.cache import kv_cache_bytes_per_block, kv_namespace
 from tandem.shared.messages import (
     Cancel, ErrorCode, ErrorReply, Heartbeat, ProtocolError, StreamChunk, decode, encode,
@@ -128,6 +130,20 @@ class EngineWorker(ServiceRuntime):
     def metrics(self) -> dict:
         stats = self.thread.stats if self.thread else self.engine.stats()
         return {**stats, "kv_namespace": self.kv_namespace, "steps": self.thread.steps if self.thread else 0}
+
+    async def offer_blocks(self, store: str, request_id: str, hashes: list[int], blocks: torch.Tensor) -> None:
+        """Put ``blocks`` (one per hash, on any device) into a KV-store; a failure is only logged:
+        the store is a cache, the request is unaffected."""
+        if not hashes:
+            return
+        host = await asyncio.to_thread(blocks.cpu)  # a device copy: off the event loop
+        blob = tensor_bytes(host)
+        try:
+            reply = await KVStoreClient(self.nc, store).put(self.kv_namespace, hashes, blob, len(blob) // len(hashes))
+        except Exception as exc:
+            self.log.warning("offering %s's blocks to kvstore %s failed: %s", request_id, store, exc)
+            return
+        self.log.info("offered %d blocks of %s to kvstore %s (%d new)", len(hashes), request_id, store, reply.stored)
 
     def on_kv_events(self, stored: list[int], removed: list[int]) -> None:
         self.kv_events.add(self.kv_namespace, stored, removed)

@@ -19,6 +19,7 @@ import zlib
 from dataclasses import dataclass, field
 
 import msgpack
+import torch
 
 from tandem.shared.messages import SCHEMA_VERSION, ErrorCode, ErrorReply, KVTransfer, ProtocolError, decode
 
@@ -47,6 +48,11 @@ def unpack_frame(data: bytes) -> tuple[dict, memoryview]:
     if header.get("v") != SCHEMA_VERSION:
         raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"frame schema version {header.get('v')!r}")
     return header, memoryview(data)[_LEN.size + head_len :]
+
+
+def tensor_bytes(tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy (any dtype, bf16 included)."""
+    return memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def block_checksums(blob: bytes | memoryview, block_bytes: int) -> list[int]:

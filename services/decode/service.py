@@ -25,7 +25,6 @@ import torch
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 from nats.micro.request import Request
 
-from tandem.services.kvstore.client import KVStoreClient
 from tandem.services.runtime import run_service
 from tandem.services.worker import EngineWorker, Stream
 from tandem.shared import subjects
@@ -125,24 +124,12 @@ class DecodeService(EngineWorker):
     def handle_output(self, out: RequestOutput, stream: Stream) -> bool:
         offer = self.offers.pop(out.request_id, None) if out.finished else None
         if offer is not None and out.kv is not None:
-            self.spawn(self.offer_to_store(out, *offer), f"offer {out.request_id}'s blocks")
+            # The full blocks past what the store holds: mostly the generated ones (the prefill
+            # worker offered the prompt's), so a next turn repeating this conversation finds them.
+            store, held = offer
+            self.spawn(self.offer_blocks(store, out.request_id, out.kv_hashes[held:], out.kv[held:]),
+                       f"offer {out.request_id}'s blocks")
         return False  # the chunk goes out as usual
-
-    async def offer_to_store(self, out: RequestOutput, store: str, held: int) -> None:
-        """Give the KV-store the full blocks of a finished sequence it does not hold yet (the
-        prompt's came from the prefill worker; these are mostly the generated ones), so a next turn
-        that repeats this conversation finds them."""
-        hashes = out.kv_hashes[held:]
-        if not hashes:
-            return
-        blocks = await asyncio.to_thread(lambda: out.kv[held:].cpu().contiguous())
-        blob = memoryview(blocks.view(torch.uint8).numpy()).cast("B")
-        try:
-            reply = await KVStoreClient(self.nc, store).put(self.kv_namespace, hashes, blob, len(blob) // len(hashes))
-        except Exception as exc:
-            self.log.warning("offering %s's blocks to kvstore %s failed: %s", out.request_id, store, exc)
-            return
-        self.log.info("offered %d blocks of %s to kvstore %s (%d new)", len(hashes), out.request_id, store, reply.stored)
 
     def on_failure(self, request_ids: list[str], exc: BaseException) -> None:
         for request_id in request_ids:

@@ -24,7 +24,7 @@ from tandem.services.worker import EngineWorker, Stream
 from tandem.shared import subjects
 from tandem.shared.config import Settings
 from tandem.shared.engine import EngineRequest, RequestOutput
-from tandem.shared.frames import block_checksums, send_kv
+from tandem.shared.frames import block_checksums, send_kv, tensor_bytes
 from tandem.shared.kvcache.block_manager import prefix_hashes
 from tandem.shared.messages import (
     Ack, DecodeRequest, ErrorCode, ErrorReply, KVTransfer, PrefillRequest, ProtocolError, RingSlots, decode, encode,
@@ -94,23 +94,6 @@ class PrefillService(EngineWorker):
             return None  # nothing cached, or blocks of another layout under this namespace: compute
         return torch.frombuffer(blob, dtype=torch.uint8).view(self.dtype).view(len(found), *layout)
 
-    async def offer_to_store(self, msg: PrefillRequest, kv: torch.Tensor) -> None:
-        """Give the KV-store the prompt's full blocks it does not hold yet."""
-        hashes = prefix_hashes(msg.prompt_token_ids, self.settings.block_size)
-        new = slice(msg.kvstore_held_blocks, len(hashes))
-        if not hashes[new]:
-            return
-        blocks = kv[new].cpu().contiguous()
-        blob = memoryview(blocks.view(torch.uint8).numpy()).cast("B")
-        try:
-            reply = await KVStoreClient(self.nc, msg.kvstore).put(self.kv_namespace, hashes[new], blob,
-                                                                  len(blob) // blocks.shape[0])
-        except Exception as exc:
-            self.log.warning("offering %s's blocks to kvstore %s failed: %s", msg.request_id, msg.kvstore, exc)
-            return
-        self.log.info("offered %d blocks of %s to kvstore %s (%d new)", len(hashes[new]), msg.request_id,
-                      msg.kvstore, reply.stored)
-
     def handle_output(self, out: RequestOutput, stream: Stream) -> bool:
         msg = self.pending.pop(out.request_id, None) if out.finished else None
         if msg is None or out.finish_reason != PREFILLED:
@@ -149,8 +132,10 @@ class PrefillService(EngineWorker):
             return
         self.log.info("handed %s to decode %s: %d blocks, %d bytes, %s", msg.request_id, msg.decode_worker,
                       kv.shape[0], kv.numel() * kv.element_size(), "shared memory" if admit.ring else "NATS frames")
-        if msg.kvstore:
-            await self.offer_to_store(msg, kv)
+        if msg.kvstore:  # the prompt's full blocks the store does not hold yet
+            held, full = msg.kvstore_held_blocks, len(msg.prompt_token_ids) // self.settings.block_size
+            hashes = prefix_hashes(msg.prompt_token_ids, self.settings.block_size)
+            await self.offer_blocks(msg.kvstore, msg.request_id, hashes[held:full], kv[held:full])
 
     def write_to_ring(self, msg: PrefillRequest, kv: torch.Tensor) -> RingSlots | None:
         """The KV written into the decode worker's ring, or None: another host, fast path off
@@ -168,7 +153,7 @@ class PrefillService(EngineWorker):
         return None if desc is None else RingSlots(**desc.to_wire())
 
     async def send_frames(self, msg: PrefillRequest, kv: torch.Tensor, timeout: float) -> KVTransfer:
-        blob = memoryview(kv.cpu().view(torch.uint8).numpy()).cast("B")
+        blob = tensor_bytes(kv.cpu())
         block_bytes = len(blob) // kv.shape[0]
         transfer = KVTransfer(transfer_id=uuid.uuid4().hex, num_blocks=kv.shape[0], block_bytes=block_bytes,
                               checksums=block_checksums(blob, block_bytes))

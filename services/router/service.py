@@ -59,6 +59,20 @@ class Worker:
             self.assigned.remove(stamp)
 
 
+@dataclass
+class PromptBlocks:
+    """A prompt's token ids and its chained block hashes, computed once per block size: placement
+    asks for them for every candidate worker and store."""
+
+    ids: list[int]
+    _hashes: dict[int, list[int]] = field(default_factory=dict)
+
+    def hashes(self, block_size: int) -> list[int]:
+        if block_size not in self._hashes:
+            self._hashes[block_size] = prefix_hashes(self.ids, block_size)
+        return self._hashes[block_size]
+
+
 class Router(ServiceRuntime):
     name = "router"
     description = "validates, tokenizes and places generation requests"
@@ -168,12 +182,11 @@ class Router(ServiceRuntime):
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"token id {max(ids)} is outside the vocabulary")
         return ids
 
-    def ranked(self, workers: list[Worker], ids: list[int]) -> list[tuple[Worker, Candidate]]:
+    def ranked(self, workers: list[Worker], prompt: PromptBlocks) -> list[tuple[Worker, Candidate]]:
         """Workers cheapest first for this prompt (cached prefix from the index, load from beats)."""
         if not workers:
             return []
-        block_size = workers[0].beat.block_size
-        hashes = prefix_hashes(ids, block_size)
+        hashes = prompt.hashes(workers[0].beat.block_size)
         overlaps: dict[str, dict[str, int]] = {}
         rows = []
         for w in workers:
@@ -186,7 +199,8 @@ class Router(ServiceRuntime):
 
     async def place_valid(self, msg: GenerateRequest) -> GenerateAccepted:
         ids = self.tokenize(msg)
-        ranked_decode = self.ranked(self.alive("decode", self.meta.name), ids)
+        prompt = PromptBlocks(ids)
+        ranked_decode = self.ranked(self.alive("decode", self.meta.name), prompt)
         if not ranked_decode:
             raise ProtocolError(ErrorCode.NO_WORKERS, f"no decode worker serves {self.meta.name!r}")
         for decode_worker, choice in ranked_decode:
@@ -198,8 +212,8 @@ class Router(ServiceRuntime):
             # Counted before the round trips, so requests placed meanwhile already see this load.
             stamp = decode_worker.reserve()
             try:
-                prefill_worker, reason = await self.place_prefill(msg, ids, decode_worker, choice)
-                placed = prefill_worker is not None or await self.forward_decode(msg, ids, decode_worker)
+                prefill_worker, reason = await self.place_prefill(msg, prompt, decode_worker, choice)
+                placed = prefill_worker is not None or await self.forward_decode(msg, prompt, decode_worker)
             except BaseException:
                 decode_worker.release(stamp)
                 raise
@@ -214,27 +228,28 @@ class Router(ServiceRuntime):
             prefill_worker=prefill_worker.beat.instance_id if prefill_worker else None,
         )
 
-    async def place_prefill(self, msg: GenerateRequest, ids: list[int], dec: Worker,
+    async def place_prefill(self, msg: GenerateRequest, prompt: PromptBlocks, dec: Worker,
                             choice: Candidate) -> tuple[Worker | None, str]:
         """A prefill worker that took the request, or None (the decode worker prefills), and why."""
+        ids = prompt.ids
         cached_tokens = min(len(ids), choice.cached_blocks * dec.beat.block_size)
         if prefill_locally(len(ids), cached_tokens, self.settings.local_prefill_max_tokens):
             return None, f"{len(ids) - cached_tokens} uncached tokens: decode prefills locally"
-        for prefill_worker, pchoice in self.ranked(self.alive("prefill", self.meta.name), ids):
-            store, held = self.best_store(prefill_worker, ids)
+        for prefill_worker, pchoice in self.ranked(self.alive("prefill", self.meta.name), prompt):
+            store, held = self.best_store(prefill_worker, prompt)
             fetch = held if held > pchoice.cached_blocks else 0
             if await self.forward_prefill(msg, ids, prefill_worker, dec, store, fetch, held):
                 where = f", {fetch} from kvstore {store}" if fetch else ""
                 return prefill_worker, f"prefill remote: {pchoice.cached_blocks} blocks cached there{where}"
         return None, "no prefill worker answered: decode prefills locally"
 
-    def best_store(self, worker: Worker, ids: list[int]) -> tuple[str, int]:
+    def best_store(self, worker: Worker, prompt: PromptBlocks) -> tuple[str, int]:
         """The live KV-store holding the longest cached prefix in ``worker``'s layout, and its length."""
         self.sweep()
         stores = list(self.workers["kvstore"].values())
         if not stores:
             return "", 0
-        overlap = self.index.prefix_overlap(worker.beat.kv_namespace, prefix_hashes(ids, worker.beat.block_size))
+        overlap = self.index.prefix_overlap(worker.beat.kv_namespace, prompt.hashes(worker.beat.block_size))
         best = max(stores, key=lambda s: (overlap.get(s.beat.instance_id, 0), s.beat.instance_id))
         return best.beat.instance_id, overlap.get(best.beat.instance_id, 0)
 
@@ -267,9 +282,9 @@ class Router(ServiceRuntime):
         prefill.release(stamp)
         return False
 
-    async def forward_decode(self, msg: GenerateRequest, ids: list[int], dec: Worker) -> bool:
-        store, held = self.best_store(dec, ids)
-        work = DecodeRequest(request_id=msg.request_id, prompt_token_ids=ids, params=msg.params,
+    async def forward_decode(self, msg: GenerateRequest, prompt: PromptBlocks, dec: Worker) -> bool:
+        store, held = self.best_store(dec, prompt)
+        work = DecodeRequest(request_id=msg.request_id, prompt_token_ids=prompt.ids, params=msg.params,
                              stream_subject=msg.stream_subject, model=self.meta.name, kvstore=store,
                              kvstore_held_blocks=held)
         return await self.forward(subjects.decode_admit(dec.beat.instance_id), work, dec)
