@@ -298,11 +298,202 @@ class RoutingDecision(_Message):
     reason: str
 
 
+# -- trainer (services/trainer): jobs, per-step metrics, the stream timeline, hot reload ------------
+class TrainJob(BaseModel):
+    """One training run: what to train, on what, for how long, and how."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    model: str = "tiny"  # "tiny", a preset name (see tandem.shared.train), or a Hugging Face directory
+    dataset: str = "stdlib"  # "stdlib" (the Python standard library's sources) or a text file/folder
+    steps: int = Field(100, ge=1)
+    batch_size: int = Field(8, ge=1)
+    seq_len: int = Field(256, ge=2)
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float = Field(1.0, ge=0)  # global-norm clipping; 0 turns it off
+    warmup_steps: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0)
+    device: str = "auto"
+    checkpoint_every: int = Field(0, ge=0)  # steps between checkpoints; 0: only at the end
+    output_dir: str | None = None  # default: <data_dir>/train/<job_id>
+    resume: bool = False  # continue from the latest checkpoint in output_dir
+    gpu_memory_gib: float | None = Field(None, gt=0)  # cap through set_per_process_memory_fraction
+
+
+class TrainStart(_Message):
+    kind: Literal["train_start"] = "train_start"
+    job_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")
+    job: TrainJob = Field(default_factory=TrainJob)
+
+
+class TrainStop(_Message):
+    kind: Literal["train_stop"] = "train_stop"
+    job_id: str
+
+
+class TrainStatusRequest(_Message):
+    kind: Literal["train_status"] = "train_status"
+    job_id: str | None = None  # None: every job this trainer knows
+
+
+class TrainJobStatus(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    job_id: str
+    state: Literal["queued", "running", "stopping", "stopped", "finished", "failed"]
+    step: int
+    steps: int
+    loss: float | None = None
+    message: str = ""
+
+
+class TrainStatusReply(_Message):
+    kind: Literal["train_status_reply"] = "train_status_reply"
+    trainer: str  # instance id
+    jobs: list[TrainJobStatus]
+
+
+class TrainStepMetrics(_Message):
+    """Published after every optimizer step of a job."""
+
+    kind: Literal["train_step"] = "train_step"
+    job_id: str
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens_per_s: float
+    model_tflops: float  # (6N + 6 L d seq) * tokens / step time, as in DESIGN.md
+    step_time_s: float
+    gpu_memory_bytes: int = 0  # allocated now
+    gpu_memory_peak_bytes: int = 0
+
+
+class TimelineOp(BaseModel):
+    """One operation of a training step on one lane, times in seconds from the step's start."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    lane: Literal["h2d", "compute", "d2h", "optimizer"]
+    layer: int  # -1: not a decoder layer (embedding, head, loss)
+    phase: Literal["fwd", "bwd", "opt", "recompute"]
+    start_s: float
+    end_s: float
+    bytes: int = 0
+
+
+class TrainTimeline(_Message):
+    """The per-layer timeline of one step, at a bounded rate, for the console's stream-overlap view."""
+
+    kind: Literal["train_timeline"] = "train_timeline"
+    job_id: str
+    step: int
+    ops: list[TimelineOp]
+    hidden_fraction: float  # of host<->device transfer time, the part under compute
+
+
+class WeightsUpdated(_Message):
+    """A trainer saved new weights for ``model``: workers serving it reload from ``path``."""
+
+    kind: Literal["weights_updated"] = "weights_updated"
+    model: str  # the served model name ("tiny" or the directory's name)
+    path: str
+    step: int
+    version: str  # changes with every checkpoint; part of the KV namespace after a reload
+
+
+# -- metrics and planner (services/planner, the supervisor) -----------------------------------------
+class HistogramSnapshot(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    bounds: list[float]  # bucket upper bounds, increasing (the +Inf bucket is implied)
+    counts: list[int]  # per bucket, not cumulative; len(bounds) + 1 (last: above every bound)
+    sum: float
+    count: int
+
+
+class MetricsSnapshot(_Message):
+    """One service instance's metrics, published every few seconds (the Prometheus figures, by name)."""
+
+    kind: Literal["metrics"] = "metrics"
+    service: str
+    instance_id: str
+    host: str
+    time: float  # unix seconds
+    counters: dict[str, float] = Field(default_factory=dict)
+    gauges: dict[str, float] = Field(default_factory=dict)
+    histograms: dict[str, HistogramSnapshot] = Field(default_factory=dict)
+
+
+class ScalingDecision(_Message):
+    """What the planner wants and why; the supervisor carries it out within its limits."""
+
+    kind: Literal["scaling_decision"] = "scaling_decision"
+    time: float
+    prefill_current: int
+    decode_current: int
+    prefill_wanted: int
+    decode_wanted: int
+    reason: str  # one line for a human
+    inputs: dict[str, float] = Field(default_factory=dict)  # the load figures it decided on
+
+
+class ScaleRequest(_Message):
+    """An operator asks for worker counts (the console's confirmed action); the planner's limits hold."""
+
+    kind: Literal["scale_request"] = "scale_request"
+    prefill: int | None = Field(None, ge=0)
+    decode: int | None = Field(None, ge=0)
+    reason: str = ""
+
+
+class DrainRequest(_Message):
+    """Stop taking new requests, finish the ones held, then exit (or stay idle when ``exit`` is false)."""
+
+    kind: Literal["drain"] = "drain"
+    exit: bool = True
+
+
+# -- console views -----------------------------------------------------------------------------------
+class SequenceBlocks(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    request_id: str
+    num_tokens: int
+    block_table: list[int]
+    prefix_cached_blocks: int = 0  # leading blocks claimed from this worker's prefix cache
+    imported_blocks: int = 0  # leading blocks that came from a hand-off or the KV-store
+
+
+class BlockSnapshot(_Message):
+    """A worker's KV pool: one state byte per physical block and every live sequence's block table."""
+
+    kind: Literal["block_snapshot"] = "block_snapshot"
+    instance_id: str
+    num_blocks: int
+    block_size: int
+    states: bytes  # per block: 0 free, 1 in use, 2 free but cached, 3 shared (ref count > 1)
+    sequences: list[SequenceBlocks]
+
+
+class KVTransferEvent(_Message):
+    """One KV hand-off or store transfer, published after it completes (console's transfer lanes)."""
+
+    kind: Literal["kv_transfer"] = "kv_transfer"
+    request_id: str
+    source: str
+    dest: str
+    path: Literal["ring", "nats", "store"]
+    blocks: int
+    bytes: int
+    start: float  # unix seconds
+    end: float
+
+
 Message = Annotated[
     Union[
         GenerateRequest, GenerateAccepted, ErrorReply, Ack, PrefillRequest, DecodeRequest,
         StreamChunk, Probe, Cancel, Heartbeat, KVEvent, RoutingDecision,
         KVLookupRequest, KVLookupReply, KVGetRequest, KVGetReply, KVPutRequest, KVPutReply,
+        TrainStart, TrainStop, TrainStatusRequest, TrainStatusReply, TrainStepMetrics, TrainTimeline,
+        WeightsUpdated, MetricsSnapshot, ScalingDecision, ScaleRequest, DrainRequest, BlockSnapshot,
+        KVTransferEvent,
     ],
     Field(discriminator="kind"),
 ]

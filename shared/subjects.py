@@ -15,6 +15,19 @@ CANCEL = f"{PREFIX}.cancel"
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.>"
 KV_EVENTS_ALL = f"{PREFIX}.kv.events.>"
 KV_EVENTS_STREAM = "TANDEM_KV_EVENTS"  # JetStream stream holding every KV event, for index rebuilds
+KV_TRANSFERS = f"{PREFIX}.kv.transfers"  # one KVTransferEvent per completed hand-off or store transfer
+
+METRICS_ALL = f"{PREFIX}.metrics.>"
+PLANNER_DECISIONS = f"{PREFIX}.planner.decisions"  # ScalingDecision, also kept in PLANNER_STREAM
+PLANNER_STREAM = "TANDEM_PLANNER"
+PLANNER_SCALE = f"{PREFIX}.planner.scale"  # ScaleRequest from an operator (request-reply)
+
+TRAINER_START = f"{PREFIX}.trainer.start"  # TrainStart (queue group: one trainer takes a job)
+TRAINER_STOP = f"{PREFIX}.trainer.stop"  # TrainStop (every trainer hears it; the owner acts)
+TRAINER_STATUS = f"{PREFIX}.trainer.status"  # TrainStatusRequest
+TRAINER_STEPS_ALL = f"{PREFIX}.trainer.steps.>"
+TRAINER_TIMELINE_ALL = f"{PREFIX}.trainer.timeline.>"
+WEIGHTS_UPDATED = f"{PREFIX}.models.updated"  # WeightsUpdated
 
 
 def heartbeat(service: str, instance_id: str) -> str:
@@ -73,3 +86,26 @@ def kvstore_kv(instance_id: str) -> str:
 def kvstore_stats(instance_id: str) -> str:
     """One KV store's tier usage and hit counters (a msgpack map)."""
     return f"{PREFIX}.kvstore.{instance_id}.stats"
+
+
+def metrics(service: str, instance_id: str) -> str:
+    """Where one instance publishes its MetricsSnapshot every few seconds."""
+    return f"{PREFIX}.metrics.{service}.{instance_id}"
+
+
+def drain(service: str, instance_id: str) -> str:
+    """Ask one worker to drain (DrainRequest, request-reply)."""
+    return f"{PREFIX}.{service}.{instance_id}.drain"
+
+
+def blocks(service: str, instance_id: str) -> str:
+    """Ask one worker for its BlockSnapshot (request-reply, any payload)."""
+    return f"{PREFIX}.{service}.{instance_id}.blocks"
+
+
+def trainer_steps(job_id: str) -> str:
+    return f"{PREFIX}.trainer.steps.{job_id}"
+
+
+def trainer_timeline(job_id: str) -> str:
+    return f"{PREFIX}.trainer.timeline.{job_id}"
