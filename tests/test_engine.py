@@ -69,25 +69,21 @@ def greedy_requests(prompts: list[list[int]], **extra) -> list[EngineRequest]:
 def record_logits(engine: LLMEngine) -> dict[tuple[str, int], torch.Tensor]:
     """Wrap the runner so every sampled row's logits are kept, keyed by (request, output index)."""
     logged: dict[tuple[str, int], torch.Tensor] = {}
-    model, run_batch = engine.runner.model, engine.runner.run
-    last: list[torch.Tensor] = []
+    runner = engine.runner
+    launch, sample = runner.launch, runner.sample
+    keys: list[tuple[str, int]] = []
 
-    class Recording:
-        def __call__(self, *args):
-            return model(*args)
+    def launch_and_note(batch):
+        keys[:] = [(i.seq.request_id, i.seq.num_output_tokens) for i in batch.items if i.samples]
+        return launch(batch)
 
-        def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-            last[:] = [model.compute_logits(hidden)]
-            return last[0]
-
-    def run_and_log(batch):
-        keys = [(i.seq.request_id, i.seq.num_output_tokens) for i in batch.items if i.samples]
-        sampled = run_batch(batch)
-        for key, row in zip(keys, last[0] if keys else []):
+    def sample_and_log(pending):
+        sampled = sample(pending)
+        for key, row in zip(keys, runner.last_logits if keys else []):
             logged[key] = row.clone()
         return sampled
 
-    engine.runner.model, engine.runner.run = Recording(), run_and_log
+    runner.launch, runner.sample = launch_and_note, sample_and_log
     return logged
 
 

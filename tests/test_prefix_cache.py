@@ -44,13 +44,13 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 def count_computed(engine: LLMEngine) -> list[int]:
     """Wrap the runner to count the query tokens it computes (a one-element list, updated in place)."""
-    computed, run_batch = [0], engine.runner.run
+    computed, launch = [0], engine.runner.launch
 
     def counting(batch):
         computed[0] += batch.num_batched_tokens
-        return run_batch(batch)
+        return launch(batch)
 
-    engine.runner.run = counting
+    engine.runner.launch = counting
     return computed
 
 

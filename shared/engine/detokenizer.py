@@ -80,12 +80,14 @@ class IncrementalDetokenizer:
         return 0
 
 
-def check_stop(seq: Sequence, eos_token_ids: Seq[int], max_model_len: int) -> str | None:
+def check_stop(seq: Sequence, eos_token_ids: Seq[int], max_model_len: int, text: bool = True) -> str | None:
     """Detokenize the newest token of ``seq`` and return its finish reason, or None.
 
     Order: stop/eos token (kept in token ids, not in text), stop string, max_tokens, max_model_len.
+    ``text=False`` decides on token ids alone and leaves the text to :func:`catch_up_text` (only for
+    a sequence without stop strings, whose text cannot end it).
     """
-    detok = seq.detokenizer
+    detok = seq.detokenizer if text else None
     token = seq.token_ids[-1]
     params = seq.params
     if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
@@ -101,3 +103,15 @@ def check_stop(seq: Sequence, eos_token_ids: Seq[int], max_model_len: int) -> st
         if detok is not None:
             detok.update(seq.token_ids, seq.num_tokens, final=True)
     return reason
+
+
+def catch_up_text(seq: Sequence) -> None:
+    """Fold the tokens :func:`check_stop` left (``text=False``) into the text, as it would have,
+    flushing held-back text when the sequence has finished (a stop token itself is not text)."""
+    detok = seq.detokenizer
+    if detok is None:
+        return
+    if seq.finish_reason in ("stop", "length", "abort"):
+        detok.update(seq.token_ids, seq.num_tokens - (seq.finish_reason == "stop"), final=True)
+    else:
+        detok.update(seq.token_ids, seq.num_tokens)

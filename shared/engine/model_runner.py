@@ -7,13 +7,24 @@ prefill -> decode hand-offs.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
+from tandem.shared.engine.cuda_graphs import DecodeGraphs
 from tandem.shared.engine.sampling import sample
 from tandem.shared.engine.scheduler import ScheduledBatch
 from tandem.shared.kvcache.attention import AttentionMetadata, build_attention_metadata
 from tandem.shared.kvcache.cache import allocate_kv_cache, gather_blocks, scatter_blocks
+
+
+@dataclass
+class PendingStep:
+    """A launched step's logits (maybe still being computed) and what sampling needs."""
+
+    logits: torch.Tensor
+    params: list
+    output_indices: list[int]
 
 
 class ModelRunner:
@@ -27,15 +38,27 @@ class ModelRunner:
         device: torch.device | str,
         dtype: torch.dtype,
         generator: torch.Generator | None = None,
+        cuda_graph_max_batch: int = 0,
+        max_model_len: int = 4096,
     ) -> None:
         config = model.config
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
+        use_graphs = self.device.type == "cuda" and cuda_graph_max_batch > 0
+        # With graphs, one block more than the block manager knows: padding rows write there.
         self.kv_cache = allocate_kv_cache(
-            num_blocks, config.num_layers, block_size, config.num_kv_heads, config.head_dim, dtype, self.device
+            num_blocks + use_graphs, config.num_layers, block_size, config.num_kv_heads, config.head_dim, dtype,
+            self.device,
         )
         self.generator = generator  # for unseeded sampling rows; None = torch's default generator
+        self.graphs: DecodeGraphs | None = None
+        self.last_logits: torch.Tensor | None = None
+        if self.device.type == "cuda":
+            model.fuse_projections()
+        if use_graphs:
+            self.graphs = DecodeGraphs(model, self.kv_cache, num_blocks, cuda_graph_max_batch, max_model_len)
+            self.graphs.capture()
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flattened ``input_ids``/``positions`` ``[T]`` and the metadata for one batch."""
@@ -59,8 +82,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int]:
         """Run the batch; return one sampled token per item with ``samples`` set, in batch order."""
-        input_ids, positions, meta = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        return self.sample(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> PendingStep | None:
+        """Queue the batch's forward and logits on the device without waiting for them (on CUDA the
+        host is free until :meth:`sample`); None when no item samples."""
         rows: list[int] = []
         params = []
         output_indices: list[int] = []
@@ -71,11 +98,34 @@ class ModelRunner:
                 rows.append(end - 1)  # last query token of the sequence
                 params.append(item.seq.params)
                 output_indices.append(item.seq.num_output_tokens)
+        if end == len(batch.items) and self.graphs is not None and self.graphs.can_run(end):
+            logits = self._run_decode_graph(batch)  # every row is one token: replay a graph
+            if len(rows) < end:
+                logits = logits[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        else:
+            input_ids, positions, meta = self.prepare(batch)
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            if not rows:
+                return None
+            row_index = torch.tensor(rows, dtype=torch.long).to(self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, row_index))
         if not rows:
+            return None
+        return PendingStep(logits, params, output_indices)
+
+    @torch.inference_mode()
+    def sample(self, pending: PendingStep | None) -> list[int]:
+        """The sampled token ids of a launched step (waits for the device)."""
+        if pending is None:
             return []
-        row_index = torch.tensor(rows, dtype=torch.long).to(self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, row_index))
-        return sample(logits, params, output_indices, self.generator).tolist()
+        self.last_logits = pending.logits  # the rows sampled from, for tests and debugging
+        return sample(pending.logits, pending.params, pending.output_indices, self.generator).tolist()
+
+    def _run_decode_graph(self, batch: ScheduledBatch) -> torch.Tensor:
+        seqs = [item.seq for item in batch.items]
+        positions = [seq.num_computed_tokens for seq in seqs]
+        token_ids = [seq.token_ids[p] for seq, p in zip(seqs, positions)]
+        return self.graphs.run(token_ids, positions, [seq.block_table for seq in seqs])
 
     @torch.inference_mode()
     def export_kv(self, block_table: Seq[int], num_tokens: int) -> torch.Tensor:

@@ -3,8 +3,9 @@
 A step's batch is ``T`` query tokens from ``B`` sequences laid end to end (prefill chunks and
 decode tokens mixed). ``AttentionMetadata`` says where each sequence's queries start, how long each
 context is after this step's writes, which physical blocks hold it, and which cache slot each new
-token's K/V goes to. ``paged_attention`` writes this step's K/V and attends: through a Triton kernel
-on CUDA when Triton imports, otherwise through a batched gather of whole blocks plus masked SDPA.
+token's K/V goes to. ``paged_attention`` writes this step's K/V and attends: on CUDA through Triton
+(the split-K decode kernel for one-token rows, the tiled kernel for prefill chunks), otherwise
+through a batched gather of whole blocks plus masked SDPA.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import triton_attention
+from . import triton_attention, triton_decode
 
 
 @dataclass
@@ -169,6 +170,21 @@ def gather_paged_attention(
     return out[seq_of_token * max_q + tokens - query_start[seq_of_token]]
 
 
+def triton_attend(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    """Attend over a cache that already holds this step's K/V (CUDA): decode rows through the
+    split-K decode kernel, prefill chunks through the tiled kernel."""
+    nd = meta.num_decode_seqs
+    if nd == 0:
+        return triton_attention.triton_paged_attention(q, kv_cache, layer, meta, scale)
+    decode_out = triton_decode.triton_decode_attention(
+        q[:nd], kv_cache, layer, meta.block_tables[:nd], meta.context_lens[:nd], meta.max_context_len, scale)
+    if nd == meta.context_lens.shape[0]:
+        return decode_out
+    _, prefill = meta.split_decodes()
+    return torch.cat([decode_out, triton_attention.triton_paged_attention(q[nd:], kv_cache, layer, prefill, scale)])
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -185,7 +201,7 @@ def paged_attention(
     if q.shape[0] == 0:
         return q.new_empty(q.shape)
     if q.is_cuda and triton_attention.HAS_TRITON:
-        return triton_attention.triton_paged_attention(q, kv_cache, layer, meta, scale)
+        return triton_attend(q, kv_cache, layer, meta, scale)
     if 0 < meta.num_decode_seqs < meta.context_lens.shape[0] and meta.max_query_len > 1:
         decode, prefill = meta.split_decodes()
         nd = meta.num_decode_seqs  # decode sequences hold exactly one token each

@@ -123,17 +123,42 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def fuse_projections(self) -> None:
+        """One [q; k; v] matmul instead of three: the separate weights become views of the fused one,
+        so checkpoints still load into them by their Hugging Face names and no memory is doubled."""
+        self.qkv_proj = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
     def project_qkv(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D] with q/k norm (Qwen3) and RoPE applied."""
         num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if getattr(self, "qkv_proj", None) is not None:
+            q, k, v = self.qkv_proj(hidden).split(
+                [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1)
+        else:
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def can_fuse(self) -> bool:
+        """The fused CUDA path covers a fused qkv projection without Qwen3's q/k norms."""
+        return getattr(self, "qkv_proj", None) is not None and self.q_norm is None
+
+    def forward_fused(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: "RotaryEmbedding",
+                      kv_cache: torch.Tensor, meta: "AttentionMetadata") -> torch.Tensor:
+        """CUDA: one projection, one RoPE + cache-write kernel, attention over the cache, o_proj."""
+        from tandem.shared.kvcache.attention import triton_attend
+        from tandem.shared.model.triton_ops import rope_and_cache
+
+        q = rope_and_cache(self.qkv_proj(hidden), positions, rotary.cos_cached, rotary.sin_cached,
+                           self.num_heads, self.num_kv_heads, kv_cache, self.layer_idx, meta.slot_mapping)
+        out = triton_attend(q, kv_cache, self.layer_idx, meta, self.scaling)
+        return self.o_proj(out.view(hidden.shape[0], self.num_heads * self.head_dim))
 
     def forward(
         self,
@@ -155,8 +180,34 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
+    def fuse_projections(self) -> None:
+        """One [gate; up] matmul instead of two (weights become views, as in the attention)."""
+        self.gate_up_proj = _fuse_linears(self.gate_proj, self.up_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "gate_up_proj", None) is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _fuse_linears(*linears: nn.Linear) -> nn.Linear:
+    """A Linear whose output rows are the given Linears' rows end to end; each given Linear's weight
+    (and bias) is rebound to a view of the fused tensor, so loading into it fills the fused one."""
+    weights = [lin.weight for lin in linears]
+    fused = nn.Linear(weights[0].shape[1], sum(w.shape[0] for w in weights), bias=linears[0].bias is not None,
+                      device="meta")
+    fused.weight = nn.Parameter(torch.cat([w.detach() for w in weights]), requires_grad=False)
+    if fused.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False)
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused.weight[start : start + rows], requires_grad=False)
+        if fused.bias is not None:
+            lin.bias = nn.Parameter(fused.bias[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -193,6 +244,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up projections in every layer (serving: fewer, larger matmuls)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
+
     def tie_weights(self) -> None:
         """Share lm_head with the input embedding when the config says so (call again after loading)."""
         if self.config.tie_word_embeddings:
@@ -206,11 +263,37 @@ class LlamaForCausalLM(nn.Module):
         meta: "AttentionMetadata",
     ) -> torch.Tensor:
         """input_ids/positions [T] -> final-normed hidden states [T, hidden]."""
+        if self._can_fuse(input_ids):
+            return self._forward_fused(input_ids, positions, kv_cache, meta)
         cos, sin = self.model.rotary_emb(positions)
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, cos, sin, kv_cache, meta)
         return self.model.norm(x)
+
+    def _can_fuse(self, input_ids: torch.Tensor) -> bool:
+        from tandem.shared.model.triton_ops import can_fuse
+
+        layers = self.model.layers
+        return (can_fuse(input_ids) and getattr(layers[0].mlp, "gate_up_proj", None) is not None
+                and all(layer.self_attn.can_fuse() for layer in layers))
+
+    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                       meta: "AttentionMetadata") -> torch.Tensor:
+        """The CUDA forward with fused kernels (see triton_ops): ten launches per layer, the residual
+        stream carried beside the normed activations as in vLLM."""
+        from tandem.shared.model.triton_ops import add_rms_norm, silu_and_mul
+
+        x, residual = self.model.embed_tokens(input_ids), None
+        rotary = self.model.rotary_emb
+        for layer in self.model.layers:
+            h, residual = add_rms_norm(x, residual, layer.input_layernorm.weight, layer.input_layernorm.eps)
+            h = layer.self_attn.forward_fused(h, positions, rotary, kv_cache, meta)
+            norm = layer.post_attention_layernorm
+            h, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
+            x = layer.mlp.down_proj(silu_and_mul(layer.mlp.gate_up_proj(h)))
+        out, _ = add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden rows [N, hidden] (already normed by forward) -> float32 logits [N, vocab]."""

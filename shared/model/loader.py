@@ -1,5 +1,6 @@
 """Loading models for serving: the built-in tiny model or a Hugging Face checkpoint directory.
 
+`load_model("random:<preset>")` builds a random model of a real shape (see presets.py).
 `load_model("tiny")` gives deterministic random weights (same in every process, since they are
 drawn on CPU from one seeded generator in parameter order), unless the trainer has saved a tiny
 checkpoint under `<data_dir>/models/tiny/`. Any other spec is a Hugging Face directory holding
@@ -22,6 +23,7 @@ from safetensors.torch import save_file
 
 from tandem.shared.model.config import ModelConfig, ModelLoadError, normalize_token_ids
 from tandem.shared.model.llama import LlamaForCausalLM
+from tandem.shared.model.presets import SyntheticTokenizer, build_preset_model, is_random_spec, preset_config
 from tandem.shared.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 TINY_SEED = 1234
@@ -49,6 +51,9 @@ class ModelMeta:
 
 def load_model_meta(spec: str | os.PathLike, data_dir: str | os.PathLike | None = None) -> ModelMeta:
     """Config, tokenizer and name of "tiny" or a Hugging Face directory, reading no weights."""
+    if is_random_spec(spec):
+        config = preset_config(str(spec))
+        return ModelMeta(config, SyntheticTokenizer(config), str(spec), None)
     if str(spec) == "tiny":
         saved = Path(data_dir) / "models" / "tiny" if data_dir is not None else None
         if saved is not None and (saved / "config.json").is_file() and _has_weights(saved):
@@ -71,7 +76,9 @@ def load_model(
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     meta = load_model_meta(spec, data_dir)
-    if meta.checkpoint is None:
+    if is_random_spec(spec):
+        model = build_preset_model(meta.config, device, dtype)
+    elif meta.checkpoint is None:
         model = build_random_model(meta.config).to(device=device, dtype=dtype)
     else:
         model = _load_checkpoint(meta.checkpoint, meta.config, device, dtype)

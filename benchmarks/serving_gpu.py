@@ -1,0 +1,173 @@
+"""GPU serving speed of the engine on an 8B Llama-3-shaped model with random bf16 weights.
+
+    python benchmarks/serving_gpu.py [--model random:llama3-8b] [--parts roofline,batch1,throughput]
+                                     [--json-out FILE]
+
+Prints one JSON line per figure, all from one process and one run:
+- ``hbm``: HBM read bandwidth (sum over 8 GiB of bf16), the roofline's denominator, and the
+  batch-1 decode roofline = weight bytes / that bandwidth (every weight is read once per token);
+- ``batch1``: inter-token latency and tokens/s at batch 1 (prompt 512, 128 new tokens), with decode
+  CUDA graphs and without (``enforce_eager``), against the roofline;
+- ``throughput``: B requests of 1024 random prompt tokens and 128 output tokens submitted at once,
+  B = 64 and 256: output tokens/s over the whole run, and over the decode phase alone.
+
+On CPU it runs the same code on ``random:llama-test`` so the script itself is tested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from tandem.shared.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
+from tandem.shared.kvcache.cache import kv_cache_bytes_per_block
+from tandem.shared.model import load_model
+
+
+def emit(record: dict, sink: list[dict]) -> None:
+    sink.append(record)
+    print(json.dumps(record), flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hbm_read_gbps(device: torch.device) -> float:
+    """Same method as the anchors' hbm_read.py: a float32 sum over 8 GiB of bf16."""
+    x = torch.ones(4 << 30, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        x.sum(dtype=torch.float32)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        x.sum(dtype=torch.float32)
+    sync(device)
+    gbps = x.numel() * 2 * 10 / (time.perf_counter() - start) / 1e9
+    del x
+    torch.cuda.empty_cache()
+    return gbps
+
+
+def make_engine(loaded, device: torch.device, max_num_seqs: int, max_model_len: int, eager: bool,
+                kv_gib: float) -> LLMEngine:
+    cfg = loaded.config
+    per_block = kv_cache_bytes_per_block(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16
+                                         if device.type == "cuda" else torch.float32)
+    num_blocks = max(64, int(kv_gib * 2**30) // per_block)
+    config = EngineConfig(block_size=16, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=8192, max_model_len=max_model_len, enable_prefix_caching=False,
+                          enforce_eager=eager)
+    return LLMEngine(loaded.model, loaded.tokenizer, config, device)
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(300, vocab - 300, (n, length), generator=gen).tolist()
+
+
+def run_requests(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, device: torch.device) -> dict:
+    """Submit all at once, step to the end; time to the last first token and the whole run."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    sync(device)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineRequest(request_id=f"r{i}", prompt_token_ids=prompt, params=params))
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    token_times: list[float] = []
+    tokens = 0
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.new_token_ids:
+                tokens += len(out.new_token_ids)
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
+        if len(outputs) == len(prompts) and len(first) == len(prompts):
+            token_times.append(now)  # a step in which every request got a token: a decode step
+    total = time.perf_counter() - start
+    tpots = sorted((last[r] - first[r]) / (counts[r] - 1) for r in first if counts[r] > 1)
+    decode_steps = len(token_times) - 1
+    decode_s = token_times[-1] - token_times[0] if decode_steps > 0 else float("nan")
+    return {"requests": len(prompts), "output_tokens": tokens, "total_s": round(total, 3),
+            "output_tok_s": round(tokens / total, 1),
+            "last_first_token_s": round(max(first.values()) - start, 3),
+            "decode_steps": decode_steps,
+            "tpot_p50_ms": round(tpots[len(tpots) // 2] * 1e3, 3) if tpots else None,
+            "itl_ms": round(decode_s / decode_steps * 1e3, 3) if decode_steps > 0 else None,
+            "decode_tok_s": round(decode_steps * len(prompts) / decode_s, 1) if decode_steps > 0 else None}
+
+
+def replay_time(engine: LLMEngine, batch: int) -> dict:
+    """GPU time of one decode step alone: the batch's graph replayed on the inputs of the last step
+    run (contexts ~1150 tokens), no host work between replays. Step time minus this is host time."""
+    graphs = engine.runner.graphs
+    size = next(s for s in graphs.sizes if s >= batch)
+    graphs.graphs[size].replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        graphs.graphs[size].replay()
+    torch.cuda.synchronize()
+    return {"graph_size": size, "replay_ms": round((time.perf_counter() - start) / 20 * 1e3, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="default: random:llama3-8b on CUDA, random:llama-test on CPU")
+    parser.add_argument("--parts", default="roofline,batch1,throughput")
+    parser.add_argument("--batches", type=int, nargs="+", default=[32, 64, 256])
+    parser.add_argument("--kv-gib", type=float, default=60.0)
+    parser.add_argument("--json-out")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = args.model or ("random:llama3-8b" if device.type == "cuda" else "random:llama-test")
+    parts = set(args.parts.split(","))
+    kv_gib = args.kv_gib if device.type == "cuda" else 0.25
+    records: list[dict] = []
+    weight_bytes = 0
+    if "roofline" in parts and device.type == "cuda":
+        gbps = hbm_read_gbps(device)
+        emit({"figure": "hbm", "hbm_read_GBps": round(gbps, 1)}, records)
+    loaded = load_model(model, device=device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    print(f"# loaded {model}: {weight_bytes / 1e9:.2f} GB of weights on {device}", flush=True)
+    if "roofline" in parts and device.type == "cuda":
+        emit({"figure": "roofline", "weight_GB": round(weight_bytes / 1e9, 2),
+              "batch1_roofline_tok_s": round(gbps * 1e9 / weight_bytes, 1)}, records)
+    vocab = loaded.config.vocab_size
+    if "batch1" in parts:
+        for eager in (False, True):
+            engine = make_engine(loaded, device, 1, 2048, eager, min(kv_gib, 4.0))
+            run_requests(engine, random_prompts(1, 512, vocab, 1), 8, device)  # warm-up
+            result = run_requests(engine, random_prompts(1, 512, vocab, 2), 128, device)
+            record = {"figure": "batch1", "cuda_graphs": not eager, **result}
+            if device.type == "cuda" and result["decode_tok_s"]:
+                record["of_roofline"] = round(result["decode_tok_s"] / (gbps * 1e9 / weight_bytes), 3)
+            emit(record, records)
+            del engine
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+    if "throughput" in parts:
+        batches = args.batches if device.type == "cuda" else [4, 8]
+        engine = make_engine(loaded, device, max(batches), 2048, False, kv_gib)
+        run_requests(engine, random_prompts(min(batches), 1024, vocab, 3), 4, device)  # warm-up
+        for batch in batches:
+            result = run_requests(engine, random_prompts(batch, 1024, vocab, 10 + batch), 128, device)
+            emit({"figure": "throughput", "batch": batch, "prompt_len": 1024, **result}, records)
+            if engine.runner.graphs is not None:
+                emit({"figure": "graph_replay", "batch": batch, **replay_time(engine, batch)}, records)
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump(records, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The whole disaggregated system under load: ``tandem up`` on this machine, then ``tandem bench serve``.
+
+    python benchmarks/serving_system.py [--model random:llama3-8b] [--concurrency 1 32 128 256]
+                                        [--out-dir DIR]
+
+Starts router, one prefill and one decode worker (on separate GPUs when two are visible, otherwise
+sharing one), NATS and a KV-store, waits until ready, then for each max concurrency sends random
+1024-token prompts for 128 output tokens (``ignore_eos``) and prints one JSON line of what the
+clients saw: output tokens/s, TTFT and TPOT p50/p99. Also prints the compute ceiling of that
+workload on the GPUs present (every prompt token costs 2 x params FLOPs; measured bf16 matmul peak),
+which bounds output tokens/s whatever the serving stack. Without CUDA it runs the tiny model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def matmul_tflops() -> float:
+    """Dense bf16 8192^3 matmul rate of GPU 0 (the anchors' method)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * 20 / (time.perf_counter() - start) / 1e12
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128, 256])
+    parser.add_argument("--prompts-per-level", type=int, default=0, help="default: max(16, 2 x concurrency)")
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--out-dir", default=".")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    model = args.model or ("random:llama3-8b" if cuda else "tiny")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if cuda:
+        gpus = torch.cuda.device_count()
+        tflops = matmul_tflops()
+        from tandem.shared.model import load_model_meta
+
+        cfg = load_model_meta(model).config
+        params = cfg.num_layers * (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                                   + cfg.num_heads * cfg.head_dim * cfg.hidden_size
+                                   + 3 * cfg.hidden_size * cfg.intermediate_size) + cfg.vocab_size * cfg.hidden_size
+        flops_per_request = 2 * params * (args.input_len + args.output_len)
+        ceiling = gpus * tflops * 1e12 / flops_per_request * args.output_len
+        print(json.dumps({"figure": "compute_ceiling", "gpus": gpus, "bf16_matmul_tflops": round(tflops),
+                          "output_tok_s_at_100pct_mfu": round(ceiling)}), flush=True)
+        torch.cuda.empty_cache()
+    data_dir = out_dir / "data"
+    env = {**os.environ, "TANDEM_DATA_DIR": str(data_dir)}
+    up_args = [sys.executable, "-m", "tandem", "up", "--model", model, "--no-planner", "--prefill", "1",
+               "--decode", "1", "--max-model-len", "2048", "--max-num-seqs", "256",
+               "--max-num-batched-tokens", "8192"]
+    log = open(out_dir / "up.log", "w")
+    up = subprocess.Popen(up_args, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        for line in up.stdout:  # the ready line names the NATS URL
+            if line.startswith("tandem up: NATS at"):
+                url = line.split()[4]
+                break
+        else:
+            raise SystemExit(f"tandem up exited before it was ready; see {out_dir / 'up.log'}")
+        print(f"# system up at {url}", flush=True)
+        for concurrency in args.concurrency:
+            n = args.prompts_per_level or max(16, 2 * concurrency)
+            result_file = out_dir / f"bench_c{concurrency}.json"
+            subprocess.run([sys.executable, "-m", "tandem", "bench", "serve", "--nats-url", url,
+                            "--dataset-name", "random", "--input-len", str(args.input_len),
+                            "--output-len", str(args.output_len), "--num-prompts", str(n),
+                            "--max-concurrency", str(concurrency), "--num-warmups", "4", "--no-progress",
+                            "--json-out", str(result_file)], env=env, check=True, stdout=subprocess.DEVNULL)
+            summary = json.loads(result_file.read_text()).get("summary", {})
+            keep = {k: summary.get(k) for k in ("completed", "failed", "duration_s", "output_throughput", "ttft_ms",
+                                                "tpot_ms")}
+            print(json.dumps({"figure": "system", "concurrency": concurrency, "requests": n, **keep}), flush=True)
+    finally:
+        up.terminate()
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+
+
+if __name__ == "__main__":
+    main()

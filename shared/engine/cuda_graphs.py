@@ -1,0 +1,111 @@
+"""CUDA graphs of the decode step, one per batch size of a ladder, so the host does not set the pace.
+
+A decode step of an 8B model is ~40 kernels per layer; launched one by one from Python the GPU
+waits on the host. Each graph here captures the whole forward (embedding, every layer, final norm,
+logits) for a fixed number of one-token rows, reading its inputs from static device buffers.
+A step with ``n`` decode rows copies its inputs into those buffers (two host-to-device copies from
+pinned staging) and replays the smallest graph with ``>= n`` rows. Padding rows read token 0 at
+position 0 and write their K/V into a scratch block the block manager never hands out, with a
+context of one token, so they cost almost nothing and touch no sequence's blocks.
+
+The attention grid is sized for ``max_model_len`` (the split-K decode kernel skips splits past each
+row's context), so one graph serves every context length.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from collections.abc import Sequence as Seq
+
+import torch
+
+from tandem.shared.kvcache.attention import AttentionMetadata
+
+log = logging.getLogger("tandem.engine")
+
+BATCH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class DecodeGraphs:
+    """Captured decode forwards; ``run`` returns float32 logits ``[n, vocab]`` for ``n`` decode rows."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, scratch_block: int, max_batch: int,
+                 max_model_len: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.shape[3]
+        self.device = kv_cache.device
+        self.max_model_len = max_model_len
+        self.sizes = [b for b in BATCH_LADDER if b < max_batch] + [max_batch]
+        self.max_batch = max_batch
+        self.table_width = -(-max_model_len // self.block_size)
+        scratch_slot = scratch_block * self.block_size
+        # Rows: input ids, positions, slots, context lengths. Padding: token 0, position 0, scratch, 1.
+        self.padding = torch.tensor([0, 0, scratch_slot, 1], dtype=torch.long)
+        self.inputs = self.padding[:, None].repeat(1, max_batch).to(self.device)
+        self.tables = torch.full((max_batch, self.table_width), scratch_block, dtype=torch.int32, device=self.device)
+        self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=self.device)
+        self.staging = torch.empty((4, max_batch), dtype=torch.long).pin_memory()
+        self.table_staging = torch.empty((max_batch, self.table_width), dtype=torch.int32).pin_memory()
+        self.scratch_block = scratch_block
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def _forward(self, size: int) -> torch.Tensor:
+        ids, positions, slots = self.inputs[0, :size], self.inputs[1, :size], self.inputs[2, :size]
+        meta = AttentionMetadata(
+            slot_mapping=slots, query_start_loc=self.query_start[: size + 1],
+            context_lens=self.inputs[3, :size].to(torch.int32), block_tables=self.tables[:size],
+            max_query_len=1, max_context_len=self.max_model_len, block_size=self.block_size, num_decode_seqs=size,
+        )
+        hidden = self.model(ids, positions, self.kv_cache, meta)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, all in one memory pool (smaller graphs reuse it)."""
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        for size in reversed(self.sizes):
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up: compiles Triton kernels, picks cuBLAS algorithms
+                self._forward(size)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[size] = self._forward(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured decode CUDA graphs for batch sizes %s", ",".join(map(str, self.sizes)))
+
+    def can_run(self, num_rows: int) -> bool:
+        return 0 < num_rows <= self.max_batch and bool(self.graphs)
+
+    @torch.inference_mode()
+    def run(self, token_ids: Seq[int], positions: Seq[int], block_tables: Seq[Seq[int]]) -> torch.Tensor:
+        """Replay for one-token rows: row ``i`` computes ``token_ids[i]`` at ``positions[i]`` through
+        ``block_tables[i]`` (which covers that position)."""
+        n = len(token_ids)
+        size = next(s for s in self.sizes if s >= n)
+        bs = self.block_size
+        stage = self.staging[:, :size]
+        stage.copy_(self.padding[:, None].expand(4, size))
+        stage[0, :n] = torch.as_tensor(token_ids, dtype=torch.long)
+        pos = torch.as_tensor(positions, dtype=torch.long)
+        stage[1, :n] = pos
+        flat = [table[p // bs] for table, p in zip(block_tables, positions)]
+        stage[2, :n] = torch.as_tensor(flat, dtype=torch.long) * bs + pos % bs
+        stage[3, :n] = pos + 1
+        # Only the columns some row uses: the kernels never read a table past its context, so the
+        # stale columns to the right are harmless. Rows are packed with array slices (C speed).
+        width = max(len(table) for table in block_tables)
+        rows = array("i", [self.scratch_block]) * (size * width)
+        for row, table in enumerate(block_tables):
+            rows[row * width : row * width + len(table)] = array("i", table)
+        packed = self.table_staging.view(-1)[: size * width]
+        packed.copy_(torch.frombuffer(rows, dtype=torch.int32))
+        self.inputs[:, :size].copy_(stage, non_blocking=True)
+        self.tables[:size, :width].copy_(packed.view(size, width), non_blocking=True)
+        self.graphs[size].replay()
+        return self.logits[size][:n]

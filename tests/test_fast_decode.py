@@ -1,0 +1,122 @@
+"""The decode fast path: fused projections, random presets, the split-K decode kernel, CUDA graphs.
+
+CPU tests check what runs everywhere (fused q/k/v and gate/up give the same logits; presets build
+the same weights in every process; the synthetic tokenizer). GPU tests (``-m gpu``) check the
+split-K decode kernel against the gather path over long contexts and every split size, and that a
+replayed decode graph computes the same logits as the eager forward on the same cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.shared.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
+from tandem.shared.kvcache import HAS_TRITON, allocate_kv_cache, build_attention_metadata, gather_paged_attention
+from tandem.shared.model import load_model, load_model_meta
+from tandem.shared.model.reference import reference_logits
+
+requires_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")
+
+
+def test_fused_projections_keep_logits_and_names() -> None:
+    loaded = load_model("random:llama-test")
+    ids = list(range(40, 90))
+    before = reference_logits(loaded.model, ids)
+    names = set(loaded.model.state_dict())
+    loaded.model.fuse_projections()
+    torch.testing.assert_close(reference_logits(loaded.model, ids), before, atol=1e-5, rtol=1e-5)
+    assert names <= set(loaded.model.state_dict()), "fusing must keep every Hugging Face name loadable"
+    attn = loaded.model.model.layers[0].self_attn
+    attn.k_proj.weight.mul_(0)  # loading into a view writes through to the fused weight
+    q_rows = attn.q_proj.weight.shape[0]
+    assert attn.qkv_proj.weight[q_rows : q_rows + attn.k_proj.weight.shape[0]].abs().sum() == 0
+
+
+def test_random_preset_is_the_same_in_every_load() -> None:
+    first, second = load_model("random:llama-test"), load_model("random:llama-test")
+    for (name, a), b in zip(first.model.named_parameters(), second.model.parameters()):
+        assert torch.equal(a, b), f"{name} differs between two loads of the same preset"
+    meta = load_model_meta("random:llama3-8b")
+    assert (meta.config.hidden_size, meta.config.num_layers, meta.config.vocab_size) == (4096, 32, 128256)
+    assert meta.tokenizer.decode([104, 105, 5000]) == "hi t5000"
+
+
+@pytest.mark.parametrize("spec", ["random:nope", "random:"])
+def test_unknown_preset_is_a_clear_error(spec: str) -> None:
+    with pytest.raises(ValueError, match="unknown random model"):
+        load_model_meta(spec)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("partition", [None, 64, 128, 512])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(32, 8), (8, 8), (16, 1)])
+def test_decode_kernel_matches_gather(dtype: torch.dtype, partition: int | None, num_q_heads: int,
+                                      num_kv_heads: int) -> None:
+    from tandem.shared.kvcache.triton_decode import triton_decode_attention
+
+    torch.manual_seed(0)
+    block_size, head_dim, contexts = 16, 128, [1, 15, 16, 17, 63, 64, 65, 700, 2000]
+    num_blocks = sum(-(-c // block_size) for c in contexts) + 4
+    cache = allocate_kv_cache(num_blocks, 2, block_size, num_kv_heads, head_dim, dtype, "cuda")
+    cache.normal_()
+    order = torch.randperm(num_blocks).tolist()
+    tables, used = [], 0
+    for c in contexts:
+        n = -(-c // block_size)
+        tables.append(order[used : used + n])
+        used += n
+    meta = build_attention_metadata([1] * len(contexts), contexts, tables, block_size, "cuda")
+    q = torch.randn(len(contexts), num_q_heads, head_dim, device="cuda", dtype=dtype)
+    out = triton_decode_attention(q, cache, 1, meta.block_tables, meta.context_lens, 2048, 0.088, partition)
+    reference = gather_paged_attention(q.float(), cache.float(), 1, meta, 0.088)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), reference, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_decode_graph_matches_eager_forward(batch: int) -> None:
+    loaded = load_model("random:llama-test", device="cuda", dtype=torch.float32)
+    config = EngineConfig(block_size=16, num_blocks=256, max_num_seqs=32, max_model_len=512,
+                          enable_prefix_caching=False)
+    engine = LLMEngine(loaded.model, loaded.tokenizer, config, "cuda")
+    runner = engine.runner
+    assert runner.graphs is not None and runner.graphs.sizes[-1] == 32
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        prompt = list(range(300 + i, 300 + i + 20 + 13 * i))
+        engine.add_request(EngineRequest(request_id=f"r{i}", prompt_token_ids=prompt, params=params))
+    for _ in range(5):  # prefill, then a few graph decode steps
+        engine.step()
+    batch_now = engine.scheduler.schedule()
+    assert all(item.num_query_tokens == 1 for item in batch_now.items), "expected a pure decode step"
+    graph_logits = runner._run_decode_graph(batch_now).clone()
+    input_ids, positions, meta = runner.prepare(batch_now)
+    hidden = runner.model(input_ids, positions, runner.kv_cache, meta)
+    eager_logits = runner.model.compute_logits(hidden)
+    torch.testing.assert_close(graph_logits, eager_logits, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_cuda_forward_matches_module_forward(dtype: torch.dtype) -> None:
+    fused, plain = (load_model("random:llama-test", device="cuda", dtype=dtype).model for _ in range(2))
+    fused.fuse_projections()
+    assert fused._can_fuse(torch.zeros(1, device="cuda")) and not plain._can_fuse(torch.zeros(1, device="cuda"))
+    cfg = fused.config
+    caches = [allocate_kv_cache(16, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, dtype, "cuda") for _ in range(2)]
+    steps = [(list(range(300, 340)) + list(range(500, 530)), [40, 30], [40, 30]), ([7, 9], [1, 1], [41, 31])]
+    for ids, query_lens, context_lens in steps:
+        meta = build_attention_metadata(query_lens, context_lens, [[0, 1, 2, 3], [4, 5, 6, 7]], 16, "cuda")
+        positions = torch.cat([torch.arange(c - q, c) for q, c in zip(query_lens, context_lens)]).cuda()
+        ids_t = torch.tensor(ids, device="cuda")
+        out_fused = fused(ids_t, positions, caches[0], meta)
+        out_plain = plain(ids_t, positions, caches[1], meta)
+        tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out_fused.float(), out_plain.float(), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(caches[0].float(), caches[1].float(), atol=tolerance, rtol=tolerance)
