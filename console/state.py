@@ -1,0 +1,188 @@
+"""Everything the console shows, as plain data: what the data source fills in and the panes read.
+
+No NATS and no widgets here, so a test or the screenshot script can build a :class:`ConsoleState`
+by hand (see :mod:`tandem.console.demo`) and every pane renders it the same way each time. The
+panes never read a clock: ``now`` is set by whoever fills the state (the NATS source, each refresh).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from tandem.shared.messages import (
+    BlockSnapshot, HistogramSnapshot, KVTransferEvent, MetricsSnapshot, RoutingDecision, ScalingDecision,
+    TrainStepMetrics, TrainTimeline,
+)
+
+WORKER_SERVICES = ("decode", "prefill")
+CONSOLE_ENDPOINTS = {"blocks", "stats", "drain"}  # polled by the console itself: not counted as traffic
+LATENCY_KINDS = ("ttft", "tpot")
+SERIES_POINTS = 60
+
+
+@dataclass
+class ServiceRow:
+    """One live service instance, from its ``$SRV.STATS`` reply."""
+
+    service: str  # "decode" (the micro name without "tandem-")
+    instance_id: str
+    host: str
+    started: float  # unix seconds
+    requests: int = 0
+    errors: int = 0
+    mean_latency_s: float = 0.0
+    last_error: str = ""
+    version: str = ""
+    data: dict = field(default_factory=dict)  # the service's metrics() dict
+
+    def matches(self, text: str) -> bool:
+        text = text.lower()
+        return any(text in v.lower() for v in (self.service, self.instance_id, self.host, self.last_error))
+
+
+def service_row(stats: dict, now: float) -> ServiceRow:
+    """A row from one ``$SRV.STATS`` reply (JSON already parsed); the console's own polls are left out."""
+    meta = stats.get("metadata") or {}
+    try:
+        started = datetime.strptime(stats["started"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
+    except (KeyError, ValueError):
+        started = now
+    traffic = [e for e in stats.get("endpoints") or [] if e.get("name") not in CONSOLE_ENDPOINTS]
+    requests = sum(int(e.get("num_requests", 0)) for e in traffic)
+    busy_ns = sum(int(e.get("processing_time", 0)) for e in traffic)
+    errors = [e for e in traffic if e.get("last_error")]
+    data = next((e.get("data") for e in stats.get("endpoints") or [] if isinstance(e.get("data"), dict)), {}) or {}
+    return ServiceRow(
+        service=str(stats.get("name", "?")).removeprefix("tandem-"), instance_id=meta.get("instance_id", stats.get("id", "?")),
+        host=meta.get("host", "?"), started=started, requests=requests,
+        errors=sum(int(e.get("num_errors", 0)) for e in traffic), mean_latency_s=busy_ns / requests / 1e9 if requests else 0.0,
+        last_error=errors[-1]["last_error"] if errors else "", version=str(stats.get("version", "")), data=data,
+    )
+
+
+def quantile(hist: HistogramSnapshot, q: float) -> float | None:
+    """The ``q`` quantile of a histogram, interpolated inside its bucket (as Prometheus does)."""
+    total = sum(hist.counts)
+    if total <= 0:
+        return None
+    rank, seen = q * total, 0
+    for i, count in enumerate(hist.counts):
+        if count and seen + count >= rank:
+            if i >= len(hist.bounds):  # the +Inf bucket: the largest finite bound is all we know
+                return hist.bounds[-1] if hist.bounds else None
+            lower = hist.bounds[i - 1] if i else 0.0
+            return lower + (hist.bounds[i] - lower) * (rank - seen) / count
+        seen += count
+    return hist.bounds[-1] if hist.bounds else None
+
+
+def merged(hists: list[HistogramSnapshot]) -> HistogramSnapshot | None:
+    """The sum of histograms with the first one's bounds (others are skipped)."""
+    same = [h for h in hists if h.bounds == hists[0].bounds] if hists else []
+    if not same:
+        return None
+    counts = [sum(c) for c in zip(*(h.counts for h in same))]
+    return HistogramSnapshot(bounds=same[0].bounds, counts=counts, sum=sum(h.sum for h in same),
+                             count=sum(h.count for h in same))
+
+
+def minus(now: HistogramSnapshot, before: HistogramSnapshot | None) -> HistogramSnapshot:
+    """Observations between two cumulative snapshots (all of ``now`` after a restart or a bounds change)."""
+    if before is None or before.bounds != now.bounds or before.count > now.count:
+        return now
+    return HistogramSnapshot(bounds=now.bounds, counts=[a - b for a, b in zip(now.counts, before.counts)],
+                             sum=now.sum - before.sum, count=now.count - before.count)
+
+
+@dataclass
+class LatencySeries:
+    """p50 and p99 of one latency (seconds) per sampling interval, oldest first."""
+
+    p50: deque = field(default_factory=lambda: deque(maxlen=SERIES_POINTS))
+    p99: deque = field(default_factory=lambda: deque(maxlen=SERIES_POINTS))
+    target_s: float | None = None
+    last_total: HistogramSnapshot | None = None
+
+
+@dataclass
+class ConsoleState:
+    """What the console knows now; ``version`` goes up with every change so panes redraw only then."""
+
+    url: str | None = None
+    connection: str = "connecting"  # connecting | connected | unreachable | no-url
+    connection_error: str = ""
+    now: float = 0.0
+    services: list[ServiceRow] = field(default_factory=list)
+    discovered: bool = False  # at least one discovery round finished
+    selected_worker: tuple[str, str] | None = None  # (service, instance id) for the block view
+    blocks: dict[str, BlockSnapshot] = field(default_factory=dict)
+    blocks_error: str = ""
+    kvstores: dict[str, dict] = field(default_factory=dict)  # instance id -> its stats map
+    timeline: TrainTimeline | None = None
+    train_step: TrainStepMetrics | None = None
+    transfers: deque = field(default_factory=lambda: deque(maxlen=200))
+    decisions: deque = field(default_factory=lambda: deque(maxlen=100))
+    planner_stream: bool | None = None  # None: not looked up yet
+    metrics: dict[tuple[str, str], MetricsSnapshot] = field(default_factory=dict)
+    latency: dict[str, LatencySeries] = field(default_factory=lambda: {k: LatencySeries() for k in LATENCY_KINDS})
+    routing: deque = field(default_factory=lambda: deque(maxlen=100))
+    version: int = 0
+
+    def changed(self) -> None:
+        self.version += 1
+
+    # -- queries the panes share ------------------------------------------------------------------
+    def instances(self, *services: str) -> list[ServiceRow]:
+        return [s for s in self.services if s.service in services]
+
+    def has(self, service: str) -> bool:
+        return any(s.service == service for s in self.services)
+
+    def latest_decision(self) -> ScalingDecision | None:
+        return self.decisions[-1] if self.decisions else None
+
+    def latest_routing(self) -> RoutingDecision | None:
+        return self.routing[-1] if self.routing else None
+
+    # -- updates the source makes ----------------------------------------------------------------
+    def add_decision(self, decision: ScalingDecision) -> None:
+        key = (decision.time, decision.prefill_wanted, decision.decode_wanted, decision.reason)
+        if any((d.time, d.prefill_wanted, d.decode_wanted, d.reason) == key for d in self.decisions):
+            return  # heard live and read back from the stream
+        self.decisions.append(decision)
+        self.decisions = deque(sorted(self.decisions, key=lambda d: d.time), maxlen=self.decisions.maxlen)
+        self.note_targets(decision.inputs)
+        self.changed()
+
+    def add_transfer(self, event: KVTransferEvent) -> None:
+        self.transfers.append(event)
+        self.changed()
+
+    def add_metrics(self, snapshot: MetricsSnapshot) -> None:
+        self.metrics[(snapshot.service, snapshot.instance_id)] = snapshot
+        self.note_targets(snapshot.gauges)
+        self.changed()
+
+    def note_targets(self, figures: dict[str, float]) -> None:
+        """Targets from any figure named like ``ttft_target_s`` (planner inputs or gauges)."""
+        for kind in LATENCY_KINDS:
+            for name, value in figures.items():
+                if kind in name.lower() and "target" in name.lower():
+                    self.latency[kind].target_s = value / 1000 if name.endswith("_ms") else value
+
+    def sample_latency(self) -> None:
+        """One sparkline point per latency kind: p50/p99 of what every instance observed since the
+        previous sample (histograms are cumulative; names containing ``ttft`` / ``tpot``)."""
+        for kind, series in self.latency.items():
+            hists = [h for m in self.metrics.values() for name, h in m.histograms.items() if kind in name.lower()]
+            total = merged(hists)
+            if total is None:
+                continue
+            window = minus(total, series.last_total)
+            series.last_total = total
+            if window.count > 0:
+                series.p50.append(quantile(window, 0.5) or 0.0)
+                series.p99.append(quantile(window, 0.99) or 0.0)
+                self.changed()

@@ -1,0 +1,73 @@
+"""What a worker serves the ops console: its KV block snapshot, and KV-transfer events.
+
+``take_snapshot(engine, instance_id)`` reads the block manager and the scheduler into a
+:class:`BlockSnapshot`: one state byte per physical block (0 free, 1 in use, 2 free but cached,
+3 shared by more than one block table) and every live sequence's block table with how many of its
+leading blocks came from the prefix cache and how many were imported (a hand-off or a KV-store
+fetch). The engine is not thread-safe, so the worker takes the snapshot on its engine thread
+(:meth:`EngineThread.call`), between two steps. ``register_blocks_endpoint(worker)`` serves it on
+``tandem.v1.<service>.<id>.blocks`` (any request payload); ``tandem console`` asks for it::
+
+    nats req tandem.v1.decode.<id>.blocks ''   # msgpack BlockSnapshot
+
+``publish_transfer`` sends one :class:`KVTransferEvent` on ``tandem.v1.kv.transfers`` once a
+hand-off or store transfer completed (the console's transfer lanes); a failure is only logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from tandem.shared import subjects
+from tandem.shared.messages import BlockSnapshot, KVTransferEvent, SequenceBlocks, encode
+
+if TYPE_CHECKING:
+    from tandem.services.worker import EngineWorker
+    from tandem.shared.engine import LLMEngine
+
+log = logging.getLogger("tandem.blocks")
+
+FREE, IN_USE, CACHED, SHARED = 0, 1, 2, 3
+SNAPSHOT_TIMEOUT_S = 5.0
+MAX_SEQUENCES = 1024  # a snapshot lists at most this many sequences (running first)
+
+
+def take_snapshot(engine: LLMEngine, instance_id: str) -> BlockSnapshot:
+    """The engine's KV pool as it is now. Call it on the thread that steps the engine."""
+    bm = engine.block_manager
+    states = bytes(
+        (SHARED if b.ref_count > 1 else IN_USE) if b.ref_count else (CACHED if b.block_hash is not None else FREE)
+        for b in bm.blocks
+    )
+    sched = engine.scheduler
+    sequences = [
+        SequenceBlocks(request_id=seq.request_id, num_tokens=seq.num_tokens, block_table=list(seq.block_table),
+                       prefix_cached_blocks=seq.prefix_cached_blocks, imported_blocks=seq.imported_blocks)
+        for seq in [*sched.running, *sched.waiting][:MAX_SEQUENCES]
+    ]
+    return BlockSnapshot(instance_id=instance_id, num_blocks=bm.num_blocks, block_size=bm.block_size,
+                         states=states, sequences=sequences)
+
+
+async def register_blocks_endpoint(worker: EngineWorker) -> None:
+    """Serve ``worker``'s block snapshot on ``subjects.blocks(name, id)``."""
+
+    async def on_blocks(request) -> None:
+        call = worker.thread.call(lambda engine: take_snapshot(engine, worker.instance_id))
+        snapshot = await asyncio.wait_for(call, SNAPSHOT_TIMEOUT_S)
+        await request.respond(encode(snapshot))
+
+    await worker.add_endpoint("blocks", subjects.blocks(worker.name, worker.instance_id), on_blocks)
+
+
+async def publish_transfer(nc, request_id: str, source: str, dest: str, path: str, blocks: int, nbytes: int,
+                           start: float, end: float) -> None:
+    """Publish one completed transfer (``path``: "ring", "nats" or "store"); never raises."""
+    try:
+        event = KVTransferEvent(request_id=request_id, source=source, dest=dest, path=path, blocks=blocks,
+                                bytes=nbytes, start=start, end=end)
+        await nc.publish(subjects.KV_TRANSFERS, encode(event))
+    except Exception as exc:  # the console's view is not worth failing a request for
+        log.warning("could not publish the KV transfer of %s: %s", request_id, exc)
