@@ -1,11 +1,14 @@
 """``tandem up``: the whole system on one machine, each service its own OS process.
 
-Starts an embedded nats-server (unless given a URL), then a router and N prefill and M decode
-workers as child processes, waits until every one answers ``$SRV.PING``, writes a state file so
+Starts an embedded nats-server (unless given a URL), then KV-stores, decode and prefill workers and
+a router as child processes, waits until every one answers ``$SRV.PING``, writes a state file so
 ``tandem generate`` finds the server, prints one line with the NATS URL, and runs until Ctrl-C or
-SIGTERM. Then it stops the router, the workers and the server in that order and removes the state
-file and the server's folder. Children die with it even if it is killed with SIGKILL (Linux
-PDEATHSIG), so nothing is left behind.
+SIGTERM (``--planner`` starts the planner then, once it can count the workers). While it runs, :mod:`tandem.scaling` keeps the wanted
+number of each service alive: it restarts a child that crashed, and with the planner on it carries
+out the planner's decisions within ``--min/--max-prefill`` and ``--min/--max-decode``, draining a
+worker before it goes. At the end it stops the planner, the router, the workers and the server in
+that order and removes the state file and the server's folder. Children die with it even if it is
+killed with SIGKILL (Linux PDEATHSIG), so nothing is left behind. GPUs: see :mod:`tandem.gpus`.
 """
 
 from __future__ import annotations
@@ -15,22 +18,27 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats
 
+from tandem.gpus import memory_share, pick_gpu, visible_gpus
 from tandem.shared import subjects
 from tandem.shared.config import Settings
 from tandem.shared.natsserver import NatsServer, die_with_parent
 
 log = logging.getLogger("tandem.up")
 
-SERVICE_ORDER = ("router", "prefill", "decode", "kvstore")  # stop order; start order is the reverse
+SERVICE_ORDER = ("planner", "router", "prefill", "decode", "kvstore")  # stop order
+START_ORDER = ("kvstore", "decode", "prefill", "router", "planner")
+ENGINE_SERVICES = ("prefill", "decode")
 
 
 def state_file(data_dir: Path) -> Path:
@@ -52,6 +60,14 @@ def find_running_url(data_dir: Path) -> str | None:
 class Child:
     service: str
     process: subprocess.Popen
+    instance_id: str
+    gpu: int | None = None  # index into the supervisor's GPU list
+    draining_since: float | None = None  # monotonic time a drain was asked
+    stop_sent: float | None = None  # monotonic time SIGTERM went out
+
+    @property
+    def leaving(self) -> bool:
+        return self.draining_since is not None or self.stop_sent is not None
 
 
 @dataclass
@@ -61,9 +77,26 @@ class Supervisor:
     num_decode: int = 1
     num_kvstore: int = 0
     extra_args: list[str] = field(default_factory=list)
+    planner: bool = False
+    planner_args: list[str] = field(default_factory=list)
+    min_prefill: int | None = None  # limits for the planner's decisions (default: see limits())
+    max_prefill: int | None = None
+    min_decode: int | None = None
+    max_decode: int | None = None
     children: list[Child] = field(default_factory=list)
     server: NatsServer | None = None
     url: str = ""
+    wanted: dict[str, int] = field(default_factory=dict)
+    gpus: list[str] | None = None  # CUDA ids handed out one per worker (None: detect at start)
+
+    def limits(self, service: str) -> tuple[int, int]:
+        """(min, max) workers of ``service``: as given, else ``min(1, count)`` .. ``max(count, 2)``."""
+        count = self.num_prefill if service == "prefill" else self.num_decode
+        lo = self.min_prefill if service == "prefill" else self.min_decode
+        hi = self.max_prefill if service == "prefill" else self.max_decode
+        lo = min(1, count) if lo is None else lo
+        hi = max(count, 2) if hi is None else hi
+        return lo, max(lo, hi)
 
     def start(self) -> None:
         if self.settings.nats_url:
@@ -71,9 +104,14 @@ class Supervisor:
         else:
             self.server = NatsServer.start(binary=self.settings.nats_binary)
             self.url = self.server.url
-        plan = ["kvstore"] * self.num_kvstore + ["decode"] * self.num_decode + ["prefill"] * self.num_prefill + ["router"]
-        for service in plan:
-            self.spawn(service)
+        if self.gpus is None:
+            self.gpus = visible_gpus(self.settings.device)
+        self.wanted = {"kvstore": self.num_kvstore, "decode": self.num_decode, "prefill": self.num_prefill,
+                       "router": 1, "planner": int(self.planner)}
+        for service in START_ORDER:
+            if service != "planner":  # started by supervise() once the workers are up: it counts them
+                for _ in range(self.wanted[service]):
+                    self.spawn(service)
 
     def worker_threads(self) -> int:
         """CPU threads per engine worker: the machine's cores shared out, so workers on one host do
@@ -82,30 +120,42 @@ class Supervisor:
             return self.settings.torch_threads
         return max(1, (os.cpu_count() or 1) // max(1, self.num_prefill + self.num_decode))
 
-    def memory_share(self, service: str) -> float:
-        """Each worker's share of a GPU they all share: decode workers hold the long-lived KV
-        cache and get three quarters of the configured fraction, prefill workers (KV only for
-        prompts in flight) a quarter; a lone kind of worker gets it all."""
-        total = self.settings.gpu_memory_utilization
-        if service == "prefill":
-            part = 0.25 if self.num_decode else 1.0
-            return total * part / max(1, self.num_prefill)
-        part = 0.75 if self.num_prefill else 1.0
-        return total * part / max(1, self.num_decode)
+    def most_workers(self, service: str) -> int:
+        count = self.num_prefill if service == "prefill" else self.num_decode
+        return self.limits(service)[1] if self.planner else count
 
     def spawn(self, service: str) -> Child:
+        host = socket.gethostname().split(".")[0].replace("_", "-")[:24] or "host"
+        instance_id = f"{service}-{host}-{uuid.uuid4().hex[:6]}"
         cmd = [sys.executable, "-m", "tandem.cli", "serve", service, "--nats-url", self.url,
-               "--model", self.settings.model, "--log-level", self.settings.log_level,
-               "--torch-threads", str(self.worker_threads()), *self.extra_args]
-        if service in ("prefill", "decode"):
-            cmd += ["--gpu-memory-utilization", f"{self.memory_share(service):.4f}"]
+               "--model", self.settings.model, "--log-level", self.settings.log_level, "--instance-id", instance_id]
+        if service == "planner":
+            cmd += self.planner_args
+            for kind in ENGINE_SERVICES:
+                lo, hi = self.limits(kind)
+                cmd += [f"--min-{kind}", str(lo), f"--max-{kind}", str(hi)]
+        else:
+            cmd += ["--torch-threads", str(self.worker_threads()), *self.extra_args]
         env = dict(os.environ, TANDEM_DATA_DIR=str(self.settings.data_dir), PYTHONUNBUFFERED="1")
         env.pop("TANDEM_INSTANCE_ID", None)
+        if env.get("TANDEM_METRICS_PORT", "0").strip() not in ("0", "-1", ""):
+            env["TANDEM_METRICS_PORT"] = "0"  # one fixed port cannot serve several children
+        gpu = None
+        if service in ENGINE_SERVICES:
+            gpus = self.gpus or []
+            share = memory_share(self.settings.gpu_memory_utilization, service, len(gpus),
+                                 self.most_workers("prefill"), self.most_workers("decode"))
+            cmd += ["--gpu-memory-utilization", f"{share:.4f}"]
+            if len(gpus) >= 2:
+                occupancy = [sum(c.gpu == g for c in self.children) for g in range(len(gpus))]
+                gpu = pick_gpu(len(gpus), occupancy, service)
+                env["CUDA_VISIBLE_DEVICES"] = gpus[gpu]
         process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                                    preexec_fn=die_with_parent)
-        child = Child(service, process)
+        child = Child(service, process, instance_id, gpu)
         self.children.append(child)
-        log.info("started %s (pid %d)", service, process.pid)
+        where = f" on GPU {self.gpus[gpu]}" if gpu is not None else ""
+        log.info("started %s %s (pid %d)%s", service, instance_id, process.pid, where)
         return child
 
     async def wait_ready(self, timeout_s: float = 300.0) -> None:
@@ -118,6 +168,12 @@ class Supervisor:
             code = child.process.poll()
             if code is not None:
                 raise RuntimeError(f"{child.service} (pid {child.process.pid}) exited with code {code}")
+
+    async def supervise(self) -> None:
+        """Keep the system as wanted until cancelled (Ctrl-C): restarts, the planner's decisions."""
+        from tandem.scaling import Scaler
+
+        await Scaler(self).run()
 
     def write_state(self) -> None:
         path = state_file(self.settings.data_dir)

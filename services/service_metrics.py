@@ -1,0 +1,141 @@
+"""The serving metrics of tandem's services, named after vLLM's (``vllm:`` becomes ``tandem:``).
+
+Workers (:class:`WorkerMetrics`, fed from each engine step's outputs in ``EngineWorker.on_outputs``):
+
+- ``tandem:time_to_first_token_seconds``: from the router's accept time (``arrival_time`` in the
+  prefill/decode request; the worker's own arrival time when absent) to the first token handed to
+  the publisher, recorded by whichever worker samples it (the prefill worker, or a decode worker
+  prefilling locally). Router and workers on one host share a clock; across hosts it includes
+  their clock offset. A client sees this plus two bus hops (client to router, worker to client).
+- ``tandem:inter_token_latency_seconds``: between consecutive outputs of a request; the decode
+  worker's first one is measured from the prefill worker's first token (``first_token_time``), so
+  it includes the KV hand-off, as the client sees it.
+- ``tandem:request_time_per_output_token_seconds`` (per request, after the first token),
+  ``tandem:e2e_request_latency_seconds`` (router accept to last token),
+  ``tandem:request_queue_time_seconds`` (worker arrival to the first engine step that runs it),
+  ``tandem:request_prompt_tokens`` / ``tandem:request_generation_tokens`` (per finished request);
+- ``tandem:prompt_tokens_total`` (prompt tokens prefilled here), ``tandem:generation_tokens_total``
+  (tokens sampled here), ``tandem:request_success_total{finished_reason}`` (requests finished here);
+- read from the engine: ``tandem:num_requests_running``, ``tandem:num_requests_waiting``,
+  ``tandem:kv_cache_usage_perc`` (0..1), ``tandem:prefix_cache_queries_total`` and
+  ``tandem:prefix_cache_hits_total`` (tokens), ``tandem:num_preemptions_total``,
+  ``tandem:engine_busy_seconds_total`` (time inside engine steps: prefill throughput for the
+  planner), ``tandem:engine_steps_total``, ``tandem:worker_draining``.
+
+Router (:class:`RouterMetrics`): ``tandem:router_requests_total``, ``tandem:router_rejected_total{code}``,
+``tandem:router_request_prompt_tokens`` and ``tandem:router_request_max_tokens`` (the arriving load),
+``tandem:router_placement_seconds``, ``tandem:router_workers{service}``.
+KV-store (:func:`kvstore_metrics`): tier usage, capacity, blocks, hits, misses, puts, evictions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from tandem.shared.metrics import MetricsRegistry
+
+if TYPE_CHECKING:
+    from tandem.services.worker import Stream
+    from tandem.shared.engine import RequestOutput
+
+# vLLM's buckets, with finer ones below 10 ms for small models on CPU.
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+FINISHED = "prefilled"  # a prefill worker's hand-off: the request goes on elsewhere
+
+
+class WorkerMetrics:
+    """Per-request latencies and token counts of one prefill or decode worker."""
+
+    def __init__(self, prom: MetricsRegistry, stats: Callable[[], dict], busy_s: Callable[[], float],
+                 steps: Callable[[], int], draining: Callable[[], bool]) -> None:
+        h = prom.histogram
+        self.ttft = h("tandem:time_to_first_token_seconds", "router accept to first token", TTFT_BUCKETS)
+        self.itl = h("tandem:inter_token_latency_seconds", "time between consecutive outputs", ITL_BUCKETS)
+        self.tpot = h("tandem:request_time_per_output_token_seconds", "per request, after the first token",
+                      ITL_BUCKETS)
+        self.e2e = h("tandem:e2e_request_latency_seconds", "router accept to last token", LATENCY_BUCKETS)
+        self.queue = h("tandem:request_queue_time_seconds", "arrival here to first engine step", LATENCY_BUCKETS)
+        self.req_prompt = h("tandem:request_prompt_tokens", "prompt tokens per finished request", TOKEN_BUCKETS)
+        self.req_gen = h("tandem:request_generation_tokens", "output tokens per finished request", TOKEN_BUCKETS)
+        self.prompt_tokens = prom.counter("tandem:prompt_tokens_total", "prompt tokens prefilled here")
+        self.generation_tokens = prom.counter("tandem:generation_tokens_total", "tokens sampled here")
+        self.success = prom.counter("tandem:request_success_total", "requests finished here", ["finished_reason"])
+        stat = lambda key: (lambda: stats().get(key, 0))  # noqa: E731 - read at scrape time
+        prom.gauge_fn("tandem:num_requests_running", "sequences in the running batch", stat("running"))
+        prom.gauge_fn("tandem:num_requests_waiting", "sequences waiting for admission", stat("waiting"))
+        prom.gauge_fn("tandem:kv_cache_usage_perc", "KV blocks in use, 0..1", stat("usage"))
+        prom.counter_fn("tandem:prefix_cache_queries", "prompt tokens looked up", stat("prefix_cache_queries"))
+        prom.counter_fn("tandem:prefix_cache_hits", "of those, tokens found cached", stat("prefix_cache_hits"))
+        prom.counter_fn("tandem:num_preemptions", "sequences preempted", stat("preemptions"))
+        prom.counter_fn("tandem:engine_busy_seconds", "time spent inside engine steps", busy_s)
+        prom.counter_fn("tandem:engine_steps", "engine steps run", steps)
+        prom.gauge_fn("tandem:worker_draining", "1 while draining", lambda: float(draining()))
+
+    def on_output(self, out: RequestOutput, stream: Stream, now: float | None = None) -> None:
+        """Account one engine output before its chunk goes out (``stream.next_index`` not yet moved)."""
+        now = time.time() if now is None else now
+        n = len(out.new_token_ids)
+        if n:
+            if stream.next_index == 0:
+                self.ttft.observe(max(0.0, now - stream.arrival))
+                self.prompt_tokens.inc(out.num_prompt_tokens)
+                stream.first_token = now
+            elif stream.last_token:
+                self.itl.observe(max(0.0, now - stream.last_token))
+            stream.last_token = now
+            self.generation_tokens.inc(n)
+        if out.finished and out.finish_reason != FINISHED:
+            self.success.labels(out.finish_reason or "unknown").inc()
+            self.e2e.observe(max(0.0, now - stream.arrival))
+            self.req_prompt.observe(out.num_prompt_tokens)
+            self.req_gen.observe(out.num_output_tokens)
+            if out.num_output_tokens > 1 and stream.first_token:
+                self.tpot.observe(max(0.0, now - stream.first_token) / (out.num_output_tokens - 1))
+
+    def on_scheduled(self, stream: Stream, started: float) -> None:
+        """The first engine step that runs this request began at ``started``."""
+        self.queue.observe(max(0.0, started - stream.received))
+
+
+class RouterMetrics:
+    """The arriving load as the router sees it."""
+
+    def __init__(self, prom: MetricsRegistry, workers: Callable[[], dict[tuple[str, ...], float]]) -> None:
+        self.requests = prom.counter("tandem:router_requests_total", "requests placed")
+        self.rejected = prom.counter("tandem:router_rejected_total", "requests refused", ["code"])
+        self.prompt_tokens = prom.histogram("tandem:router_request_prompt_tokens", "prompt tokens per placed request",
+                                            TOKEN_BUCKETS)
+        self.max_tokens = prom.histogram("tandem:router_request_max_tokens", "max_tokens asked per placed request",
+                                         TOKEN_BUCKETS)
+        self.placement = prom.histogram("tandem:router_placement_seconds", "accept to placed", LATENCY_BUCKETS)
+        prom.gauge_fn("tandem:router_workers", "live workers known from heartbeats", workers, ["service"])
+
+    def placed(self, prompt_tokens: int, max_tokens: int, accepted_at: float) -> None:
+        self.requests.inc()
+        self.prompt_tokens.observe(prompt_tokens)
+        self.max_tokens.observe(max_tokens)
+        self.placement.observe(max(0.0, time.time() - accepted_at))
+
+
+def kvstore_metrics(prom: MetricsRegistry, stats: Callable[[], dict]) -> None:
+    """Tier figures of a KV-store, read from its last ``KVBlockStore.stats()``."""
+    def tiers(fmt: str) -> Callable[[], dict[tuple[str, ...], float]]:
+        return lambda: {(tier,): stats().get(fmt.format(tier), 0) for tier in ("ram", "disk")}
+
+    prom.gauge_fn("tandem:kvstore_usage_bytes", "bytes held per tier", tiers("{}_bytes"), ["tier"])
+    prom.gauge_fn("tandem:kvstore_capacity_bytes", "tier capacity", tiers("{}_capacity"), ["tier"])
+    prom.gauge_fn("tandem:kvstore_blocks", "blocks held per tier", tiers("{}_blocks"), ["tier"])
+    prom.counter_fn("tandem:kvstore_hits", "blocks served per tier", tiers("hits_{}"), ["tier"])
+    prom.counter_fn("tandem:kvstore_evictions", "blocks evicted per tier", tiers("evictions_{}"), ["tier"])
+    prom.counter_fn("tandem:kvstore_misses", "blocks asked for and not held", lambda: stats().get("misses", 0))
+    prom.counter_fn("tandem:kvstore_puts", "blocks offered", lambda: stats().get("puts", 0))
+    prom.counter_fn("tandem:kvstore_corrupt_blocks", "blocks dropped on a checksum failure",
+                    lambda: stats().get("corrupt_blocks", 0))

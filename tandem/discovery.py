@@ -1,0 +1,61 @@
+"""Finding tandem's services on a NATS server and reading their metrics.
+
+``$SRV.INFO`` answers carry each instance's metadata (instance id, host, pid, model and the
+``metrics_url`` of its Prometheus page), so a tool needs only the NATS URL::
+
+    nc = await nats.connect(url)
+    for info in await service_infos(nc):
+        print(info["name"], info["metadata"]["instance_id"], info["metadata"].get("metrics_url"))
+    counters, gauges, histograms = await scrape(info["metadata"]["metrics_url"])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import nats
+
+from tandem.shared.messages import HistogramSnapshot
+from tandem.shared.metrics import parse_text
+
+
+async def service_infos(nc: nats.NATS, wait_s: float = 0.3, name: str = "") -> list[dict]:
+    """Every micro service instance's ``$SRV.INFO`` answer within ``wait_s`` (``name``: only that
+    service, e.g. ``tandem-decode``)."""
+    found: list[dict] = []
+    inbox = nc.new_inbox()
+
+    async def on_info(msg) -> None:
+        try:
+            found.append(json.loads(msg.data))
+        except ValueError:
+            pass
+
+    sub = await nc.subscribe(inbox, cb=on_info)
+    await nc.publish(f"$SRV.INFO.{name}" if name else "$SRV.INFO", b"", reply=inbox)
+    await asyncio.sleep(wait_s)
+    await sub.unsubscribe()
+    return found
+
+
+def _fetch(url: str, timeout_s: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return response.read().decode()
+
+
+async def scrape(url: str, timeout_s: float = 5.0) -> tuple[dict[str, float], dict[str, float],
+                                                            dict[str, HistogramSnapshot]]:
+    """One /metrics page as (counters, gauges, histograms), keyed as in a MetricsSnapshot."""
+    return parse_text(await asyncio.to_thread(_fetch, url, timeout_s))
+
+
+async def scrape_services(nc: nats.NATS, names: tuple[str, ...] = ()) -> dict[str, tuple]:
+    """instance id -> scraped page of every reachable service (``names``: only those, e.g.
+    ``("tandem-prefill",)``); an instance whose page cannot be read is left out."""
+    infos = [i for i in await service_infos(nc) if not names or i.get("name") in names]
+    urls = {i["metadata"].get("instance_id", i.get("id")): i["metadata"].get("metrics_url") for i in infos}
+    urls = {k: v for k, v in urls.items() if v}
+    pages = await asyncio.gather(*(scrape(u) for u in urls.values()), return_exceptions=True)
+    return {k: p for k, p in zip(urls, pages) if not isinstance(p, BaseException)}

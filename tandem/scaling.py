@@ -1,0 +1,126 @@
+"""What ``tandem up`` does while it runs: keep the wanted children alive and carry out the planner.
+
+:class:`Scaler` checks the children four times a second:
+
+- a child that exited without being asked to is restarted (a new instance id; the router forgets
+  the old one when its heartbeats stop), with a back-off of 0.5 s doubling to 30 s for a service
+  that keeps crashing;
+- with the planner on, every :class:`ScalingDecision` on ``tandem.v1.planner.decisions`` sets the
+  wanted prefill and decode counts, clamped to the supervisor's limits; missing workers are started
+  and surplus ones (the newest first) drained: a :class:`DrainRequest` on
+  ``tandem.v1.<service>.<id>.drain``, after which the worker takes no new requests, finishes what it
+  holds and exits. A worker not serving yet (still loading) is simply stopped; one still draining
+  after ``drain_timeout_s`` gets SIGTERM, and SIGKILL 15 s later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from typing import TYPE_CHECKING
+
+import nats
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+
+from tandem.shared import subjects
+from tandem.shared.messages import DrainRequest, ProtocolError, ScalingDecision, decode, encode
+
+if TYPE_CHECKING:
+    from tandem.supervisor import Child, Supervisor
+
+log = logging.getLogger("tandem.up")
+
+TICK_S = 0.25
+KILL_AFTER_S = 15.0
+CRASH_WINDOW_S = 60.0
+
+
+class Scaler:
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+        self.crashes: dict[str, list[float]] = {}  # service -> monotonic times of recent crashes
+        self.not_before: dict[str, float] = {}  # service -> earliest restart time
+        self.decisions = 0
+
+    async def run(self) -> None:
+        nc = await nats.connect(self.sup.url, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        try:
+            if self.sup.planner:
+                await nc.subscribe(subjects.PLANNER_DECISIONS, cb=self.on_decision)
+            while True:
+                await self.reconcile(nc)
+                await asyncio.sleep(TICK_S)
+        finally:
+            if not nc.is_closed:
+                await nc.close()
+
+    async def on_decision(self, msg) -> None:
+        try:
+            decision = decode(msg.data, ScalingDecision)
+        except ProtocolError as exc:
+            log.warning("ignored bad scaling decision: %s", exc)
+            return
+        self.decisions += 1
+        wanted = {"prefill": decision.prefill_wanted, "decode": decision.decode_wanted}
+        for service, count in wanted.items():
+            lo, hi = self.sup.limits(service)
+            count = min(max(count, lo), hi)
+            if count != self.sup.wanted.get(service):
+                log.info("planner: %s %d -> %d (%s)", service, self.sup.wanted.get(service, 0), count, decision.reason)
+                self.sup.wanted[service] = count
+
+    async def reconcile(self, nc: nats.NATS) -> None:
+        now = time.monotonic()
+        for child in list(self.sup.children):
+            code = child.process.poll()
+            if code is None:
+                self.hurry(child, now)
+                continue
+            self.sup.children.remove(child)
+            if child.leaving:
+                log.info("%s %s left (exit code %d)", child.service, child.instance_id, code)
+            else:
+                self.crashed(child, code, now)
+        for service, want in self.sup.wanted.items():
+            live = [c for c in self.sup.children if c.service == service and not c.leaving]
+            if len(live) < want and now >= self.not_before.get(service, 0.0):
+                for _ in range(want - len(live)):
+                    self.sup.spawn(service)
+            for child in reversed(live[want:]):  # the newest go first
+                await self.drain(nc, child)
+
+    def crashed(self, child: Child, code: int, now: float) -> None:
+        recent = [t for t in self.crashes.get(child.service, []) if now - t < CRASH_WINDOW_S] + [now]
+        self.crashes[child.service] = recent
+        delay = min(30.0, 0.5 * 2 ** (len(recent) - 1))
+        self.not_before[child.service] = now + delay
+        log.warning("%s %s (pid %d) exited with code %d; restarting in %.1fs", child.service, child.instance_id,
+                    child.process.pid, code, delay)
+
+    async def drain(self, nc: nats.NATS, child: Child) -> None:
+        child.draining_since = time.monotonic()
+        try:
+            await nc.request(subjects.drain(child.service, child.instance_id), encode(DrainRequest()), timeout=2.0)
+        except (NoRespondersError, NatsTimeoutError):
+            log.info("stopping %s %s: not serving yet", child.service, child.instance_id)
+            self.terminate(child)
+            return
+        log.info("draining %s %s", child.service, child.instance_id)
+
+    def hurry(self, child: Child, now: float) -> None:
+        """SIGTERM a drain that takes too long, SIGKILL a stop that does."""
+        if child.stop_sent is not None:
+            if now - child.stop_sent > KILL_AFTER_S:
+                log.warning("%s %s ignored SIGTERM; killing it", child.service, child.instance_id)
+                child.process.kill()
+            return
+        if child.draining_since is not None and now - child.draining_since > self.sup.settings.drain_timeout_s:
+            log.warning("%s %s still busy %.0fs into its drain; stopping it", child.service, child.instance_id,
+                        now - child.draining_since)
+            self.terminate(child)
+
+    def terminate(self, child: Child) -> None:
+        child.stop_sent = time.monotonic()
+        child.process.send_signal(signal.SIGTERM)

@@ -1,0 +1,67 @@
+"""``tandem up`` as a command: start the system (:mod:`tandem.supervisor`), print its URL, optionally
+generate a demo, then supervise it (:mod:`tandem.scaling`) until Ctrl-C or SIGTERM, and stop it all."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from tandem.planner_flags import planner_argv
+from tandem.shared.config import Settings
+
+
+def run_up(args: argparse.Namespace, settings: Settings, engine_argv: list[str]) -> int:
+    from tandem.services.runtime import run_async, setup_logging
+    from tandem.shared.natsserver import NatsServerError
+    from tandem.supervisor import Supervisor
+
+    setup_logging(settings.log_level)
+    sup = Supervisor(settings, num_prefill=args.prefill, num_decode=args.decode, num_kvstore=args.kvstore,
+                     extra_args=engine_argv, planner=args.planner, planner_args=planner_argv(args),
+                     min_prefill=args.planner_min_prefill, max_prefill=args.planner_max_prefill,
+                     min_decode=args.planner_min_decode, max_decode=args.planner_max_decode)
+    def on_signal(_signum, _frame):
+        raise KeyboardInterrupt  # SIGTERM stops as cleanly as Ctrl-C
+
+    # Both explicitly: a shell that starts `up` in the background hands it SIGINT ignored.
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        sup.start()
+        run_async(sup.wait_ready())
+        sup.write_state()
+        scaling = "planner on, prefill {}..{}, decode {}..{}".format(*sup.limits("prefill"), *sup.limits("decode"))
+        print(f"tandem up: NATS at {sup.url} (router, {args.prefill} prefill, {args.decode} decode, "
+              f"{args.kvstore} kvstore; {scaling if args.planner else 'planner off'}; Ctrl-C stops)",
+              flush=True)
+        if args.demo:
+            run_async(demo(sup.url, args.demo))
+            if args.exit_after_demo:
+                return 0
+        run_async(sup.supervise())  # restarts crashed children, carries out the planner's decisions
+    except KeyboardInterrupt:
+        return 0
+    except (NatsServerError, RuntimeError) as exc:
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        sup.stop()
+        print("tandem up: stopped", flush=True)
+
+
+async def demo(url: str, prompt: str) -> None:
+    """One sampled generation through the whole system, printed in one piece with its timings
+    (streaming it would interleave with the services' log lines on the same terminal)."""
+    from tandem.client import connect
+
+    async with connect(url) as client:
+        result = await client.complete(prompt, max_tokens=64, temperature=0.8, top_k=40, seed=0)
+    print(f"--- demo: {prompt!r} (temperature 0.8, top-k 40, seed 0, 64 tokens)\n{prompt}{visible(result.text)}\n"
+          f"--- {len(result.token_ids)} tokens, finish {result.finish_reason}, first token after "
+          f"{result.ttft_s * 1e3:.0f} ms, then {result.tpot_s * 1e3:.1f} ms per token", flush=True)
+
+
+def visible(text: str) -> str:
+    """Control characters as escapes: an untrained model emits plenty, and a terminal hides them."""
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode() for c in text)
