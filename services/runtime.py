@@ -25,6 +25,7 @@ from tandem import __version__
 from tandem.shared import subjects
 from tandem.shared.config import Settings
 from tandem.shared.messages import Heartbeat, encode, error_reply
+from tandem.shared.metrics import MetricsPublisher, MetricsRegistry
 
 Handler = Callable[[Request], Awaitable[None]]
 SHUTDOWN_TIMEOUT_S = 5.0
@@ -54,6 +55,7 @@ class ServiceRuntime:
         self._service = None
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
+        self.prom = MetricsRegistry()  # declare metrics here; served on --metrics-port, published on NATS
 
     # -- for subclasses -------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -67,11 +69,12 @@ class ServiceRuntime:
         return None
 
     def metadata(self) -> dict[str, str]:
-        return {"instance_id": self.instance_id, "host": self.host, "pid": str(os.getpid())}
+        return {"instance_id": self.instance_id, "host": self.host, "pid": str(os.getpid()),
+                "metrics_url": self.prom.url}
 
     def metrics(self) -> dict:
         """This instance's counters and gauges, shown as each endpoint's ``data`` in ``$SRV.STATS``
-        (``nats micro stats tandem-decode``); the metrics issue adds Prometheus."""
+        (``nats micro stats tandem-decode``); Prometheus figures are declared on ``self.prom``."""
         return {}
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -137,6 +140,8 @@ class ServiceRuntime:
             reconnect_time_wait=0.5,
             pending_size=256 * 1024 * 1024,
         )
+        if self.settings.metrics_port >= 0:  # before registering: the URL goes into the micro metadata
+            self.log.info("metrics at %s", self.prom.serve(self.settings.metrics_port, self.settings.metrics_host))
         self._service = await add_service(
             self.nc,
             ServiceConfig(
@@ -149,6 +154,9 @@ class ServiceRuntime:
         )
         await self.setup()
         beat = self.spawn(self._heartbeat_loop(), "heartbeat")
+        self.metrics_publisher = MetricsPublisher(self.nc, self.prom, self.name, self.instance_id, self.host,
+                                                  self.settings.metrics_interval_s)
+        self.spawn(self.metrics_publisher.run(), "metrics publisher")
         self.log.info("%s %s ready on %s (pid %d)", self.name, self.instance_id, self.settings.nats_url, os.getpid())
         await self._stop.wait()
         self.log.info("%s %s stopping", self.name, self.instance_id)

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
+from tandem.services.block_snapshot import publish_transfer, register_blocks_endpoint
+from tandem.services.drain import Drainer
 from tandem.services.engine_thread import EngineThread
 from tandem.services.kvstore.client import KVStoreClient
 from tandem.services.kv_event_publisher import KVEventPublisher
 from tandem.services.runtime import ServiceRuntime
+from tandem.services.trainer.reload import subscribe_weight_updates
+from tandem.services.service_metrics import WorkerMetrics
 from tandem.shared import subjects
 from tandem.shared.config import Settings
 from tandem.shared.engine import EngineConfig, LLMEngine, RequestOutput
@@ -34,6 +39,7 @@ def resolve_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
+MAX_OFFERS_IN_FLIGHT = 2  # KV-store offers a worker has under way at once; more are skipped
 ACTIVATION_HEADROOM = 1 << 30  # GPU bytes left free for activations and the allocator's slack
 
 
@@ -69,6 +75,13 @@ class Stream:
 
     subject: str
     next_index: int = 0
+    arrival: float = 0.0  # unix time the router accepted it (0: when it reached this worker)
+    first_token: float = 0.0  # unix times of its first and latest output token, for latency metrics
+    last_token: float = 0.0
+    received: float = field(default_factory=time.time)  # when it reached this worker
+
+    def __post_init__(self) -> None:
+        self.arrival = self.arrival or self.received
 
 
 class EngineWorker(ServiceRuntime):
@@ -89,9 +102,17 @@ class EngineWorker(ServiceRuntime):
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_prefix_caching=settings.enable_prefix_caching,
+            enforce_eager=settings.enforce_eager,
         )
         self.engine = LLMEngine(self.loaded.model, self.loaded.tokenizer, self.engine_config, self.device, self.dtype)
         self.streams: dict[str, Stream] = {}
+        self.offers_in_flight = 0
+        self.offers_skipped = 0
+        self.draining = False
+        self.drainer = Drainer(self)
+        self.serving = WorkerMetrics(self.prom, lambda: self.thread.stats if self.thread else self.engine.stats(),
+                                     lambda: self.thread.busy_s if self.thread else 0.0,
+                                     lambda: self.thread.steps if self.thread else 0, lambda: self.draining)
         self.thread: EngineThread | None = None
         self._outbox: list[tuple[str, bytes]] = []
         cfg = self.loaded.config
@@ -109,9 +130,13 @@ class EngineWorker(ServiceRuntime):
         loop = asyncio.get_running_loop()
         self.kv_events = KVEventPublisher(self.nc, self.name, self.instance_id)
         self.spawn(self.kv_events.run(), "KV event publisher")
-        self.thread = EngineThread(self.engine, loop, self.on_outputs, self.on_failure, self.on_kv_events)
+        self.thread = EngineThread(self.engine, loop, self.on_outputs, self.on_failure, self.on_kv_events,
+                                   on_scheduled=self.on_scheduled)
         self.thread.start()
         await self.nc.subscribe(subjects.CANCEL, cb=self._on_cancel)
+        await self.drainer.register()
+        await register_blocks_endpoint(self)  # the console's block-table view
+        await subscribe_weight_updates(self)  # hot reload after a trainer's checkpoint
 
     async def teardown(self) -> None:
         if self.thread is not None:
@@ -125,24 +150,49 @@ class EngineWorker(ServiceRuntime):
             free_blocks=stats["free_blocks"], num_blocks=stats["num_blocks"],
             block_size=self.settings.block_size, max_model_len=self.max_model_len, kv_namespace=self.kv_namespace,
             prefix_cache_queries=stats.get("prefix_cache_queries", 0), prefix_cache_hits=stats.get("prefix_cache_hits", 0),
+            draining=self.draining,
         )
+
+    def busy(self) -> bool:
+        """Whether this worker still holds requests (a drain waits until it does not)."""
+        stats = self.thread.stats if self.thread else self.engine.stats()
+        return bool(self.streams) or bool(stats["running"] or stats["waiting"])
+
+    def on_scheduled(self, request_ids: list[str], started: float) -> None:
+        for request_id in request_ids:
+            stream = self.streams.get(request_id)
+            if stream is not None:
+                self.serving.on_scheduled(stream, started)
 
     def metrics(self) -> dict:
         stats = self.thread.stats if self.thread else self.engine.stats()
-        return {**stats, "kv_namespace": self.kv_namespace, "steps": self.thread.steps if self.thread else 0}
+        return {**stats, "kv_namespace": self.kv_namespace, "steps": self.thread.steps if self.thread else 0,
+                "kvstore_offers_skipped": self.offers_skipped}
 
     async def offer_blocks(self, store: str, request_id: str, hashes: list[int], blocks: torch.Tensor) -> None:
         """Put ``blocks`` (one per hash, on any device) into a KV-store; a failure is only logged:
         the store is a cache, the request is unaffected."""
         if not hashes:
             return
-        host = await asyncio.to_thread(blocks.cpu)  # a device copy: off the event loop
-        blob = tensor_bytes(host)
+        if self.offers_in_flight >= MAX_OFFERS_IN_FLIGHT:
+            # The store is a cache: under load, skipping an offer costs a possible later hit, while
+            # queueing every prompt's KV (134 MB per 1k tokens of an 8B model) would starve hand-offs.
+            self.offers_skipped += 1
+            self.log.debug("skipped offering %s's blocks to kvstore %s: %d offers in flight", request_id, store,
+                           self.offers_in_flight)
+            return
+        self.offers_in_flight += 1
+        start = time.time()
         try:
+            blob = await asyncio.to_thread(lambda: tensor_bytes(blocks.cpu()))  # device copy: off the loop
             reply = await KVStoreClient(self.nc, store).put(self.kv_namespace, hashes, blob, len(blob) // len(hashes))
         except Exception as exc:
             self.log.warning("offering %s's blocks to kvstore %s failed: %s", request_id, store, exc)
             return
+        finally:
+            self.offers_in_flight -= 1
+        await publish_transfer(self.nc, request_id, self.instance_id, store, "store", len(hashes), len(blob),
+                               start, time.time())
         self.log.info("offered %d blocks of %s to kvstore %s (%d new)", len(hashes), request_id, store, reply.stored)
 
     def on_kv_events(self, stored: list[int], removed: list[int]) -> None:
@@ -172,10 +222,12 @@ class EngineWorker(ServiceRuntime):
 
     # -- outputs ----------------------------------------------------------------------------------
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        now = time.time()
         for out in outputs:
             stream = self.streams.get(out.request_id)
             if stream is None:
                 continue
+            self.serving.on_output(out, stream, now)
             if out.finished:
                 del self.streams[out.request_id]
             if self.handle_output(out, stream):

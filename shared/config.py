@@ -44,6 +44,7 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(512, ge=16)  # also the prefill chunk size
     max_model_len: int = Field(2048, ge=16)
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # CUDA: skip decode CUDA graphs (debugging, or to save their memory)
 
     # bus
     heartbeat_interval_s: float = Field(0.5, gt=0)
@@ -53,10 +54,31 @@ class Settings(BaseSettings):
     kv_window: int = Field(8, ge=1)  # KV frames in flight per transfer
     kv_ring_mib: int = Field(256, ge=0)  # decode: shared-memory ring for same-host hand-offs; 0 disables the fast path
     kv_ring_slot_kib: int = Field(1024, ge=4)
+    kv_ring_wait_s: float = Field(2.0, ge=0)  # prefill: how long a hand-off waits for ring room before NATS
 
     # router
     router_load_weight: float = Field(1.0, ge=0)  # blocks of recompute one queued sequence is worth
     local_prefill_max_tokens: int = Field(0, ge=0)  # uncached prompt tokens a decode worker prefills itself
+
+    # metrics (tandem.shared.metrics): Prometheus text over HTTP, MetricsSnapshot on NATS
+    metrics_port: int = Field(0, ge=-1)  # /metrics on this port; 0: a free one, -1: no HTTP server
+    metrics_host: str = "127.0.0.1"  # the address /metrics binds ("0.0.0.0" in containers)
+    metrics_interval_s: float = Field(2.0, gt=0)  # MetricsSnapshot period
+    drain_timeout_s: float = Field(60.0, gt=0)  # a draining worker still busy after this is stopped
+
+    # planner (tandem serve planner; services/planner/policy.py has the formulas)
+    planner_ttft_target_ms: float = Field(1000.0, gt=0)
+    planner_tpot_target_ms: float = Field(100.0, gt=0)
+    planner_kv_usage_target: float = Field(0.8, gt=0, le=1)  # decode KV usage a worker may run at
+    planner_interval_s: float = Field(5.0, gt=0)  # how often it decides
+    planner_window_s: float = Field(30.0, gt=0)  # the load it decides on: this many seconds back
+    planner_cooldown_s: float = Field(30.0, ge=0)  # no change sooner than this after the last one
+    planner_scale_down_margin: float = Field(0.6, gt=0, le=1)  # scale down only below this share of the smaller count's capacity
+    planner_prefill_tokens_per_s: float = Field(0.0, ge=0)  # one prefill worker's throughput until measured (0: unknown)
+    planner_min_prefill: int = Field(1, ge=0)
+    planner_max_prefill: int = Field(4, ge=0)
+    planner_min_decode: int = Field(1, ge=1)
+    planner_max_decode: int = Field(4, ge=1)
 
     # kv store (tandem serve kvstore)
     kvstore_ram_mib: float = Field(1024, ge=0)  # host-RAM tier

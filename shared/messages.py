@@ -108,6 +108,7 @@ class PrefillRequest(_Message):
     kvstore: str = ""  # a KV-store to fetch the prompt's cached prefix from and offer its new blocks to
     kvstore_fetch_blocks: int = Field(0, ge=0)  # leading blocks worth fetching (the store has more than the worker)
     kvstore_held_blocks: int = Field(0, ge=0)  # leading blocks the store already holds (offer only the rest)
+    arrival_time: float = 0.0  # unix time the router accepted the request (TTFT is measured from it)
 
 
 class RingSlots(BaseModel):
@@ -145,6 +146,8 @@ class DecodeRequest(_Message):
     kv_namespace: str = ""  # the sender's KV layout: must equal the receiver's when KV comes along
     kvstore: str = ""  # a KV-store to offer the sequence's full blocks to when it ends ...
     kvstore_held_blocks: int = Field(0, ge=0)  # ... past the leading blocks it already holds
+    arrival_time: float = 0.0  # unix time the router accepted the request (for latency metrics)
+    first_token_time: float = 0.0  # unix time the prefill worker sent the first token (for inter-token latency)
 
 
 class StreamChunk(_Message):
@@ -194,6 +197,7 @@ class Heartbeat(_Message):
     kv_ring: str = ""  # a decode worker's shared-memory ring for KV hand-offs on this host
     kv_transfers_ring: int = 0  # hand-offs received through the ring ...
     kv_transfers_nats: int = 0  # ... and as NATS frames
+    pending_decode: list[str] = Field(default_factory=list)  # prefill: decode workers it still owes a hand-off
 
 
 class KVEvent(_Message):
@@ -318,6 +322,7 @@ class TrainJob(BaseModel):
     output_dir: str | None = None  # default: <data_dir>/train/<job_id>
     resume: bool = False  # continue from the latest checkpoint in output_dir
     gpu_memory_gib: float | None = Field(None, gt=0)  # cap through set_per_process_memory_fraction
+    device_update_layers: int = Field(0, ge=0)  # first layers whose AdamW math runs on the GPU (0: all on the CPU)
 
 
 class TrainStart(_Message):

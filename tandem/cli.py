@@ -1,10 +1,14 @@
 """The ``tandem`` command.
 
     tandem up [--nats-url URL] [--model tiny|DIR] [--prefill N] [--decode N] [--demo [PROMPT]]
-    tandem serve router|prefill|decode|kvstore --nats-url URL [engine flags] [kvstore flags]
+              [--planner] [--min-prefill N] [--max-prefill N] [--min-decode N] [--max-decode N]
+    tandem serve router|prefill|decode|kvstore|planner|trainer --nats-url URL [engine flags] [kvstore flags]
+    tandem train [--default] [--model tiny|1b|3b|7b|DIR] [--steps N] [--batch-size B] [--seq-len S] ...
     tandem generate PROMPT [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
                            [--stop S ...] [--json] [--nats-url URL]
-    tandem bench [--concurrency 1 8 32 64] [--requests N] [--json-out FILE]
+    tandem bench serve [--dataset-name random|prefix] [--request-rate R] [--goodput ttft:MS tpot:MS] ...
+    tandem bench compare [--concurrency 1 8 32 64] [--requests N] [--json-out FILE]   (also: plain `tandem bench`)
+    tandem console [--nats-url URL]
 
 Every flag can also be set as a ``TANDEM_*`` environment variable (see tandem.shared.config).
 """
@@ -15,13 +19,13 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
-import time
 
+from tandem.bench_serve import add_arguments as add_bench_serve
+from tandem.planner_flags import PLANNER_FLAGS, add_planner_flags
 from tandem.shared.config import load_settings
 
-SERVICES = ("router", "prefill", "decode", "kvstore")
+SERVICES = ("router", "prefill", "decode", "kvstore", "planner", "trainer")
 DEMO_PROMPT = "def fibonacci(n):"
 
 
@@ -48,10 +52,13 @@ def add_engine(p: argparse.ArgumentParser) -> None:
                    help="shared-memory ring for same-host KV hand-offs (decode: its size; 0 turns the fast path off)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse cached KV blocks of shared prompt prefixes (default: on)")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA: no decode CUDA graphs (default: graphs for batch sizes up to --max-num-seqs)")
 
 
 ENGINE_FLAGS = ("device", "dtype", "block_size", "num_blocks", "kv_cache_mib", "gpu_memory_utilization", "max_num_seqs",
-                "max_num_batched_tokens", "max_model_len", "torch_threads", "enable_prefix_caching", "kv_ring_mib")
+                "max_num_batched_tokens", "max_model_len", "torch_threads", "enable_prefix_caching", "kv_ring_mib",
+                "enforce_eager")
 KVSTORE_FLAGS = ("kvstore_ram_mib", "kvstore_disk_mib", "kvstore_dir")
 
 
@@ -68,6 +75,7 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--demo", nargs="?", const=DEMO_PROMPT, metavar="PROMPT",
                     help="once up, generate from PROMPT and print it")
     up.add_argument("--exit-after-demo", action="store_true", help="stop everything after the demo")
+    add_planner_flags(up, switch=True)
 
     serve = sub.add_parser("serve", help="run one service against an existing NATS server")
     serve.add_argument("service", choices=SERVICES)
@@ -77,6 +85,8 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--kvstore-ram-mib", type=float, help="kvstore: host-RAM tier size")
     serve.add_argument("--kvstore-disk-mib", type=float, help="kvstore: disk tier size (0: RAM only)")
     serve.add_argument("--kvstore-dir", help="kvstore: disk tier folder (default: <data-dir>/kvstore)")
+    serve.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: a free one, -1: none)")
+    add_planner_flags(serve)
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("prompt")
@@ -92,14 +102,25 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=60.0)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
-    bench = sub.add_parser("bench", help="bus path versus in-process engine, same run")
-    add_common(bench)
-    add_engine(bench)
-    bench.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
-    bench.add_argument("--requests", type=int, default=0, help="requests per level (default: 4x concurrency, >= 32)")
-    bench.add_argument("--input-len", type=int, default=64)
-    bench.add_argument("--output-len", type=int, default=64)
-    bench.add_argument("--json-out")
+    from tandem.train_cli import add_train_parser
+
+    add_train_parser(sub, add_common)
+
+    console = sub.add_parser("console", help="the ops console (a terminal UI) for a running tandem")
+    add_common(console)
+
+    bench = sub.add_parser("bench", help="load benchmarks").add_subparsers(dest="bench_command", required=True)
+    serve_bench = bench.add_parser("serve", help="load a running tandem, report latency and goodput (vllm bench serve)")
+    add_common(serve_bench)
+    add_bench_serve(serve_bench)
+    compare = bench.add_parser("compare", help="bus path versus in-process engine, same run")
+    add_common(compare)
+    add_engine(compare)
+    compare.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    compare.add_argument("--requests", type=int, default=0, help="requests per level (default: 4x concurrency, >= 32)")
+    compare.add_argument("--input-len", type=int, default=64)
+    compare.add_argument("--output-len", type=int, default=64)
+    compare.add_argument("--json-out")
     return root
 
 
@@ -123,9 +144,13 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 def cmd_serve(args: argparse.Namespace) -> int:
     from tandem.services.runtime import setup_logging
 
-    settings = settings_from(args, *ENGINE_FLAGS, *KVSTORE_FLAGS)
+    settings = settings_from(args, *ENGINE_FLAGS, *KVSTORE_FLAGS, *PLANNER_FLAGS, "metrics_port")
     setup_logging(settings.log_level)
-    if args.service == "kvstore":
+    if args.service == "planner":
+        from tandem.services.planner.service import main
+    elif args.service == "trainer":
+        from tandem.services.trainer.service import main
+    elif args.service == "kvstore":
         from tandem.services.kvstore.service import main
     elif args.service == "router":
         from tandem.services.router.service import main
@@ -138,59 +163,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from tandem.services.runtime import run_async, setup_logging
-    from tandem.shared.natsserver import NatsServerError
-    from tandem.supervisor import Supervisor
+    from tandem.up import run_up
 
-    settings = settings_from(args, *ENGINE_FLAGS)
-    setup_logging(settings.log_level)
-    sup = Supervisor(settings, num_prefill=args.prefill, num_decode=args.decode, num_kvstore=args.kvstore,
-                     extra_args=engine_argv(args))
-    def on_signal(_signum, _frame):
-        raise KeyboardInterrupt  # SIGTERM stops as cleanly as Ctrl-C
-
-    # Both explicitly: a shell that starts `up` in the background hands it SIGINT ignored.
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
-        sup.start()
-        run_async(sup.wait_ready())
-        sup.write_state()
-        print(f"tandem up: NATS at {sup.url} (router, {args.prefill} prefill, {args.decode} decode, "
-              f"{args.kvstore} kvstore; Ctrl-C stops)",
-              flush=True)
-        if args.demo:
-            run_async(demo(sup.url, args.demo))
-            if args.exit_after_demo:
-                return 0
-        while True:
-            sup.check_children()
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        return 0
-    except (NatsServerError, RuntimeError) as exc:
-        print(f"tandem up: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        sup.stop()
-        print("tandem up: stopped", flush=True)
-
-
-async def demo(url: str, prompt: str) -> None:
-    """One sampled generation through the whole system, printed in one piece with its timings
-    (streaming it would interleave with the services' log lines on the same terminal)."""
-    from tandem.client import connect
-
-    async with connect(url) as client:
-        result = await client.complete(prompt, max_tokens=64, temperature=0.8, top_k=40, seed=0)
-    print(f"--- demo: {prompt!r} (temperature 0.8, top-k 40, seed 0, 64 tokens)\n{prompt}{visible(result.text)}\n"
-          f"--- {len(result.token_ids)} tokens, finish {result.finish_reason}, first token after "
-          f"{result.ttft_s * 1e3:.0f} ms, then {result.tpot_s * 1e3:.1f} ms per token", flush=True)
-
-
-def visible(text: str) -> str:
-    """Control characters as escapes: an untrained model emits plenty, and a terminal hides them."""
-    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode() for c in text)
+    return run_up(args, settings_from(args, *ENGINE_FLAGS), engine_argv(args))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -230,16 +205,41 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_console(args: argparse.Namespace) -> int:
+    from tandem.console.app import run_console
+    from tandem.supervisor import find_running_url
+
+    settings = settings_from(args)
+    return run_console(settings.nats_url or find_running_url(settings.data_dir))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from tandem.services.runtime import setup_logging
+    from tandem.train_cli import cmd_train as run_train
+
+    settings = settings_from(args)
+    setup_logging(settings.log_level)
+    return run_train(args, settings)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "serve":
+        from tandem.bench_serve import run_bench_serve
+
+        return run_bench_serve(args, settings_from(args))
     from tandem.bench import run_bench
 
     return run_bench(args, settings_from(args, *ENGINE_FLAGS), engine_argv(args))
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] not in ("serve", "compare", "-h", "--help")):
+        argv.insert(1, "compare")  # plain `tandem bench` is the comparison it always was
     args = parser().parse_args(argv)
     logging.captureWarnings(True)
-    handler = {"up": cmd_up, "serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench}[args.command]
+    handler = {"up": cmd_up, "serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench,
+               "console": cmd_console, "train": cmd_train}[args.command]
     return handler(args)
 
 

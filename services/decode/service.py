@@ -38,6 +38,9 @@ from tandem.shared.shmring import RingError, ShmRing, SlotDescriptor, host_id
 RING_STALE_S = 120.0  # a READY slot whose admit never came: far beyond any admit timeout
 
 
+RING_AUTO_MAX_BYTES = 4 << 30  # the largest ring a CUDA decode worker sizes for itself (pinned host memory)
+
+
 def engine_sampling(params) -> EngineSampling:
     """Bus-level sampling parameters as the engine's dataclass."""
     return EngineSampling(**params.model_dump())
@@ -61,10 +64,15 @@ class DecodeService(EngineWorker):
         self.offers: dict[str, tuple[str, int]] = {}  # request -> (kvstore, leading blocks it holds)
         if settings.kv_ring_mib:
             slot = settings.kv_ring_slot_kib * 1024
+            ring_bytes = settings.kv_ring_mib << 20
+            if self.device.type == "cuda":
+                # Room for two full prefill steps of hand-offs: an 8B model's 1k-token prompt is 134 MB,
+                # and a hand-off that finds the ring full waits, then falls back to NATS frames.
+                step_bytes = -(-settings.max_num_batched_tokens // settings.block_size) * self.block_bytes
+                ring_bytes = max(ring_bytes, min(RING_AUTO_MAX_BYTES, 2 * step_bytes))
             label = re.sub(r"[^A-Za-z0-9_.]", "_", self.instance_id)[:64]  # ring labels allow fewer characters
-            self.ring = ShmRing.create(label, slot_bytes=slot,
-                                       num_slots=max(1, settings.kv_ring_mib * 1024 * 1024 // slot))
-            self.log.info("KV ring %s: %d MiB in %d KiB slots", self.ring.name, settings.kv_ring_mib,
+            self.ring = ShmRing.create(label, slot_bytes=slot, num_slots=max(1, ring_bytes // slot))
+            self.log.info("KV ring %s: %d MiB in %d KiB slots", self.ring.name, ring_bytes >> 20,
                           settings.kv_ring_slot_kib)
 
     def heartbeat(self) -> Heartbeat:
@@ -106,7 +114,9 @@ class DecodeService(EngineWorker):
         )
         if msg.request_id in self.streams:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"request {msg.request_id} is already running here")
-        self.streams[msg.request_id] = Stream(msg.stream_subject, next_index=len(msg.output_token_ids))
+        self.streams[msg.request_id] = Stream(msg.stream_subject, next_index=len(msg.output_token_ids),
+                                              arrival=msg.arrival_time, first_token=msg.first_token_time,
+                                              last_token=msg.first_token_time)
         if msg.kvstore:
             self.offers[msg.request_id] = (msg.kvstore, msg.kvstore_held_blocks)
         try:

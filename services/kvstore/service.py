@@ -33,6 +33,7 @@ from nats.micro.request import Request
 from tandem.services.kv_event_publisher import KVEventPublisher
 from tandem.services.kvstore.store import KVBlockStore
 from tandem.services.runtime import ServiceRuntime, run_service
+from tandem.services.service_metrics import kvstore_metrics
 from tandem.shared import subjects
 from tandem.shared.config import Settings
 from tandem.shared.frames import KVReceiver, block_checksums, send_kv
@@ -59,6 +60,7 @@ class KVStoreService(ServiceRuntime):
         self.receiver = KVReceiver(max_bytes_in_flight=PUT_BYTES_IN_FLIGHT)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstore")
         self.tier_stats: dict = self.store.stats()  # refreshed after every store operation
+        kvstore_metrics(self.prom, lambda: self.tier_stats)
         self._gets = asyncio.Semaphore(MAX_CONCURRENT_GETS)
         self.kv_events = KVEventPublisher(None, self.name, self.instance_id)  # connected in setup
 

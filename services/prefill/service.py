@@ -12,11 +12,13 @@ request (EOS, a stop string, ``max_tokens=1``) nothing is handed off.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import torch
 from nats.micro.request import Request
 
+from tandem.services.block_snapshot import publish_transfer
 from tandem.services.decode.service import engine_sampling
 from tandem.services.kvstore.client import KVStoreClient
 from tandem.services.runtime import run_service
@@ -27,8 +29,8 @@ from tandem.shared.engine import EngineRequest, RequestOutput
 from tandem.shared.frames import block_checksums, send_kv, tensor_bytes
 from tandem.shared.kvcache.block_manager import prefix_hashes
 from tandem.shared.messages import (
-    Ack, DecodeRequest, ErrorCode, ErrorReply, KVTransfer, PrefillRequest, ProtocolError, RingSlots, decode, encode,
-    error_reply,
+    Ack, DecodeRequest, ErrorCode, ErrorReply, Heartbeat, KVTransfer, PrefillRequest, ProtocolError, RingSlots, decode,
+    encode, error_reply,
 )
 from tandem.shared.shmring import RingError, ShmRing, host_id
 
@@ -43,6 +45,8 @@ class PrefillService(EngineWorker):
         super().__init__(settings)
         self.pending: dict[str, PrefillRequest] = {}
         self.rings: dict[str, ShmRing] = {}  # decode workers' rings on this host, attached on first use
+        self.handoffs: dict[str, str] = {}  # request -> decode worker, while its hand-off is under way
+        self.ring_locks: dict[str, asyncio.Lock] = {}
 
     async def setup(self) -> None:
         await super().setup()
@@ -53,7 +57,7 @@ class PrefillService(EngineWorker):
         self.check_request(msg.model, msg.prompt_token_ids)
         if msg.request_id in self.streams:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"request {msg.request_id} is already running here")
-        self.streams[msg.request_id] = Stream(msg.stream_subject)
+        self.streams[msg.request_id] = Stream(msg.stream_subject, arrival=msg.arrival_time)
         self.pending[msg.request_id] = msg
         if msg.kvstore and msg.kvstore_fetch_blocks:  # a store round trip: off this subscription's path
             self.spawn(self.admit(msg, request), f"admit {msg.request_id}")
@@ -83,12 +87,16 @@ class PrefillService(EngineWorker):
         if want <= 0:
             return None
         hashes = prefix_hashes(msg.prompt_token_ids, bs)[:want]
+        start = time.time()
         try:
             found, blob, block_bytes = await KVStoreClient(self.nc, msg.kvstore).get(self.kv_namespace, hashes,
                                                                                    prefix_only=True)
         except Exception as exc:
             self.log.warning("kvstore %s fetch for %s failed (%s); computing the prefix", msg.kvstore, msg.request_id, exc)
             return None
+        if found:
+            await publish_transfer(self.nc, msg.request_id, msg.kvstore, self.instance_id, "store", len(found),
+                                   len(blob), start, time.time())
         layout = self.engine.runner.kv_cache.shape[1:]
         if not found or block_bytes != layout.numel() * self.dtype.itemsize:
             return None  # nothing cached, or blocks of another layout under this namespace: compute
@@ -100,12 +108,27 @@ class PrefillService(EngineWorker):
             return False
         # The first token goes to the client now; the hand-off happens in the background.
         self.send_chunk(stream, out.request_id, out.new_token_ids, out.text_delta, None)
-        self.spawn(self.hand_off(msg, out, stream), f"hand-off of {out.request_id}")
+        self.handoffs[msg.request_id] = msg.decode_worker  # a drain waits for it
+        self.spawn(self.tracked_hand_off(msg, out, stream), f"hand-off of {out.request_id}")
         return True
+
+    async def tracked_hand_off(self, msg: PrefillRequest, out: RequestOutput, stream: Stream) -> None:
+        try:
+            await self.hand_off(msg, out, stream)
+        finally:
+            self.handoffs.pop(msg.request_id, None)
+
+    def busy(self) -> bool:
+        return super().busy() or bool(self.handoffs)
+
+    def heartbeat(self) -> Heartbeat:
+        owed = {m.decode_worker for m in self.pending.values()} | set(self.handoffs.values())
+        return super().heartbeat().model_copy(update={"pending_decode": sorted(owed)})
 
     async def hand_off(self, msg: PrefillRequest, out: RequestOutput, stream: Stream) -> None:
         """Move the prompt's KV to the decode worker (its ring on this host, else NATS frames),
         then admit the sequence there."""
+        start = time.time()
         kv: torch.Tensor = out.kv.contiguous()
         admit = DecodeRequest(
             request_id=msg.request_id, prompt_token_ids=msg.prompt_token_ids,
@@ -113,10 +136,11 @@ class PrefillService(EngineWorker):
             stream_subject=msg.stream_subject, model=msg.model, kv_namespace=self.kv_namespace,
             # The full prompt blocks go to the store from here; decode offers the blocks after them.
             kvstore=msg.kvstore, kvstore_held_blocks=len(msg.prompt_token_ids) // self.settings.block_size,
+            arrival_time=stream.arrival, first_token_time=stream.first_token,
         )
         timeout = self.settings.request_timeout_s
         try:
-            slots = self.write_to_ring(msg, kv)
+            slots = await self.write_to_ring(msg, kv)
             if slots is not None:
                 admit = admit.model_copy(update={"ring": slots})
             else:
@@ -132,14 +156,18 @@ class PrefillService(EngineWorker):
             return
         self.log.info("handed %s to decode %s: %d blocks, %d bytes, %s", msg.request_id, msg.decode_worker,
                       kv.shape[0], kv.numel() * kv.element_size(), "shared memory" if admit.ring else "NATS frames")
+        await publish_transfer(self.nc, msg.request_id, self.instance_id, msg.decode_worker,
+                               "ring" if admit.ring else "nats", kv.shape[0], kv.numel() * kv.element_size(),
+                               start, time.time())
         if msg.kvstore:  # the prompt's full blocks the store does not hold yet
             held, full = msg.kvstore_held_blocks, len(msg.prompt_token_ids) // self.settings.block_size
             hashes = prefix_hashes(msg.prompt_token_ids, self.settings.block_size)
             await self.offer_blocks(msg.kvstore, msg.request_id, hashes[held:full], kv[held:full])
 
-    def write_to_ring(self, msg: PrefillRequest, kv: torch.Tensor) -> RingSlots | None:
+    async def write_to_ring(self, msg: PrefillRequest, kv: torch.Tensor) -> RingSlots | None:
         """The KV written into the decode worker's ring, or None: another host, fast path off
-        (``--kv-ring-mib 0``), ring gone or full. None means NATS frames."""
+        (``--kv-ring-mib 0``), ring gone, too small, or still full after ``kv_ring_wait_s``. None
+        means NATS frames, two orders of magnitude slower on one host, hence the wait for room."""
         if not (self.settings.kv_ring_mib and msg.decode_ring and msg.decode_host == host_id()):
             return None
         ring = self.rings.get(msg.decode_ring)
@@ -149,14 +177,32 @@ class PrefillService(EngineWorker):
             except RingError as exc:
                 self.log.warning("cannot attach KV ring %s (%s); using NATS frames", msg.decode_ring, exc)
                 return None
-        desc = ring.try_write(kv.view(torch.uint8).view(-1))  # from GPU memory straight into pinned slots
-        return None if desc is None else RingSlots(**desc.to_wire())
+        data = kv.view(torch.uint8).view(-1)
+        if data.numel() > ring.num_slots * ring.slot_bytes:
+            return None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.kv_ring_wait_s
+        lock = self.ring_locks.setdefault(msg.decode_ring, asyncio.Lock())
+        while True:
+            async with lock:  # one writer thread per ring: its slot reservation is per process
+                # From GPU memory straight into pinned slots, on a thread: the loop keeps serving.
+                desc = await asyncio.to_thread(ring.try_write, data)
+            if desc is not None:
+                return RingSlots(**desc.to_wire())
+            if loop.time() >= deadline:
+                self.log.warning("KV ring %s still full after %.1f s; %s goes as NATS frames", msg.decode_ring,
+                                 self.settings.kv_ring_wait_s, msg.request_id)
+                return None
+            await asyncio.sleep(0.002)
 
     async def send_frames(self, msg: PrefillRequest, kv: torch.Tensor, timeout: float) -> KVTransfer:
-        blob = tensor_bytes(kv.cpu())
-        block_bytes = len(blob) // kv.shape[0]
-        transfer = KVTransfer(transfer_id=uuid.uuid4().hex, num_blocks=kv.shape[0], block_bytes=block_bytes,
-                              checksums=block_checksums(blob, block_bytes))
+        def pack() -> tuple[bytes, list]:  # a device copy and a checksum per block: off the event loop
+            blob = tensor_bytes(kv.cpu())
+            return blob, block_checksums(blob, len(blob) // kv.shape[0])
+
+        blob, checksums = await asyncio.to_thread(pack)
+        transfer = KVTransfer(transfer_id=uuid.uuid4().hex, num_blocks=kv.shape[0],
+                              block_bytes=len(blob) // kv.shape[0], checksums=checksums)
         await send_kv(self.nc, subjects.decode_kv(msg.decode_worker), transfer.transfer_id, blob,
                       window=self.settings.kv_window, timeout_s=timeout)
         return transfer

@@ -27,6 +27,7 @@ from nats.micro.request import Request
 from tandem.services.router.kv_index import KVIndex
 from tandem.services.router.policy import Candidate, prefill_locally, rank
 from tandem.services.runtime import ServiceRuntime, run_service
+from tandem.services.service_metrics import RouterMetrics
 from tandem.shared import subjects
 from tandem.shared.config import Settings
 from tandem.shared.kvcache.block_manager import prefix_hashes
@@ -83,9 +84,11 @@ class Router(ServiceRuntime):
         self.workers: dict[str, dict[str, Worker]] = {"prefill": {}, "decode": {}, "kvstore": {}}
         self.index = KVIndex()
         self._stream_seq = 0
+        self.accepted_at: dict[str, float] = {}  # request -> unix time it arrived (latency metrics start there)
+        self.serving = RouterMetrics(self.prom, lambda: {(s,): len(p) for s, p in self.workers.items()})
 
     def metadata(self) -> dict[str, str]:
-        return {**super().metadata(), "model": self.meta.name}
+        return {**super().metadata(), "model": self.meta.name, "vocab_size": str(self.meta.config.vocab_size)}
 
     async def setup(self) -> None:
         await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self.on_heartbeat)
@@ -156,17 +159,22 @@ class Router(ServiceRuntime):
     async def on_generate(self, request: Request) -> None:
         # Placement waits on worker round trips: answer from a task so one slow worker never
         # holds up the next request in this subscription.
-        self.spawn(self.place(request), "place request")
+        self.spawn(self.place(request, time.time()), "place request")
 
-    async def place(self, request: Request) -> None:
+    async def place(self, request: Request, accepted_at: float) -> None:
         request_id = None
         try:
             msg: GenerateRequest = decode(request.data, GenerateRequest)
             request_id = msg.request_id
+            self.accepted_at[request_id] = accepted_at
             reply = await self.place_valid(msg)
+            self.serving.placed(len(reply.prompt_token_ids), msg.params.max_tokens, accepted_at)
         except Exception as exc:
             reply = error_reply(exc, request_id)
+            self.serving.rejected.labels(reply.code.value).inc()
             self.log.info("rejected %s: %s %s", request_id, reply.code.value, reply.message)
+        finally:
+            self.accepted_at.pop(request_id, None)
         await request.respond(encode(reply))
 
     def tokenize(self, msg: GenerateRequest) -> list[int]:
@@ -271,7 +279,8 @@ class Router(ServiceRuntime):
         work = PrefillRequest(request_id=msg.request_id, prompt_token_ids=ids, params=msg.params,
                               stream_subject=msg.stream_subject, decode_worker=dec.beat.instance_id, model=self.meta.name,
                               decode_ring=dec.beat.kv_ring, decode_host=dec.beat.host_id, kvstore=store,
-                              kvstore_fetch_blocks=fetch, kvstore_held_blocks=held)
+                              kvstore_fetch_blocks=fetch, kvstore_held_blocks=held,
+                              arrival_time=self.accepted_at.get(msg.request_id, 0.0))
         stamp = prefill.reserve()
         try:
             if await self.forward(subjects.prefill(prefill.beat.instance_id), work, prefill):
@@ -286,7 +295,7 @@ class Router(ServiceRuntime):
         store, held = self.best_store(dec, prompt)
         work = DecodeRequest(request_id=msg.request_id, prompt_token_ids=prompt.ids, params=msg.params,
                              stream_subject=msg.stream_subject, model=self.meta.name, kvstore=store,
-                             kvstore_held_blocks=held)
+                             kvstore_held_blocks=held, arrival_time=self.accepted_at.get(msg.request_id, 0.0))
         return await self.forward(subjects.decode_admit(dec.beat.instance_id), work, dec)
 
     async def forward(self, subject: str, work, worker: Worker) -> bool:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.shared.engine.detokenizer import IncrementalDetokenizer
+from tandem.shared.engine.detokenizer import IncrementalDetokenizer, catch_up_text
 from tandem.shared.engine.model_runner import ModelRunner
 from tandem.shared.engine.scheduler import Scheduler
 from tandem.shared.engine.sequence import EngineRequest, RequestOutput, Sequence, SequenceStatus
@@ -40,6 +40,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # query tokens per step (decodes + prefill chunks)
     max_model_len: int = 4096  # prompt + output tokens; also capped by the model's RoPE table
     enable_prefix_caching: bool = True  # off: no lookups, no cached blocks, no KV events
+    enforce_eager: bool = False  # CUDA: no decode graphs (every step launches its kernels from Python)
+    # Detokenize a step's tokens while the device runs the next step (outputs come one step later).
+    # None: on for CUDA, where the forward runs asynchronously to the host; off on CPU.
+    async_output: bool | None = None
 
     def validate(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
@@ -75,7 +79,11 @@ class LLMEngine:
             eos_token_ids=tokenizer.eos_token_ids,
             on_finish=self._on_finish,
         )
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size, device, dtype)
+        self.runner = ModelRunner(model, config.num_blocks, config.block_size, device, dtype,
+                                  cuda_graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
+                                  max_model_len=self.max_model_len)
+        self.async_output = config.async_output if config.async_output is not None else self.runner.device.type == "cuda"
+        self._text_pending: list[tuple[Sequence, int]] = []  # (sequence, its newest token) awaiting text
         self._arrivals = itertools.count()
         self._aborted_outputs: list[RequestOutput] = []
         self._exported_kv: dict[str, torch.Tensor] = {}
@@ -126,22 +134,41 @@ class LLMEngine:
         return True
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return an output per request that got a token or was aborted."""
+        """Run one scheduled batch; return an output per request that got a token or was aborted.
+
+        With ``async_output`` the device computes this step while the host detokenizes the previous
+        step's tokens, so a request's output arrives with the step after the one that sampled it
+        (sequences with stop strings are detokenized at once: their text decides when they end)."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
         batch = self.scheduler.schedule()
         if not batch:
-            return outputs
+            return outputs + self._catch_up_text()
         for seq, kv, first in batch.imports:
             if kv.shape[0]:
                 self.runner.import_kv(seq.block_table[first:], kv)
             self.scheduler.hash_computed(seq)  # its prompt blocks hold valid K/V now: cacheable
-        sampled = self.runner.run(batch)
-        for seq in self.scheduler.postprocess(batch, sampled):
-            outputs.append(self._make_output(seq, seq.token_ids[-1:]))
+        pending = self.runner.launch(batch)
+        outputs += self._catch_up_text()
+        sampled = self.runner.sample(pending)
+        for seq in self.scheduler.postprocess(batch, sampled, text_later=self.async_output):
+            if self.async_output and not seq.params.stop:
+                self._text_pending.append((seq, seq.token_ids[-1]))
+            else:
+                outputs.append(self._make_output(seq, seq.token_ids[-1:]))
+        return outputs
+
+    def _catch_up_text(self) -> list[RequestOutput]:
+        pending, self._text_pending = self._text_pending, []
+        outputs = []
+        for seq, token in pending:
+            if seq.finish_reason == "abort":
+                continue  # its abort output already went out
+            catch_up_text(seq)
+            outputs.append(self._make_output(seq, [token]))
         return outputs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted_outputs)
+        return self.scheduler.has_unfinished() or bool(self._aborted_outputs) or bool(self._text_pending)
 
     def stats(self) -> dict[str, float | int]:
         return {
@@ -155,6 +182,15 @@ class LLMEngine:
             "prefix_cache_hits": self.block_manager.prefix_hits,  # of those, tokens found cached
             "cached_blocks": self.block_manager.num_cached_blocks,  # free but holding a cached prefix
         }
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy new weights (same names and shapes) into the served model, in place, and forget every
+        cached prefix (its K/V came from the old weights). Only while no request is unfinished."""
+        if self.has_unfinished():
+            raise RuntimeError("weights can only change while no request is in flight")
+        with torch.no_grad():
+            self.runner.model.load_state_dict(state_dict, strict=False)
+        self.block_manager.reset_prefix_cache()
 
     def drain_kv_events(self) -> tuple[list[int], list[int]]:
         """``(stored, removed)`` block hashes since the last call, net; see ``BlockManager.drain_events``.

@@ -148,6 +148,7 @@ class Scheduler:
                 # scattered in (a common system prompt costs its blocks once per worker).
                 imported = min(seq.pending_kv.shape[0] * self.block_size, seq.num_prompt_tokens)
                 self._claim_prefix(seq, cached, count=False)
+                seq.imported_blocks = seq.pending_kv.shape[0] - len(cached)
                 self.block_manager.grow(seq.block_table, imported)
                 seq.num_computed_tokens = imported
                 batch.imports.append((seq, seq.pending_kv[len(cached):], len(cached)))
@@ -172,6 +173,7 @@ class Scheduler:
         not counted: their K/V arrive with them either way)."""
         bm = self.block_manager
         bm.claim(seq.block_table, cached)
+        seq.prefix_cached_blocks = len(cached)
         seq.block_hashes = [bm.blocks[block_id].block_hash for block_id in cached]
         seq.num_computed_tokens = len(cached) * self.block_size
         if count:
@@ -205,16 +207,19 @@ class Scheduler:
         self.block_manager.free(seq.block_table)
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
+        seq.prefix_cached_blocks = seq.imported_blocks = 0
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: Seq[int]) -> list[Sequence]:
+    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: Seq[int], text_later: bool = False) -> list[Sequence]:
         """Advance computed counts, append sampled tokens, finish what stopped.
 
         ``sampled_token_ids`` has one id per item with ``samples`` set, in batch order. Returns the
         sequences that got a token this step (finished ones included, with ``finish_reason`` set).
+        ``text_later``: sequences without stop strings are checked on token ids only; the engine
+        detokenizes them later (see ``LLMEngine.step``).
         """
         sampled = iter(sampled_token_ids)
         updated: list[Sequence] = []
@@ -226,7 +231,7 @@ class Scheduler:
                 continue
             seq.token_ids.append(int(next(sampled)))
             updated.append(seq)
-            reason = check_stop(seq, self.eos_token_ids, self.max_seq_len)
+            reason = check_stop(seq, self.eos_token_ids, self.max_seq_len, text=not (text_later and not seq.params.stop))
             if reason is None and seq.prefill_only:
                 reason = "prefilled"
             if reason is not None:

@@ -105,6 +105,8 @@ class Sequence:
     prefill_only: bool = False
     export_on_finish: bool = False
     pending_kv: torch.Tensor | None = None  # imported prompt KV, kept on CPU until admitted
+    prefix_cached_blocks: int = 0  # leading blocks claimed from this engine's prefix cache at admission
+    imported_blocks: int = 0  # the blocks after those that came with an import (hand-off or KV-store)
     detokenizer: IncrementalDetokenizer | None = None
     finish_reason: str | None = None
 

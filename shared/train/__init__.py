@@ -1,1 +1,13 @@
+"""Training models larger than GPU memory on one GPU by streaming layers from host RAM.
 
+fp32 masters and Adam moments stay in host RAM (:mod:`.host_state`); the streaming engine
+(:mod:`.engine`) moves one layer at a time through two GPU slots on three lanes (:mod:`.lanes`);
+the host optimizer (:mod:`.optimizer`) updates layer by layer behind the next step's forward.
+:class:`TrainRunner` (:mod:`.runner`) runs a whole job: ``tandem train`` and ``tandem serve trainer``
+use it. Presets: :mod:`.presets`; data: :mod:`.data`; checkpoints: :mod:`.checkpoint`.
+"""
+
+from tandem.shared.train.presets import PRESETS, preset_config, resolve_model
+from tandem.shared.train.runner import RunSummary, TrainRunner, flops_per_token
+
+__all__ = ["PRESETS", "RunSummary", "TrainRunner", "flops_per_token", "preset_config", "resolve_model"]

@@ -1,0 +1,192 @@
+"""Benchmark of the streaming trainer: tokens/s, model TFLOP/s, hidden transfer time, peak GPU memory.
+
+    python benchmarks/train_offload.py                          # CUDA: 3b, probe (7b), long (1b @ 131k), adam
+    python benchmarks/train_offload.py --runs 3b --json-out r.json
+    python benchmarks/train_offload.py --device cpu             # a tiny config, for CI
+
+Runs (each in its own process, so host RAM is returned between them):
+- ``3b``: the 3B preset, batch 8 x 2048, bf16 compute, GPU memory capped at 16 GiB;
+- ``probe``: the 7B preset (6.74B parameters, fp32 masters and moments) under the same 16 GiB cap;
+- ``long``: the 1B preset at sequence 131,072, GPU memory capped at 32 GiB;
+- ``adam``: the host AdamW's throughput on one 3B layer, and the host's copy bandwidth.
+A run named ``NAME:k1/k2`` (e.g. ``3b:0/12``) is measured once per k, on one host state, with the
+GPU doing the AdamW arithmetic of the first k layers and the CPU the rest (state stays in host RAM;
+see shared/train/device_update.py).
+Model TFLOP/s = (6N + 6·L·d·seq) · tokens / step time (DESIGN.md; recompute not counted). The hidden
+fraction is the share of host<->device transfer time that runs under compute (CUDA events).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RUNS = {
+    "3b": dict(model="3b", batch_size=8, seq_len=2048, gpu_memory_gib=16, warmup=2, measure=4),
+    "probe": dict(model="7b", batch_size=4, seq_len=2048, gpu_memory_gib=16, warmup=1, measure=2),
+    "long": dict(model="1b", batch_size=1, seq_len=131072, gpu_memory_gib=32, warmup=1, measure=1),
+    "tiny": dict(model="tiny", batch_size=4, seq_len=128, gpu_memory_gib=None, warmup=1, measure=2),
+}
+
+
+def run_one(name: str, device: str, steps: int | None) -> list[dict]:
+    """One run; ``name:k1/k2`` measures it with the GPU computing the AdamW of the first k layers,
+    for each k in turn, on one host state (device_update.py; the default is k = 0, all on the CPU)."""
+    import gc
+
+    import torch
+
+    from tandem.shared.messages import TrainJob
+    from tandem.shared.train import TrainRunner
+    from tandem.shared.train.engine import StreamingEngine
+    from tandem.shared.train.optimizer import HostAdamW
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    base, _, ks = name.partition(":")
+    variants = [int(k) for k in ks.split("/")] if ks else [0]
+    spec = dict(RUNS[base], device_update_layers=variants[0])
+    warmup, measure = spec.pop("warmup"), spec.pop("measure")
+    measure = steps or measure
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        job = TrainJob(dataset="random", steps=warmup + measure, lr=1e-4, weight_decay=0.0, grad_clip=1.0,
+                       device=device, output_dir=tmp, **spec)
+        t0 = time.perf_counter()
+        runner = TrainRunner(job, name, Path(tmp))
+        init_s = time.perf_counter() - t0
+        for index, k in enumerate(variants):
+            if index:  # same host state, fresh optimizer thread and engine
+                runner.engine = None
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                runner.start_step = int(runner.state.units[0].step)
+                runner.job = job = job.model_copy(update={"steps": runner.start_step + warmup + measure,
+                                                          "device_update_layers": k})
+                runner.optimizer = HostAdamW(runner.state, runner.lr_at, job.weight_decay, job.grad_clip)
+                runner.engine = StreamingEngine(runner.config, runner.state, runner.optimizer, runner.device,
+                                                device_update_layers=k)
+            metrics, traces = [], []
+            first = runner.start_step
+            runner.run(on_step=metrics.append, trace_every_s=0, final_checkpoint=False,
+                       on_trace=lambda step, ops, hidden: traces.append((step, ops, hidden)))
+            result = summarize(runner, job, metrics, [t for t in traces if t[0] - first > warmup], warmup)
+            result = {"run": f"{base}:{k}" if k else base, "device_update_layers": k, **result,
+                      "init_s": round(init_s, 1)}
+            results.append(result)
+            print("RESULT " + json.dumps(result), flush=True)
+    return results
+
+
+def summarize(runner, job, metrics, measured, warmup: int) -> dict:  # noqa: ANN001
+    import torch
+
+    from tandem.shared.train.lanes import _union
+
+    timed = metrics[warmup:]
+    step_s = statistics.median(m.step_time_s for m in timed)
+    tokens = job.batch_size * job.seq_len
+    last_ops = measured[-1][1] if measured else []
+    busy = {lane: sum(b - a for a, b in _union([(o.start_s, o.end_s) for o in last_ops if o.lane == lane]))
+            for lane in ("compute", "h2d", "d2h", "optimizer")}
+    cuda = runner.device.type == "cuda"
+    return {
+        "model": job.model, "params_B": round(runner.num_params / 1e9, 3), "device": str(runner.device),
+        "batch": job.batch_size, "seq": job.seq_len, "gpu_cap_GiB": job.gpu_memory_gib,
+        "step_s_median": round(step_s, 3), "tokens_per_s": round(tokens / step_s),
+        "model_TFLOPs": round(runner.flops_per_token * tokens / step_s / 1e12, 1),
+        "hidden_fraction": round(statistics.mean(t[2] for t in measured), 4) if measured else None,
+        "peak_gpu_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else 0.0,
+        "host_state_GiB": round(runner.state.nbytes() / 2**30, 1),
+        "last_step_busy_s": {k: round(v, 3) for k, v in busy.items()},
+        "step_times": [round(m.step_time_s, 3) for m in metrics],
+        "losses": [round(m.loss, 3) for m in metrics], "torch": torch.__version__,
+    }
+
+
+def run_adam(device: str) -> dict:
+    """Host AdamW on one layer of the 3B preset (bf16 gradients, as on CUDA) and plain copy bandwidth."""
+    import torch
+
+    from tandem.shared.train import optimizer as opt_mod
+    from tandem.shared.train.host_state import HostState
+    from tandem.shared.train.presets import preset_config
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    cfg = preset_config("3b" if device != "cpu" else "tiny").replace(num_layers=1)
+    state = HostState.random(cfg, 0, torch.bfloat16, pin=False)
+    unit = state.units[1]
+    n = unit.master.numel()
+    src, dst = torch.ones(n), torch.empty(n)
+    dst.copy_(src)
+    t = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src)
+    copy_gbs = 3 * 2 * n * 4 / (time.perf_counter() - t) / 1e9
+    out = {"run": "adam", "layer_params_M": round(n / 1e6, 1), "threads": torch.get_num_threads(),
+           "copy_GBps": round(copy_gbs, 1), "chunks": {}}
+    for chunk in (1 << 19, 1 << 20, 1 << 21, 1 << 22, 1 << 24):
+        opt_mod.CHUNK = chunk
+        adam = opt_mod.HostAdamW(state, lambda step: 1e-4, 0.1, 1.0)
+        adam._tmp = torch.empty(chunk)
+        adam.update_unit(unit, 1e-4, 0.5)
+        t = time.perf_counter()
+        for _ in range(3):
+            adam.update_unit(unit, 1e-4, 0.5)
+        per_param_ns = (time.perf_counter() - t) / 3 / n * 1e9
+        out["chunks"][chunk] = {"Gparams_per_s": round(1 / per_param_ns, 2)}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="auto", help="auto, cuda or cpu (cpu: the tiny config only)")
+    ap.add_argument("--runs", default="", help="comma-separated subset of 3b,probe,long,adam (default: all)")
+    ap.add_argument("--steps", type=int, help="measured steps per run (default: per run)")
+    ap.add_argument("--json-out")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        if args.one == "adam":
+            print("RESULT " + json.dumps(run_adam(args.device)), flush=True)
+        else:
+            run_one(args.one, args.device, args.steps)  # prints a RESULT line per variant
+        return 0
+    import torch
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    names = [n for n in args.runs.split(",") if n] or (["3b", "probe", "long", "adam"] if device == "cuda"
+                                                       else ["tiny", "adam"])
+    results = []
+    for name in names:
+        cmd = [sys.executable, __file__, "--one", name, "--device", device]
+        cmd += ["--steps", str(args.steps)] if args.steps else []
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [json.loads(ln[7:]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            lines.append({"run": name, "error": (proc.stderr or proc.stdout)[-3000:]})
+        for result in lines:
+            result["wall_s"] = round(time.perf_counter() - t, 1)
+            results.append(result)
+            print(json.dumps(result), flush=True)
+    for r in results:
+        if "tokens_per_s" in r:
+            print(f"{r['run']:>6}: {r['model']} ({r['params_B']}B) batch {r['batch']} x {r['seq']}: "
+                  f"{r['tokens_per_s']:,} tok/s, {r['model_TFLOPs']} TFLOP/s, hidden {r['hidden_fraction']}, "
+                  f"peak GPU {r['peak_gpu_GiB']} GiB (cap {r['gpu_cap_GiB']}), step {r['step_s_median']} s")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=1) + "\n")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

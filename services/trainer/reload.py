@@ -1,0 +1,67 @@
+"""Hot weight reload for serving workers: the worker side of the trainer's ``WeightsUpdated`` events.
+
+A prefill or decode worker calls :func:`subscribe_weight_updates` in its setup. When an event names
+the model it serves, the new checkpoint is loaded off the event loop (a worker thread), checked
+against the served architecture, and handed to the engine thread with ``call_when_idle``: requests
+in flight finish on the old weights, requests that arrive meanwhile wait and then run on the new
+ones. The engine forgets its prefix cache (K/V of the old weights) and the worker's KV namespace
+gains the weights version, so KV-stores and the router never mix blocks of two versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tandem.shared import subjects
+from tandem.shared.kvcache.cache import kv_namespace
+from tandem.shared.messages import ProtocolError, WeightsUpdated, decode
+from tandem.shared.model import load_model
+from tandem.shared.model.config import ModelConfig
+
+_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "tie_word_embeddings", "attention_bias", "o_proj_bias", "qk_norm")
+
+
+def same_shapes(a: ModelConfig, b: ModelConfig) -> bool:
+    return all(getattr(a, f) == getattr(b, f) for f in _SHAPE_FIELDS)
+
+
+async def subscribe_weight_updates(worker) -> None:  # noqa: ANN001 - an EngineWorker
+    """Reload ``worker``'s weights whenever a ``WeightsUpdated`` names its model."""
+    lock = asyncio.Lock()
+
+    async def on_update(msg) -> None:  # noqa: ANN001
+        try:
+            update = decode(msg.data, WeightsUpdated)
+        except ProtocolError as exc:
+            worker.log.warning("ignored bad weights-updated event: %s", exc)
+            return
+        if update.model == worker.model_name:
+            worker.spawn(reload_weights(worker, update, lock), f"weights reload {update.version}")
+
+    await worker.nc.subscribe(subjects.WEIGHTS_UPDATED, cb=on_update)
+
+
+async def reload_weights(worker, update: WeightsUpdated, lock: asyncio.Lock) -> bool:  # noqa: ANN001
+    """Load ``update.path`` and swap it in between requests; False (logged) when it does not fit."""
+    async with lock:
+        started = time.perf_counter()
+        try:
+            loaded = await asyncio.to_thread(load_model, update.path, worker.device, worker.dtype)
+        except Exception as exc:
+            worker.log.error("weights %s from %s not loaded: %s", update.version, update.path, exc)
+            return False
+        cfg = worker.loaded.config
+        if not same_shapes(cfg, loaded.config):
+            worker.log.error("weights %s from %s do not fit the served %s; not loaded", update.version, update.path,
+                             worker.model_name)
+            return False
+        state = loaded.model.state_dict()
+        await worker.thread.call_when_idle(lambda engine: engine.load_weights(state))
+        worker.kv_namespace = kv_namespace(f"{worker.model_name}@{update.version}", worker.dtype, cfg.num_layers,
+                                           cfg.num_kv_heads, cfg.head_dim, worker.settings.block_size)
+        worker.weights_version = update.version
+        worker.log.info("weights %s (step %d) loaded from %s in %.2fs; KV namespace %s", update.version, update.step,
+                        update.path, time.perf_counter() - started, worker.kv_namespace)
+        return True

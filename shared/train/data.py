@@ -1,0 +1,80 @@
+"""Training data: a token stream and deterministic batches of random windows from it.
+
+``stdlib`` is the Python standard library's own sources (every machine with Python has them),
+read in sorted path order; a path is a text file or a folder of them; ``random`` is uniform random
+tokens (for benchmarks). Batch ``k`` depends only on ``(seed, k)``, so the data position of a run is
+its step count and a resumed run sees exactly the batches an unbroken one would.
+
+    data = TokenData.load("stdlib", ByteTokenizer(), vocab_size=259)
+    inputs, targets = data.batch(step=0, batch_size=8, seq_len=256, seed=0)   # [8, 256] each
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from tandem.shared.messages import ErrorCode, ProtocolError
+from tandem.shared.tokenizer import ByteTokenizer, Tokenizer
+
+TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".toml", ".cfg", ".c", ".h", ".js", ".html", ".css"}
+SEPARATOR = "\n\n"
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's ``*.py`` files (not site-packages), sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+
+
+def _text_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+
+
+class TokenData:
+    def __init__(self, tokens: torch.Tensor | None, vocab_size: int, description: str) -> None:
+        self.tokens = tokens  # 1-D (uint8 for bytes, int32 otherwise); None: random tokens
+        self.vocab_size = vocab_size
+        self.description = description
+
+    @classmethod
+    def load(cls, spec: str, tokenizer: Tokenizer, vocab_size: int) -> "TokenData":
+        """Read and tokenize ``spec``; raises ProtocolError(INVALID_REQUEST) when it cannot."""
+        if spec == "random":
+            return cls(None, vocab_size, "random tokens")
+        files = stdlib_files() if spec == "stdlib" else _text_files(Path(spec)) if Path(spec).exists() else []
+        if not files:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"dataset {spec!r}: no text files found "
+                                "(use 'stdlib', 'random', a text file or a folder of them)")
+        if isinstance(tokenizer, ByteTokenizer):
+            blob = bytearray()
+            for f in files:
+                blob += f.read_bytes() + SEPARATOR.encode()
+            tokens = torch.frombuffer(blob, dtype=torch.uint8).clone()
+        else:
+            ids: list[int] = []
+            for f in files:
+                ids += tokenizer.encode(f.read_text(errors="replace") + SEPARATOR)
+            tokens = torch.tensor(ids, dtype=torch.int32)
+        if int(tokens.max()) >= vocab_size:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"dataset {spec!r} has token ids beyond the vocabulary")
+        return cls(tokens, vocab_size, f"{spec}: {len(files)} files, {tokens.numel():,} tokens")
+
+    def batch(self, step: int, batch_size: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)``, each ``[batch_size, seq_len]`` int64: windows at offsets drawn from
+        a generator seeded by ``(seed, step)``; targets are the inputs shifted by one token."""
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        if self.tokens is None:
+            window = torch.randint(0, self.vocab_size, (batch_size, seq_len + 1), generator=gen)
+        else:
+            span = self.tokens.numel() - seq_len - 1
+            if span <= 0:
+                raise ProtocolError(ErrorCode.INVALID_REQUEST,
+                                    f"dataset has {self.tokens.numel()} tokens, fewer than seq_len + 1")
+            offsets = torch.randint(0, span, (batch_size,), generator=gen)
+            window = self.tokens[offsets[:, None] + torch.arange(seq_len + 1)].long()
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()

@@ -1,0 +1,92 @@
+"""Optional: the first ``k`` layers' AdamW updates computed on the GPU while the CPU does the rest.
+
+The host optimizer is what bounds a step once the GPU is fast (every parameter's fp32 update reads
+and writes ~30 bytes of host RAM). While it works, the GPU waits and the PCIe link is mostly idle,
+so the engine can take over some layers: their gradients stay on the GPU after the backward, and
+right after the backward their fp32 master, moments and step come over, get the same fused AdamW
+(same clip coefficient, computed on the GPU from the same per-unit squared norms), and go back to
+host RAM with the new bf16 working copy. State still lives in host RAM between steps; only the
+arithmetic moves. Layers 0..k-1 are the ones taken because the next forward needs them first while
+the CPU starts on the extras and layer k. Extra lanes (update h2d, update compute, update d2h) keep
+these copies from queueing in front of the forward's own. On CPU it runs the same path in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.shared.train.host_state import HostState
+from tandem.shared.train.lanes import Lanes, StepTrace, host_buffer
+from tandem.shared.train.optimizer import HostAdamW
+
+
+class DeviceUpdater:
+    def __init__(self, state: HostState, opt: HostAdamW, lanes: Lanes, device: torch.device, layers: int) -> None:
+        self.state, self.opt, self.lanes, self.device = state, opt, lanes, device
+        self.layers = min(layers, state.config.num_layers)
+        n = state.units[1].layout.numel if self.layers else 0
+        f32 = lambda: torch.zeros(n, dtype=torch.float32, device=device)  # noqa: E731
+        self.grads = [torch.zeros(n, dtype=state.work_dtype, device=device) for _ in range(self.layers)]
+        self.sets = [(f32(), f32(), f32(), f32(), torch.zeros(n, dtype=state.work_dtype, device=device))
+                     for _ in range(min(2, self.layers))]  # (master, exp_avg, exp_avg_sq, grad32, work)
+        self.set_free = [None, None]
+        self.done = [None] * self.layers  # d2h event: layer j's new state is back in host RAM
+        self.read = [None] * self.layers  # update-compute event: layer j's gradient buffer was consumed
+        self.steps = [state.units[j + 1].step.clone().to(device) for j in range(self.layers)]
+        if lanes.cuda:  # the fp32 state of these layers moves asynchronously: page-lock it
+            for j in range(self.layers):
+                unit = state.units[j + 1]
+                for name in ("master", "exp_avg", "exp_avg_sq"):
+                    pinned = host_buffer(getattr(unit, name).numel(), torch.float32, True)
+                    setattr(unit, name, pinned.copy_(getattr(unit, name)))
+        opt.skip.update(range(1, self.layers + 1))
+
+    def owns(self, layer: int) -> bool:
+        return layer < self.layers
+
+    def issue(self, version: int, sumsq: torch.Tensor, grads_ready, trace: StepTrace) -> None:  # noqa: ANN001
+        """Queue the updates of layers 0..k-1 with the gradients of the step that made ``version``."""
+        if not self.layers:
+            return
+        lanes, opt = self.lanes, self.opt
+        lr = opt.lr_at(version)
+        with lanes.on("opt"):
+            lanes.wait("opt", grads_ready)
+            total = sumsq.sum().sqrt()
+            coef = (opt.grad_clip / (total + 1e-6)).clamp(max=1.0) if opt.grad_clip > 0 else torch.ones_like(total)
+            coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef)).float()
+        for j in range(self.layers):
+            unit, s = self.state.units[j + 1], j % 2
+            master, m, v, g32, work = self.sets[s]
+            lanes.wait("xh2d", self.set_free[s])
+            with lanes.on("xh2d"), trace.op("h2d", j, "opt", 3 * master.nbytes, "xh2d"):
+                master.copy_(unit.master, non_blocking=True)
+                m.copy_(unit.exp_avg, non_blocking=True)
+                v.copy_(unit.exp_avg_sq, non_blocking=True)
+            loaded = lanes.record("xh2d")
+            lanes.wait("opt", loaded)
+            with lanes.on("opt"), trace.op("compute", j, "opt", 0, "opt"):
+                g32.copy_(self.grads[j]).mul_(coef)  # in fp32, as the host path scales
+                self.steps[j] += 1
+                decay_end = unit.layout.decay_end
+                for lo, hi, wd in ((0, decay_end, opt.weight_decay), (decay_end, g32.numel(), 0.0)):
+                    if lo < hi:
+                        torch._fused_adamw_([master[lo:hi]], [g32[lo:hi]], [m[lo:hi]], [v[lo:hi]], [], [self.steps[j]],
+                                            lr=lr, beta1=opt.betas[0], beta2=opt.betas[1], weight_decay=wd,
+                                            eps=opt.eps, amsgrad=False, maximize=False)
+                work.copy_(master)
+            self.read[j] = updated = lanes.record("opt")
+            lanes.wait("xd2h", updated)
+            with lanes.on("xd2h"), trace.op("d2h", j, "opt", 3 * master.nbytes + work.nbytes, "xd2h"):
+                unit.master.copy_(master, non_blocking=True)
+                unit.exp_avg.copy_(m, non_blocking=True)
+                unit.exp_avg_sq.copy_(v, non_blocking=True)
+                unit.work.copy_(work, non_blocking=True)
+            self.done[j] = self.set_free[s] = lanes.record("xd2h")
+            unit.step += 1
+
+    def synchronize(self) -> None:
+        """Wait until every issued update is back in host RAM (before a checkpoint)."""
+        for event in self.done:
+            if event is not None:
+                event.synchronize()

@@ -1,0 +1,131 @@
+"""The training forward and backward of the Llama-family decoder, as plain functions of named tensors.
+
+Same math and parameter names as :mod:`tandem.shared.model.llama` (RMSNorm in fp32, half-split RoPE,
+SiLU-gated MLP), but over a padded-free ``[B, S]`` batch with causal SDPA instead of the paged KV
+cache. The functions take a parameter dict (views into whichever buffer holds the layer), so one
+stateless template serves every layer. Memory stays bounded at long sequence lengths: the MLP runs
+over token chunks (forward and backward), and the LM head + cross-entropy run chunked with their
+backward fused in, so full ``[tokens, vocab]`` logits never exist.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tandem.shared.model.config import ModelConfig
+from tandem.shared.model.llama import apply_rope, rope_inv_freq
+
+Params = dict[str, torch.Tensor]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[seq_len, head_dim/2]`` in fp32 for positions 0..seq_len-1 (as the serving tables)."""
+    positions = torch.arange(seq_len, dtype=torch.float32)
+    freqs = torch.outer(positions, rope_inv_freq(cfg))
+    return freqs.cos().to(device), freqs.sin().to(device)
+
+
+def attention_block(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """``x + o_proj(causal_attention(input_layernorm(x)))`` for ``x`` of shape ``[B, S, hidden]``."""
+    bsz, seq, _ = x.shape
+    h = rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps)
+    q = F.linear(h, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias")).view(bsz, seq, cfg.num_heads, cfg.head_dim)
+    k = F.linear(h, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias")).view(bsz, seq, cfg.num_kv_heads, cfg.head_dim)
+    v = F.linear(h, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias")).view(bsz, seq, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
+    v = v.transpose(1, 2)
+    group = cfg.num_heads // cfg.num_kv_heads
+    if group > 1:  # explicit GQA expansion: every SDPA backend (flash included) takes it
+        k = k[:, :, None].expand(bsz, cfg.num_kv_heads, group, seq, cfg.head_dim).reshape(bsz, cfg.num_heads, seq, -1)
+        v = v[:, :, None].expand(bsz, cfg.num_kv_heads, group, seq, cfg.head_dim).reshape(bsz, cfg.num_heads, seq, -1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.head_dim**-0.5)
+    out = out.transpose(1, 2).reshape(bsz, seq, cfg.num_heads * cfg.head_dim)
+    return x + F.linear(out, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
+
+
+def mlp_block(p: Params, a: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """``a + down(silu(gate(n)) * up(n))`` with ``n = post_attention_layernorm(a)``; any leading shape."""
+    h = rms_norm(a, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    act = F.silu(F.linear(h, p["mlp.gate_proj.weight"])) * F.linear(h, p["mlp.up_proj.weight"])
+    return a + F.linear(act, p["mlp.down_proj.weight"])
+
+
+def _chunks(num_tokens: int, chunk: int) -> list[slice]:
+    chunk = max(1, chunk)
+    return [slice(s, min(s + chunk, num_tokens)) for s in range(0, num_tokens, chunk)]
+
+
+@torch.no_grad()
+def layer_forward(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
+                  mlp_chunk: int) -> torch.Tensor:
+    """One decoder layer without autograd state (the backward recomputes it)."""
+    a = attention_block(p, x, cos, sin, cfg)
+    flat = a.view(-1, a.shape[-1])
+    if flat.shape[0] <= mlp_chunk:
+        return mlp_block(p, a, cfg)
+    out = torch.empty_like(flat)
+    for c in _chunks(flat.shape[0], mlp_chunk):
+        out[c] = mlp_block(p, flat[c], cfg)
+    return out.view_as(a)
+
+
+def layer_backward(p: Params, x: torch.Tensor, grad_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cfg: ModelConfig, mlp_chunk: int) -> torch.Tensor:
+    """Recompute the layer from its input ``x`` and backpropagate ``grad_out``; returns dL/dx.
+
+    ``p`` holds leaf tensors whose ``.grad`` are preset views of a gradient buffer: autograd adds
+    into them in place. The MLP half runs chunk by chunk over tokens, each chunk's graph freed
+    before the next, so only the attention half's graph is held across the layer."""
+    with torch.enable_grad():
+        x_leaf = x.detach().requires_grad_(True)
+        a = attention_block(p, x_leaf, cos, sin, cfg)
+        a_flat = a.detach().view(-1, a.shape[-1])
+        g_flat = grad_out.reshape(-1, a.shape[-1])
+        grad_a = torch.empty_like(a_flat)
+        for c in _chunks(a_flat.shape[0], mlp_chunk):
+            a_c = a_flat[c].detach().requires_grad_(True)
+            torch.autograd.backward(mlp_block(p, a_c, cfg), g_flat[c])
+            grad_a[c] = a_c.grad
+            del a_c
+        torch.autograd.backward(a, grad_a.view_as(a))
+    return x_leaf.grad
+
+
+def embed_forward(p: Params, input_ids: torch.Tensor) -> torch.Tensor:
+    return F.embedding(input_ids, p["model.embed_tokens.weight"])
+
+
+@torch.no_grad()
+def embed_backward(grad_embed: torch.Tensor, input_ids: torch.Tensor, grad_x: torch.Tensor) -> None:
+    """Add dL/d(embedding table) for ``grad_x`` (``[B, S, hidden]``) into ``grad_embed``."""
+    grad_embed.index_add_(0, input_ids.reshape(-1), grad_x.reshape(-1, grad_x.shape[-1]).to(grad_embed.dtype))
+
+
+def head_loss_backward(p: Params, head_name: str, x: torch.Tensor, targets: torch.Tensor, num_targets: int,
+                       cfg: ModelConfig, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final norm + LM head + mean cross-entropy, forward and backward fused, over token chunks.
+
+    Returns ``(loss, dL/dx)``; the norm's and head's gradients are added into their leaves'
+    preset ``.grad``. ``num_targets`` is the divisor of the mean (targets of -100 are ignored)."""
+    flat, tflat = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
+    grad_x = torch.empty_like(flat)
+    loss = torch.zeros((), dtype=torch.float32, device=x.device)
+    with torch.enable_grad():
+        for c in _chunks(flat.shape[0], chunk):
+            x_c = flat[c].detach().requires_grad_(True)
+            logits = F.linear(rms_norm(x_c, p["model.norm.weight"], cfg.rms_norm_eps), p[head_name]).float()
+            part = F.cross_entropy(logits, tflat[c], reduction="sum", ignore_index=-100) / num_targets
+            part.backward()
+            grad_x[c] = x_c.grad
+            loss += part.detach()
+    return loss, grad_x.view_as(x)

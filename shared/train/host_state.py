@@ -1,0 +1,119 @@
+"""Host-resident training state: everything about the model that lives in host RAM.
+
+Per unit (the extras, then each decoder layer; see :mod:`tandem.shared.train.layout`) one flat
+fp32 master copy, fp32 Adam moments and a step counter, plus a *working copy* in the compute dtype
+(bf16 on CUDA) and a gradient buffer of the same dtype, both pinned on CUDA so a whole unit moves
+in one asynchronous copy. The GPU only ever holds a couple of units at a time.
+
+    state = HostState.random(config, seed=0, work_dtype=torch.bfloat16, pin=True)
+    state.state_dict()   # {"model.layers.0.self_attn.q_proj.weight": fp32 view, ...}
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tandem.shared.model.config import ModelConfig, ModelLoadError
+from tandem.shared.train.lanes import host_buffer
+from tandem.shared.train.layout import UnitLayout, extras_layout, layer_layout
+
+INIT_STD = 0.02
+EXTRAS = 0  # unit index of the extras; decoder layer i is unit i + 1
+
+
+@dataclass
+class Unit:
+    name: str  # "extras" or "layer.<i>"
+    prefix: str  # what precedes the layout's names in the checkpoint ("" or "model.layers.<i>.")
+    layout: UnitLayout
+    master: torch.Tensor  # fp32, the weights the optimizer updates
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor  # fp32 scalar: updates applied (the fused AdamW kernel reads it)
+    work: torch.Tensor  # compute dtype, what the GPU loads
+    grad: torch.Tensor  # compute dtype, what the GPU's gradients land in
+
+    def master_views(self) -> dict[str, torch.Tensor]:
+        return {self.prefix + k: v for k, v in self.layout.views(self.master).items()}
+
+
+class HostState:
+    """fp32 masters, fp32 moments, pinned working copies and gradient buffers, unit by unit."""
+
+    def __init__(self, config: ModelConfig, work_dtype: torch.dtype, pin: bool) -> None:
+        self.config = config
+        self.work_dtype = work_dtype
+        self.pin = pin
+        layouts = [("extras", "", extras_layout(config))]
+        layouts += [(f"layer.{i}", f"model.layers.{i}.", layer_layout(config)) for i in range(config.num_layers)]
+        with ThreadPoolExecutor(8) as pool:
+            self.units: list[Unit] = list(pool.map(lambda a: self._allocate(*a), layouts))
+
+    def _allocate(self, name: str, prefix: str, layout: UnitLayout) -> Unit:
+        n = layout.numel
+        zeros = lambda: torch.zeros(n, dtype=torch.float32)  # noqa: E731
+        return Unit(name, prefix, layout, zeros(), zeros(), zeros(), torch.zeros((), dtype=torch.float32),
+                    host_buffer(n, self.work_dtype, self.pin), host_buffer(n, self.work_dtype, self.pin))
+
+    @classmethod
+    def random(cls, config: ModelConfig, seed: int, work_dtype: torch.dtype, pin: bool) -> "HostState":
+        """N(0, 0.02) matrices, unit norms, zero biases; one generator per unit, filled in parallel."""
+        state = cls(config, work_dtype, pin)
+
+        def init(index: int) -> None:
+            unit = state.units[index]
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
+            for name, view in unit.layout.views(unit.master).items():
+                if name.endswith("norm.weight"):
+                    view.fill_(1.0)
+                elif view.dim() >= 2:
+                    view.normal_(0.0, INIT_STD, generator=gen)
+            unit.work.copy_(unit.master)
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(init, range(len(state.units))))
+        return state
+
+    @classmethod
+    def from_checkpoint(cls, config: ModelConfig, path: Path, work_dtype: torch.dtype, pin: bool) -> "HostState":
+        """Masters from a Hugging Face safetensors checkpoint (any float dtype, sharded or not)."""
+        from tandem.shared.model.loader import _weight_files  # noqa: PLC2701 - the loader's own shard lookup
+
+        state = cls(config, work_dtype, pin)
+        targets = state.state_dict()
+        seen: set[str] = set()
+        for file in _weight_files(Path(path)):
+            with safe_open(str(file), framework="pt", device="cpu") as shard:
+                for name in shard.keys():
+                    if name in targets:
+                        tensor = shard.get_tensor(name)
+                        if tuple(tensor.shape) != tuple(targets[name].shape):
+                            raise ModelLoadError(f"{name} has shape {tuple(tensor.shape)} in {path}, "
+                                                 f"config says {tuple(targets[name].shape)}")
+                        targets[name].copy_(tensor)
+                        seen.add(name)
+        missing = sorted(targets.keys() - seen)
+        if missing:
+            raise ModelLoadError(f"checkpoint {path} lacks {missing[:8]}")
+        for unit in state.units:
+            unit.work.copy_(unit.master)
+        return state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Hugging Face names -> fp32 master views (tied LM head not repeated)."""
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            out.update(unit.master_views())
+        return out
+
+    def num_parameters(self) -> int:
+        return sum(p.numel for u in self.units for p in u.layout.params)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for u in self.units
+                   for t in (u.master, u.exp_avg, u.exp_avg_sq, u.work, u.grad))

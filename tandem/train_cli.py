@@ -1,0 +1,153 @@
+"""``tandem train``: run one training job in this process, with a progress line every few steps.
+
+    tandem train --default                 # tiny byte model on the Python stdlib -> <data-dir>/models/tiny
+    tandem train --model 3b --device cuda --steps 20 --batch-size 8 --seq-len 2048 --gpu-memory-gib 16
+    tandem train --model DIR --dataset notes/ --steps 500 --output-dir out/ [--resume]
+
+``--default`` trains the built-in tiny model where ``tandem up`` finds it (a few minutes on 2 CPU
+cores) and prints a sample. With ``--nats-url`` a ``WeightsUpdated`` event follows every checkpoint,
+so running workers that serve the model reload it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import uuid
+from pathlib import Path
+
+DEFAULT_JOB = dict(model="tiny", dataset="stdlib", steps=200, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=20,
+                   weight_decay=0.1, grad_clip=1.0)
+JOB_FLAGS = ("model", "dataset", "steps", "batch_size", "seq_len", "lr", "weight_decay", "grad_clip", "warmup_steps",
+             "seed", "device", "checkpoint_every", "output_dir", "resume", "gpu_memory_gib", "device_update_layers")
+SAMPLE_PROMPT = "def "
+
+
+def add_train_parser(sub: argparse._SubParsersAction, add_common) -> None:  # noqa: ANN001
+    """The ``train`` subcommand; ``add_common`` adds --nats-url/--data-dir/--log-level."""
+    p = sub.add_parser("train", help="train a model in this process (layers streamed from host RAM on a GPU)")
+    add_common(p)
+    p.add_argument("--default", action="store_true",
+                   help="the tiny byte model on the Python stdlib, saved where `tandem up` finds it")
+    p.add_argument("--model", help="tiny, 1b, 3b, 7b, or a Hugging Face directory to start from")
+    p.add_argument("--dataset", help="stdlib, random, a text file or a folder of them")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--weight-decay", type=float)
+    p.add_argument("--grad-clip", type=float, help="global-norm clipping (0: off)")
+    p.add_argument("--warmup-steps", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--device", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--output-dir", help="checkpoint directory (default: <data-dir>/train/<job-id>)")
+    p.add_argument("--resume", action="store_true", default=None, help="continue from the checkpoint in --output-dir")
+    p.add_argument("--gpu-memory-gib", type=float, help="cap this process's GPU memory")
+    p.add_argument("--device-update-layers", type=int,
+                   help="CUDA: the GPU computes the AdamW of this many first layers, the CPU the rest (default 0)")
+    p.add_argument("--job-id", help="name of the run (default: random)")
+    p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's)")
+
+
+def build_job(args: argparse.Namespace, data_dir: Path):  # noqa: ANN201 - TrainJob
+    from tandem.shared.messages import TrainJob
+
+    fields = dict(DEFAULT_JOB) if args.default else {}
+    if args.default:
+        fields["output_dir"] = str(Path(data_dir) / "models" / "tiny")
+    fields.update({k: getattr(args, k) for k in JOB_FLAGS if getattr(args, k, None) is not None})
+    return TrainJob(**fields)
+
+
+def progress(step: int, steps: int, loss: float, tokens_per_s: float, tflops: float, elapsed: float) -> str:
+    width = 24
+    done = int(width * step / steps)
+    eta = elapsed / max(1, step) * (steps - step)
+    return (f"[{'#' * done}{'.' * (width - done)}] step {step}/{steps}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
+            f"{tflops:.2f} TFLOP/s  {elapsed:.0f}s elapsed, eta {eta:.0f}s")
+
+
+def cmd_train(args: argparse.Namespace, settings) -> int:  # noqa: ANN001 - tandem.shared.config.Settings
+    import torch
+    from pydantic import ValidationError
+
+    from tandem.shared.messages import ProtocolError
+    from tandem.shared.train import TrainRunner
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        job = build_job(args, settings.data_dir)
+        job_id = args.job_id or f"train-{uuid.uuid4().hex[:8]}"
+        started = time.perf_counter()
+        runner = TrainRunner(job, job_id, settings.data_dir)
+    except (ValidationError, ProtocolError, ValueError) as exc:
+        print(f"tandem train: {exc}", file=sys.stderr)
+        return 2
+    print(f"tandem train: {runner.model_name} ({runner.num_params / 1e6:.1f}M parameters) on {runner.device}, "
+          f"{runner.data.description}; batch {job.batch_size} x {job.seq_len}, {job.steps} steps, "
+          f"checkpoints in {runner.output_dir}", flush=True)
+    publisher = _Publisher(settings.nats_url, runner.model_name, job_id) if settings.nats_url else None
+    recent: list = []
+
+    def on_step(m) -> None:  # noqa: ANN001
+        recent.append(m)
+        if m.step % args.log_every == 0 or m.step == job.steps:
+            window = recent[-args.log_every:]
+            tps = sum(x.tokens_per_s * x.step_time_s for x in window) / sum(x.step_time_s for x in window)
+            tflops = sum(x.model_tflops * x.step_time_s for x in window) / sum(x.step_time_s for x in window)
+            print(progress(m.step, job.steps, m.loss, tps, tflops, time.perf_counter() - started), flush=True)
+
+    summary = runner.run(on_step=on_step, on_checkpoint=publisher.publish if publisher else None)
+    if publisher:
+        publisher.close()
+    mean = f"{summary.mean_loss:.4f}" if summary.mean_loss is not None else "n/a"
+    print(f"tandem train: {summary.state} at step {summary.step} in {time.perf_counter() - started:.0f}s, "
+          f"mean loss of the last 10 steps {mean}; saved to {summary.checkpoint}", flush=True)
+    if args.default and summary.checkpoint is not None:
+        print(f"--- sample (temperature 0.8, top-k 40):\n{sample(summary.checkpoint, SAMPLE_PROMPT)}", flush=True)
+    return 0
+
+
+def sample(path: Path, prompt: str, max_new_tokens: int = 160, seed: int = 0) -> str:
+    """A sampled continuation from the checkpoint at ``path`` (a quick look at what it learned)."""
+    import torch
+
+    from tandem.shared.model import load_model, reference_logits
+
+    loaded = load_model(str(path))
+    ids = loaded.tokenizer.encode(prompt)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(max_new_tokens):
+        logits = reference_logits(loaded.model, ids)[-1] / 0.8
+        top = torch.topk(logits, 40)
+        ids.append(int(top.indices[torch.multinomial(top.values.softmax(-1), 1, generator=gen)]))
+    return loaded.tokenizer.decode(ids)
+
+
+class _Publisher:
+    """Publishes WeightsUpdated after each checkpoint from this synchronous process."""
+
+    def __init__(self, url: str, model: str, job_id: str) -> None:
+        import asyncio
+
+        import nats
+
+        self.model, self.job_id = model, job_id
+        self.loop = asyncio.new_event_loop()
+        self.nc = self.loop.run_until_complete(nats.connect(url))
+
+    def publish(self, path: Path, step: int) -> None:
+        from tandem.shared import subjects
+        from tandem.shared.messages import WeightsUpdated, encode
+
+        msg = WeightsUpdated(model=self.model, path=str(path), step=step, version=f"{self.job_id}.{step}")
+        self.loop.run_until_complete(self.nc.publish(subjects.WEIGHTS_UPDATED, encode(msg)))
+        self.loop.run_until_complete(self.nc.flush())
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.nc.close())
+        self.loop.close()
