@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 
 import torch
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
@@ -60,6 +61,7 @@ class DecodeService(EngineWorker):
         budget = max(self.engine_config.num_blocks // 4, blocks_for_one) * self.block_bytes
         self.receiver = KVReceiver(max_bytes_in_flight=budget)
         self.ring: ShmRing | None = None
+        self.ring_lock = threading.Lock()
         self.transfers = {"ring": 0, "nats": 0}
         self.offers: dict[str, tuple[str, int]] = {}  # request -> (kvstore, leading blocks it holds)
         if settings.kv_ring_mib:
@@ -103,7 +105,10 @@ class DecodeService(EngineWorker):
     async def on_admit(self, request: Request) -> None:
         msg: DecodeRequest = decode(request.data, DecodeRequest)
         self.check_request(msg.model, msg.prompt_token_ids)
-        kv = self.received_kv(msg)
+        # A 1k-token prompt of an 8B model is 134 MB: the ring is read on a thread, or every admit
+        # and token stream of this worker waits behind the copy (frames stay on the loop, which
+        # owns their reassembly buffers).
+        kv = await asyncio.to_thread(self.received_kv, msg) if msg.ring is not None else self.received_kv(msg)
         engine_request = EngineRequest(
             request_id=msg.request_id,
             prompt_token_ids=list(msg.prompt_token_ids),
@@ -157,7 +162,8 @@ class DecodeService(EngineWorker):
             try:
                 # On a GPU worker the slots go straight into device memory (pinned -> GPU DMA).
                 staging = torch.empty(msg.ring.length, dtype=torch.uint8, device=self.device)
-                raw = self.ring.read(SlotDescriptor.from_wire(msg.ring.model_dump()), out=staging)
+                with self.ring_lock:  # the ring's own lock is per process, not per thread
+                    raw = self.ring.read(SlotDescriptor.from_wire(msg.ring.model_dump()), out=staging)
             except RingError as exc:
                 raise ProtocolError(ErrorCode.BAD_FRAME, f"ring slots unusable: {exc}") from None
             self.transfers["ring"] += 1
