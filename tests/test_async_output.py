@@ -72,3 +72,14 @@ def test_abort_while_output_is_pending(tiny) -> None:
     assert seen["a"][-1].finish_reason == "abort" and sum(o.finished for o in seen["a"]) == 1
     assert seen["b"][-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in seen["b"]) == 50
     assert engine.stats()["free_blocks"] == CONFIG.num_blocks
+
+
+@pytest.mark.parametrize("async_output", [False, True])
+def test_prefill_only_output_is_not_delayed(tiny, async_output: bool) -> None:
+    """A prefill-only sequence's token starts a hand-off: it must leave in the step that sampled it."""
+    engine = LLMEngine(tiny.model, tiny.tokenizer, dataclasses.replace(CONFIG, async_output=async_output))
+    prompt = make_prompts()[6]  # 24 tokens, budget 40: prefilled and sampled in the first step
+    engine.add_request(EngineRequest("h", prompt, SamplingParams(max_tokens=8, temperature=0.0), prefill_only=True))
+    outputs = engine.step()
+    assert [o.finish_reason for o in outputs] == ["prefilled"], f"got {outputs}"
+    assert outputs[0].kv is not None and not engine.has_unfinished()

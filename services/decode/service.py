@@ -33,7 +33,9 @@ from tandem.shared.config import Settings
 from tandem.shared.engine import EngineRequest, RequestOutput
 from tandem.shared.engine import SamplingParams as EngineSampling
 from tandem.shared.frames import KVReceiver
-from tandem.shared.messages import Ack, DecodeRequest, ErrorCode, Heartbeat, Probe, ProtocolError, decode, encode
+from tandem.shared.messages import (
+    Ack, DecodeRequest, ErrorCode, Heartbeat, Probe, ProtocolError, decode, encode, error_reply,
+)
 from tandem.shared.shmring import RingError, ShmRing, SlotDescriptor, host_id
 
 RING_STALE_S = 120.0  # a READY slot whose admit never came: far beyond any admit timeout
@@ -103,6 +105,19 @@ class DecodeService(EngineWorker):
         await request.respond(b"ok")
 
     async def on_admit(self, request: Request) -> None:
+        # Admission waits for the ring copy and the engine thread (up to a step): from a task, or
+        # every hand-off behind this one in the subscription waits too.
+        self.spawn(self.admit_replying(request), "admit")
+
+    async def admit_replying(self, request: Request) -> None:
+        try:
+            await self.admit(request)
+        except Exception as exc:
+            reply = error_reply(exc)
+            self.log.warning("admit: replied %s (%s)", reply.code.value, reply.message)
+            await request.respond(encode(reply))
+
+    async def admit(self, request: Request) -> None:
         msg: DecodeRequest = decode(request.data, DecodeRequest)
         self.check_request(msg.model, msg.prompt_token_ids)
         # A 1k-token prompt of an 8B model is 134 MB: the ring is read on a thread, or every admit
@@ -130,9 +145,10 @@ class DecodeService(EngineWorker):
             del self.streams[msg.request_id]
             self.offers.pop(msg.request_id, None)
             raise ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        received = "through the ring" if msg.ring else "as NATS frames"
         self.log.info(
             "admit %s: %d prompt tokens, %s", msg.request_id, len(msg.prompt_token_ids),
-            f"{msg.transfer.num_blocks} KV blocks received" if msg.transfer else "prefilling locally",
+            f"{kv.shape[0]} KV blocks received {received}" if kv is not None else "prefilling locally",
         )
         await request.respond(encode(Ack(request_id=msg.request_id)))
 

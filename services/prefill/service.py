@@ -59,10 +59,9 @@ class PrefillService(EngineWorker):
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"request {msg.request_id} is already running here")
         self.streams[msg.request_id] = Stream(msg.stream_subject, arrival=msg.arrival_time)
         self.pending[msg.request_id] = msg
-        if msg.kvstore and msg.kvstore_fetch_blocks:  # a store round trip: off this subscription's path
-            self.spawn(self.admit(msg, request), f"admit {msg.request_id}")
-        else:
-            await self.admit(msg, request)
+        # Admission waits for the engine thread (up to a step) and maybe a store round trip: from a
+        # task, or every request behind this one in the subscription waits too.
+        self.spawn(self.admit(msg, request), f"admit {msg.request_id}")
 
     async def admit(self, msg: PrefillRequest, request: Request) -> None:
         prefix = await self.fetch_prefix(msg) if msg.kvstore and msg.kvstore_fetch_blocks else None
@@ -71,9 +70,11 @@ class PrefillService(EngineWorker):
                 request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids),
                 params=engine_sampling(msg.params), prefill_only=True, kv=prefix,
             ))
-        except ValueError as exc:
-            del self.streams[msg.request_id], self.pending[msg.request_id]
-            await request.respond(encode(error_reply(ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)), msg.request_id)))
+        except Exception as exc:  # refused by the engine (ValueError) or failed: the router hears why
+            self.streams.pop(msg.request_id, None)
+            self.pending.pop(msg.request_id, None)
+            error = ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) if isinstance(exc, ValueError) else exc
+            await request.respond(encode(error_reply(error, msg.request_id)))
             return
         self.log.info("prefill %s: %d tokens (%d from kvstore) for decode %s", msg.request_id,
                       len(msg.prompt_token_ids), 0 if prefix is None else prefix.shape[0] * self.settings.block_size,

@@ -105,6 +105,12 @@ def check_stop(seq: Sequence, eos_token_ids: Seq[int], max_model_len: int, text:
     return reason
 
 
+def can_defer_text(seq: Sequence) -> bool:
+    """Whether a sequence's text may lag its tokens by a step: not when stop strings (text) decide
+    when it ends, nor for a prefill-only sequence, whose one token starts a hand-off at once."""
+    return not seq.params.stop and not seq.prefill_only
+
+
 def catch_up_text(seq: Sequence) -> None:
     """Fold the tokens :func:`check_stop` left (``text=False``) into the text, as it would have,
     flushing held-back text when the sequence has finished (a stop token itself is not text)."""

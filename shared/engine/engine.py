@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.shared.engine.detokenizer import IncrementalDetokenizer, catch_up_text
+from tandem.shared.engine.detokenizer import IncrementalDetokenizer, can_defer_text, catch_up_text
 from tandem.shared.engine.model_runner import ModelRunner
 from tandem.shared.engine.scheduler import Scheduler
 from tandem.shared.engine.sequence import EngineRequest, RequestOutput, Sequence, SequenceStatus
@@ -138,7 +138,8 @@ class LLMEngine:
 
         With ``async_output`` the device computes this step while the host detokenizes the previous
         step's tokens, so a request's output arrives with the step after the one that sampled it
-        (sequences with stop strings are detokenized at once: their text decides when they end)."""
+        (except sequences with stop strings, whose text decides when they end, and prefill-only
+        ones, whose token starts a hand-off: see ``can_defer_text``)."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
         batch = self.scheduler.schedule()
         if not batch:
@@ -151,7 +152,7 @@ class LLMEngine:
         outputs += self._catch_up_text()
         sampled = self.runner.sample(pending)
         for seq in self.scheduler.postprocess(batch, sampled, text_later=self.async_output):
-            if self.async_output and not seq.params.stop:
+            if self.async_output and can_defer_text(seq):
                 self._text_pending.append((seq, seq.token_ids[-1]))
             else:
                 outputs.append(self._make_output(seq, seq.token_ids[-1:]))

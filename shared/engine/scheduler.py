@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.shared.engine.detokenizer import check_stop
+from tandem.shared.engine.detokenizer import can_defer_text, check_stop
 from tandem.shared.engine.sequence import Sequence, SequenceStatus
 from tandem.shared.kvcache.block_manager import BlockManager
 
@@ -213,13 +213,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: Seq[int], text_later: bool = False) -> list[Sequence]:
+    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: Seq[int],
+                    text_later: bool = False) -> list[Sequence]:
         """Advance computed counts, append sampled tokens, finish what stopped.
 
         ``sampled_token_ids`` has one id per item with ``samples`` set, in batch order. Returns the
         sequences that got a token this step (finished ones included, with ``finish_reason`` set).
-        ``text_later``: sequences without stop strings are checked on token ids only; the engine
-        detokenizes them later (see ``LLMEngine.step``).
+        ``text_later``: sequences whose text may lag (``can_defer_text``) are checked on token ids
+        only; the engine detokenizes them later (see ``LLMEngine.step``).
         """
         sampled = iter(sampled_token_ids)
         updated: list[Sequence] = []
@@ -231,7 +232,8 @@ class Scheduler:
                 continue
             seq.token_ids.append(int(next(sampled)))
             updated.append(seq)
-            reason = check_stop(seq, self.eos_token_ids, self.max_seq_len, text=not (text_later and not seq.params.stop))
+            text_now = not (text_later and can_defer_text(seq))
+            reason = check_stop(seq, self.eos_token_ids, self.max_seq_len, text=text_now)
             if reason is None and seq.prefill_only:
                 reason = "prefilled"
             if reason is not None:
