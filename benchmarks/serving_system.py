@@ -3,7 +3,8 @@
     python benchmarks/serving_system.py [--model random:llama3-8b] [--concurrency 1 32 128 256]
                                         [--out-dir DIR]
 
-Starts router, one prefill and one decode worker (on separate GPUs when two are visible, otherwise
+First runs the in-process engine on the same workload at one batch size (``--in-process-batch``),
+for the TPOT comparison. Then starts router, one prefill and one decode worker (on separate GPUs when two are visible, otherwise
 sharing one), NATS and a KV-store, waits until ready, then for each max concurrency sends random
 1024-token prompts for 128 output tokens (``ignore_eos``) and prints one JSON line of what the
 clients saw: output tokens/s, TTFT and TPOT p50/p99. Also prints the compute ceiling of that
@@ -45,6 +46,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--out-dir", default=".")
+    parser.add_argument("--in-process-batch", type=int, default=32,
+                        help="first, the in-process engine at this batch (same prompts' shape), for TPOT; 0: skip")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     model = args.model or ("random:llama3-8b" if cuda else "tiny")
@@ -64,6 +67,15 @@ def main() -> None:
         print(json.dumps({"figure": "compute_ceiling", "gpus": gpus, "bf16_matmul_tflops": round(tflops),
                           "output_tok_s_at_100pct_mfu": round(ceiling)}), flush=True)
         torch.cuda.empty_cache()
+    if cuda and args.in_process_batch:
+        # The same workload through the engine alone, in its own process (its GPU memory is freed
+        # before the system starts): the full system's TPOT is compared with this one.
+        script = Path(__file__).with_name("serving_gpu.py")
+        out = subprocess.run([sys.executable, str(script), "--model", model, "--parts", "throughput",
+                              "--batches", str(args.in_process_batch)], capture_output=True, text=True, check=True)
+        for line in out.stdout.splitlines():
+            if line.startswith("{"):
+                print(json.dumps({**json.loads(line), "figure": "in_process"}), flush=True)
     data_dir = out_dir / "data"
     env = {**os.environ, "TANDEM_DATA_DIR": str(data_dir)}
     up_args = [sys.executable, "-m", "tandem", "up", "--model", model, "--no-planner", "--prefill", "1",
