@@ -1,0 +1,38 @@
+"""The GPU serving benchmarks run on CPU too (small models), so their code paths stay working.
+
+``benchmarks/serving_gpu.py`` falls back to ``random:llama-test`` and ``benchmarks/serving_system.py``
+to the tiny model behind a real ``tandem up``; these tests check that each prints its figures.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def figures(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def test_in_process_benchmark_prints_batch1_and_throughput() -> None:
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "serving_gpu.py")], capture_output=True, text=True,
+                         timeout=300, check=True)
+    got = figures(out.stdout)
+    kinds = [(g["figure"], g.get("batch", g.get("cuda_graphs"))) for g in got]
+    assert ("batch1", True) in kinds and ("throughput", 8) in kinds, f"figures printed: {kinds}"
+    for g in got:
+        assert g["output_tokens"] == g["requests"] * 128, f"every request gets its 128 tokens: {g}"
+
+
+def test_system_benchmark_runs_bench_serve_against_tandem_up(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "serving_system.py"), "--concurrency", "2",
+                          "--prompts-per-level", "4", "--input-len", "48", "--output-len", "6",
+                          "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"serving_system.py failed:\n{out.stderr[-2000:]}"
+    (system,) = [g for g in figures(out.stdout) if g["figure"] == "system"]
+    assert (system["completed"], system["failed"]) == (4, 0), system
+    assert system["ttft_ms"]["median"] > 0 and system["output_throughput"] > 0
