@@ -50,6 +50,7 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = Field(0.5, gt=0)
     worker_timeout_s: float = Field(3.0, gt=0)  # no heartbeat for this long: the worker is gone
     request_timeout_s: float = Field(30.0, gt=0)
+    forward_timeout_s: float = Field(10.0, gt=0)  # router: how long a worker may take to accept a request
     probe_interval_s: float = Field(2.0, gt=0)  # how often decode checks that a client still listens
     kv_window: int = Field(8, ge=1)  # KV frames in flight per transfer
     kv_ring_mib: int = Field(256, ge=0)  # decode: shared-memory ring for same-host hand-offs; 0 disables the fast path

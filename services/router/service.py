@@ -38,7 +38,6 @@ from tandem.shared.messages import (
 )
 from tandem.shared.model import load_model_meta
 
-FORWARD_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -302,10 +301,23 @@ class Router(ServiceRuntime):
         """True when the worker took the work; False when it is gone (forgotten, try another);
         raises the worker's typed error when it refused the request itself."""
         try:
-            reply = decode((await self.nc.request(subject, encode(work), timeout=FORWARD_TIMEOUT_S)).data)
-        except (NoRespondersError, NatsTimeoutError) as exc:
-            self.log.warning("%s worker %s did not answer (%s); dropping it",
-                             worker.beat.service, worker.beat.instance_id, type(exc).__name__)
+            timeout = self.settings.forward_timeout_s
+            reply = decode((await self.nc.request(subject, encode(work), timeout=timeout)).data)
+        except NatsTimeoutError:
+            if time.monotonic() - worker.seen < self.settings.worker_timeout_s:
+                # Alive (its heartbeats arrive) but slow: it may still take this request, so placing
+                # it elsewhere could run it twice. The request fails; the worker stays.
+                self.log.warning("%s worker %s is alive but did not answer within %.1f s", worker.beat.service,
+                                 worker.beat.instance_id, timeout)
+                raise ProtocolError(ErrorCode.TIMEOUT, f"{worker.beat.service} worker {worker.beat.instance_id} "
+                                    f"did not take the request within {timeout:.1f} s") from None
+            self.log.warning("%s worker %s did not answer and sends no heartbeats; dropping it",
+                             worker.beat.service, worker.beat.instance_id)
+            self.forget(worker)
+            return False
+        except NoRespondersError:
+            self.log.warning("%s worker %s is gone (no responders); dropping it", worker.beat.service,
+                             worker.beat.instance_id)
             self.forget(worker)
             return False
         if isinstance(reply, ErrorReply):
