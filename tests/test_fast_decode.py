@@ -25,6 +25,9 @@ def test_fused_projections_keep_logits_and_names() -> None:
     before = reference_logits(loaded.model, ids)
     names = set(loaded.model.state_dict())
     loaded.model.fuse_projections()
+    fused_weight = loaded.model.model.layers[0].self_attn.qkv_proj.weight
+    loaded.model.fuse_projections()  # a second engine on the same model fuses nothing again
+    assert loaded.model.model.layers[0].self_attn.qkv_proj.weight is fused_weight
     torch.testing.assert_close(reference_logits(loaded.model, ids), before, atol=1e-5, rtol=1e-5)
     assert names <= set(loaded.model.state_dict()), "fusing must keep every Hugging Face name loadable"
     attn = loaded.model.model.layers[0].self_attn

@@ -126,7 +126,8 @@ class LlamaAttention(nn.Module):
     def fuse_projections(self) -> None:
         """One [q; k; v] matmul instead of three: the separate weights become views of the fused one,
         so checkpoints still load into them by their Hugging Face names and no memory is doubled."""
-        self.qkv_proj = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        if getattr(self, "qkv_proj", None) is None:  # a second engine on the same model: already done
+            self.qkv_proj = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def project_qkv(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -182,7 +183,8 @@ class LlamaMLP(nn.Module):
 
     def fuse_projections(self) -> None:
         """One [gate; up] matmul instead of two (weights become views, as in the attention)."""
-        self.gate_up_proj = _fuse_linears(self.gate_proj, self.up_proj)
+        if getattr(self, "gate_up_proj", None) is None:
+            self.gate_up_proj = _fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(self, "gate_up_proj", None) is not None:
