@@ -197,7 +197,8 @@ class DecodeService(EngineWorker):
         while True:
             await asyncio.sleep(self.settings.probe_interval_s)
             if self.ring is not None:
-                self.ring.reclaim(stale_after_s=RING_STALE_S)
+                with self.ring_lock:
+                    self.ring.reclaim(stale_after_s=RING_STALE_S)
             streams = list(self.streams.items())
             results = await asyncio.gather(*(self._listening(rid, s) for rid, s in streams))
             for (request_id, _), alive in zip(streams, results):
