@@ -37,6 +37,7 @@ def run_up(args: argparse.Namespace, settings: Settings, engine_argv: list[str])
               flush=True)
         if args.demo:
             run_async(demo(sup.url, args.demo))
+            untrained_hint(sup.settings)
             if args.exit_after_demo:
                 return 0
         run_async(sup.supervise())  # restarts crashed children, carries out the planner's decisions
@@ -60,6 +61,15 @@ async def demo(url: str, prompt: str) -> None:
     print(f"--- demo: {prompt!r} (temperature 0.8, top-k 40, seed 0, 64 tokens)\n{prompt}{visible(result.text)}\n"
           f"--- {len(result.token_ids)} tokens, finish {result.finish_reason}, first token after "
           f"{result.ttft_s * 1e3:.0f} ms, then {result.tpot_s * 1e3:.1f} ms per token", flush=True)
+
+
+def untrained_hint(settings) -> None:
+    """Say why the demo reads as noise when the built-in model has never been trained here."""
+    from tandem.shared.model import load_model_meta
+
+    if settings.model == "tiny" and load_model_meta("tiny", settings.data_dir).checkpoint is None:
+        print("--- the tiny model has random weights; `tandem train --default` trains it on the Python "
+              "standard library in a few minutes, and `tandem up` then serves the trained one", flush=True)
 
 
 def visible(text: str) -> str:
