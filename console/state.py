@@ -19,6 +19,10 @@ from tandem.shared.messages import (
 WORKER_SERVICES = ("decode", "prefill")
 CONSOLE_ENDPOINTS = {"blocks", "stats", "drain"}  # polled by the console itself: not counted as traffic
 LATENCY_KINDS = ("ttft", "tpot")
+# The services' histogram of each kind (tandem.services.service_metrics); other names that contain
+# the kind ("ttft", "tpot") are taken too, for services that name theirs so.
+LATENCY_METRICS = {"ttft": "tandem:time_to_first_token_seconds",
+                   "tpot": "tandem:request_time_per_output_token_seconds"}
 SERIES_POINTS = 60
 
 
@@ -176,7 +180,8 @@ class ConsoleState:
         """One sparkline point per latency kind: p50/p99 of what every instance observed since the
         previous sample (histograms are cumulative; names containing ``ttft`` / ``tpot``)."""
         for kind, series in self.latency.items():
-            hists = [h for m in self.metrics.values() for name, h in m.histograms.items() if kind in name.lower()]
+            hists = [h for m in self.metrics.values() for name, h in m.histograms.items()
+                     if name == LATENCY_METRICS[kind] or kind in name.lower()]
             total = merged(hists)
             if total is None:
                 continue

@@ -21,6 +21,8 @@ from tandem.client import connect
 from tandem.console.app import ConsoleApp
 from tandem.console.screens.modals import ConfirmScreen, HelpScreen, ScaleScreen
 from tandem.console.source import NatsSource
+from tandem.console.state import LATENCY_METRICS
+from tandem.services.service_metrics import ITL_BUCKETS, TTFT_BUCKETS
 from tandem.shared import subjects
 from tandem.shared.messages import (
     Ack, HistogramSnapshot, MetricsSnapshot, ScaleRequest, ScalingDecision, TimelineOp, TrainTimeline, decode, encode,
@@ -156,9 +158,13 @@ async def planner_stream(system):
     await nc.close()
 
 
-def histogram(fast: int, slow: int) -> HistogramSnapshot:
-    return HistogramSnapshot(bounds=[0.05, 0.1, 0.5, 1.0], counts=[fast, 0, slow, 0, 0], sum=fast * 0.03 + slow * 0.3,
-                             count=fast + slow)
+def histogram(fast: int, slow: int, bounds: tuple[float, ...]) -> HistogramSnapshot:
+    """``fast`` observations of 30 ms and ``slow`` of 300 ms, in the services' own buckets (so they
+    merge with the real workers' snapshots of the same metric)."""
+    counts = [0] * (len(bounds) + 1)
+    counts[next(i for i, b in enumerate(bounds) if b >= 0.03)] += fast
+    counts[next(i for i, b in enumerate(bounds) if b >= 0.3)] += slow
+    return HistogramSnapshot(bounds=list(bounds), counts=counts, sum=fast * 0.03 + slow * 0.3, count=fast + slow)
 
 
 async def test_scaling_overlap_panes_and_a_confirmed_scale_request(system, planner_stream):
@@ -185,7 +191,8 @@ async def test_scaling_overlap_panes_and_a_confirmed_scale_request(system, plann
         for n in (1, 2, 3):  # cumulative histograms: each 2 s window adds a sparkline point
             await nc.publish(subjects.metrics("router", "test"), encode(MetricsSnapshot(
                 service="router", instance_id="test", host="h", time=base + n,
-                histograms={"ttft_seconds": histogram(10 * n, n), "tpot_seconds": histogram(50 * n, 0)})))
+                histograms={LATENCY_METRICS["ttft"]: histogram(10 * n, n, TTFT_BUCKETS),  # the services' names
+                            LATENCY_METRICS["tpot"]: histogram(50 * n, 0, ITL_BUCKETS)})))
             await wait_for(pilot, lambda: len(app.state.latency["ttft"].p50) >= n - 1, what=f"sample {n}")
         await shows(pilot, "TTFT p50 ")
         await shows(pilot, "target 500 ms")

@@ -151,7 +151,8 @@ class Planner:
         d_need, d_why = decode_demand(load, self.t)
         p_new = step(self.prefill, p_need, self.t.min_prefill, self.t.max_prefill, self.t.scale_down_margin)
         d_new = step(self.decode, d_need, self.t.min_decode, self.t.max_decode, self.t.scale_down_margin)
-        inputs = {**load.inputs(), "prefill_needed": p_need, "decode_needed": d_need}
+        inputs = {**load.inputs(), "prefill_needed": p_need, "decode_needed": d_need,
+                  "ttft_target_s": self.t.ttft_s, "tpot_target_s": self.t.tpot_s}
         inputs = {k: v for k, v in inputs.items() if not math.isnan(v)}
         if (p_new, d_new) == (self.prefill, self.decode):
             return Decision(p_new, d_new, f"hold: prefill {p_why}; decode {d_why}", False, inputs)
