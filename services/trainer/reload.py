@@ -48,7 +48,8 @@ async def reload_weights(worker, update: WeightsUpdated, lock: asyncio.Lock) -> 
     async with lock:
         started = time.perf_counter()
         try:
-            loaded = await asyncio.to_thread(load_model, update.path, worker.device, worker.dtype)
+            # Staged in host memory: a second copy of the weights on the GPU could exhaust it.
+            loaded = await asyncio.to_thread(load_model, update.path, "cpu", worker.dtype)
         except Exception as exc:
             worker.log.error("weights %s from %s not loaded: %s", update.version, update.path, exc)
             return False
