@@ -57,11 +57,11 @@ def main() -> None:
         gpus = torch.cuda.device_count()
         tflops = matmul_tflops()
         from tandem.shared.model import load_model_meta
+        from tandem.shared.train.layout import count_parameters
 
         cfg = load_model_meta(model).config
-        params = cfg.num_layers * (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-                                   + cfg.num_heads * cfg.head_dim * cfg.hidden_size
-                                   + 3 * cfg.hidden_size * cfg.intermediate_size) + cfg.vocab_size * cfg.hidden_size
+        # Every parameter costs 2 FLOPs per token but an untied input embedding (a lookup, not a matmul).
+        params = count_parameters(cfg) - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
         flops_per_request = 2 * params * (args.input_len + args.output_len)
         ceiling = gpus * tflops * 1e12 / flops_per_request * args.output_len
         print(json.dumps({"figure": "compute_ceiling", "gpus": gpus, "bf16_matmul_tflops": round(tflops),

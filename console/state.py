@@ -15,6 +15,7 @@ from tandem.shared.messages import (
     BlockSnapshot, HistogramSnapshot, KVTransferEvent, MetricsSnapshot, RoutingDecision, ScalingDecision,
     TrainStepMetrics, TrainTimeline,
 )
+from tandem.shared.metrics import histogram_delta, histogram_merge, histogram_quantile
 
 WORKER_SERVICES = ("decode", "prefill")
 CONSOLE_ENDPOINTS = {"blocks", "stats", "drain"}  # polled by the console itself: not counted as traffic
@@ -64,40 +65,6 @@ def service_row(stats: dict, now: float) -> ServiceRow:
         errors=sum(int(e.get("num_errors", 0)) for e in traffic), mean_latency_s=busy_ns / requests / 1e9 if requests else 0.0,
         last_error=errors[-1]["last_error"] if errors else "", version=str(stats.get("version", "")), data=data,
     )
-
-
-def quantile(hist: HistogramSnapshot, q: float) -> float | None:
-    """The ``q`` quantile of a histogram, interpolated inside its bucket (as Prometheus does)."""
-    total = sum(hist.counts)
-    if total <= 0:
-        return None
-    rank, seen = q * total, 0
-    for i, count in enumerate(hist.counts):
-        if count and seen + count >= rank:
-            if i >= len(hist.bounds):  # the +Inf bucket: the largest finite bound is all we know
-                return hist.bounds[-1] if hist.bounds else None
-            lower = hist.bounds[i - 1] if i else 0.0
-            return lower + (hist.bounds[i] - lower) * (rank - seen) / count
-        seen += count
-    return hist.bounds[-1] if hist.bounds else None
-
-
-def merged(hists: list[HistogramSnapshot]) -> HistogramSnapshot | None:
-    """The sum of histograms with the first one's bounds (others are skipped)."""
-    same = [h for h in hists if h.bounds == hists[0].bounds] if hists else []
-    if not same:
-        return None
-    counts = [sum(c) for c in zip(*(h.counts for h in same))]
-    return HistogramSnapshot(bounds=same[0].bounds, counts=counts, sum=sum(h.sum for h in same),
-                             count=sum(h.count for h in same))
-
-
-def minus(now: HistogramSnapshot, before: HistogramSnapshot | None) -> HistogramSnapshot:
-    """Observations between two cumulative snapshots (all of ``now`` after a restart or a bounds change)."""
-    if before is None or before.bounds != now.bounds or before.count > now.count:
-        return now
-    return HistogramSnapshot(bounds=now.bounds, counts=[a - b for a, b in zip(now.counts, before.counts)],
-                             sum=now.sum - before.sum, count=now.count - before.count)
 
 
 @dataclass
@@ -182,12 +149,12 @@ class ConsoleState:
         for kind, series in self.latency.items():
             hists = [h for m in self.metrics.values() for name, h in m.histograms.items()
                      if name == LATENCY_METRICS[kind] or kind in name.lower()]
-            total = merged(hists)
+            total = histogram_merge(hists)
             if total is None:
                 continue
-            window = minus(total, series.last_total)
+            window = histogram_delta(total, series.last_total)
             series.last_total = total
             if window.count > 0:
-                series.p50.append(quantile(window, 0.5) or 0.0)
-                series.p99.append(quantile(window, 0.99) or 0.0)
+                series.p50.append(histogram_quantile(window, 0.5))
+                series.p99.append(histogram_quantile(window, 0.99))
                 self.changed()

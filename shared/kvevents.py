@@ -14,13 +14,12 @@ from __future__ import annotations
 
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
 
 from tandem.shared import subjects
 from tandem.shared.messages import KVEvent, encode
+from tandem.shared.streams import ensure_stream
 
 STREAM_MAX_BYTES = 1 << 30  # oldest events go first beyond this
-_NAME_IN_USE = 10058  # JetStream: stream name already in use with a different configuration
 
 
 def kv_events_stream_config(max_bytes: int = STREAM_MAX_BYTES) -> StreamConfig:
@@ -33,16 +32,7 @@ def kv_events_stream_config(max_bytes: int = STREAM_MAX_BYTES) -> StreamConfig:
 
 async def ensure_kv_events_stream(js: JetStreamContext, max_bytes: int = STREAM_MAX_BYTES) -> None:
     """Create the KV events stream unless it exists (an existing one is left as configured)."""
-    try:
-        await js.stream_info(subjects.KV_EVENTS_STREAM)
-        return
-    except NotFoundError:
-        pass
-    try:
-        await js.add_stream(kv_events_stream_config(max_bytes))
-    except BadRequestError as exc:  # another publisher created it first, with other limits
-        if exc.err_code != _NAME_IN_USE:
-            raise
+    await ensure_stream(js, kv_events_stream_config(max_bytes))
 
 
 async def publish_kv_event(js: JetStreamContext, event: KVEvent, timeout_s: float = 5.0) -> None:

@@ -168,8 +168,9 @@ def parse_text(page: str) -> tuple[dict[str, float], dict[str, float], dict[str,
 
 
 def histogram_delta(new: HistogramSnapshot, old: HistogramSnapshot | None) -> HistogramSnapshot:
-    """What was observed between two snapshots of one histogram (``old`` None: since its start)."""
-    if old is None or old.bounds != new.bounds:
+    """What was observed between two snapshots of one histogram (``old`` None: since its start; all of
+    ``new`` also when the bounds changed or the count went down, i.e. the process restarted)."""
+    if old is None or old.bounds != new.bounds or old.count > new.count:
         return new
     return HistogramSnapshot(bounds=new.bounds, counts=[a - b for a, b in zip(new.counts, old.counts)],
                              sum=new.sum - old.sum, count=new.count - old.count)

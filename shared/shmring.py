@@ -303,6 +303,11 @@ class ShmRing:
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
+    @property
+    def capacity(self) -> int:
+        """Bytes of the whole ring: a transfer larger than this never fits."""
+        return self.num_slots * self.slot_bytes
+
     def free_slots(self) -> int:
         return int(np.count_nonzero(self._state == FREE))
 
@@ -360,7 +365,7 @@ class ShmRing:
         nbytes = data.numel() * data.element_size() if isinstance(data, torch.Tensor) else memoryview(data).nbytes
         desc = self.reserve(nbytes)
         # Full: slots of dead producers come back here too, without the consumer's help.
-        if desc is None and nbytes <= self.num_slots * self.slot_bytes and self.reclaim():
+        if desc is None and nbytes <= self.capacity and self.reclaim():
             desc = self.reserve(nbytes)
         if desc is None:
             return None

@@ -27,6 +27,7 @@ from tandem.shared.config import Settings
 from tandem.shared.messages import (
     Heartbeat, MetricsSnapshot, ProtocolError, ScaleRequest, ScalingDecision, decode, encode,
 )
+from tandem.shared.streams import ensure_stream
 
 STREAM_MAX_MSGS = 10_000
 
@@ -46,10 +47,7 @@ async def ensure_planner_stream(js) -> None:
     config = StreamConfig(name=subjects.PLANNER_STREAM, subjects=[subjects.PLANNER_DECISIONS],
                           storage=StorageType.FILE, max_msgs=STREAM_MAX_MSGS, discard=DiscardPolicy.OLD,
                           description="the planner's scaling decisions, for the console's history")
-    try:
-        await js.stream_info(subjects.PLANNER_STREAM)
-    except Exception:
-        await js.add_stream(config)
+    await ensure_stream(js, config)
 
 
 class PlannerService(ServiceRuntime):

@@ -179,7 +179,7 @@ class PrefillService(EngineWorker):
                 self.log.warning("cannot attach KV ring %s (%s); using NATS frames", msg.decode_ring, exc)
                 return None
         data = kv.view(torch.uint8).view(-1)
-        if data.numel() > ring.num_slots * ring.slot_bytes:
+        if data.numel() > ring.capacity:
             return None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.kv_ring_wait_s
