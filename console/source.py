@@ -17,7 +17,6 @@ Actions (after the operator confirmed them in the UI): :meth:`drain` and :meth:`
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 
@@ -26,6 +25,7 @@ import nats
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
 from tandem.console.state import ConsoleState, service_row
+from tandem.discovery import gather_replies
 from tandem.shared import subjects
 from tandem.shared.messages import (
     BlockSnapshot, DrainRequest, ErrorReply, KVTransferEvent, MetricsSnapshot, RoutingDecision, ScaleRequest,
@@ -153,22 +153,7 @@ class NatsSource(Source):
         st.changed()
 
     async def _gather(self, subject: str) -> list[dict]:
-        replies: list[dict] = []
-        inbox = self.nc.new_inbox()
-
-        async def on_reply(msg) -> None:
-            try:
-                replies.append(json.loads(msg.data))
-            except ValueError:
-                pass
-
-        sub = await self.nc.subscribe(inbox, cb=on_reply)
-        try:
-            await self.nc.publish(subject, b"", reply=inbox)
-            await asyncio.sleep(REPLY_WAIT_S)
-        finally:
-            await sub.unsubscribe()
-        return replies
+        return await gather_replies(self.nc, subject, REPLY_WAIT_S)
 
     async def _read_planner_history(self) -> None:
         js = self.nc.jetstream()

@@ -21,23 +21,31 @@ from tandem.shared.messages import HistogramSnapshot
 from tandem.shared.metrics import parse_text
 
 
-async def service_infos(nc: nats.NATS, wait_s: float = 0.3, name: str = "") -> list[dict]:
-    """Every micro service instance's ``$SRV.INFO`` answer within ``wait_s`` (``name``: only that
-    service, e.g. ``tandem-decode``)."""
+async def gather_replies(nc: nats.NATS, subject: str, wait_s: float = 0.3) -> list[dict]:
+    """Every JSON answer to one request on ``subject`` (``$SRV.PING``, ``$SRV.INFO``, ``$SRV.STATS``,
+    maybe narrowed to one service) that arrives within ``wait_s``; answers that are not JSON are skipped."""
     found: list[dict] = []
     inbox = nc.new_inbox()
 
-    async def on_info(msg) -> None:
+    async def on_reply(msg) -> None:
         try:
             found.append(json.loads(msg.data))
         except ValueError:
             pass
 
-    sub = await nc.subscribe(inbox, cb=on_info)
-    await nc.publish(f"$SRV.INFO.{name}" if name else "$SRV.INFO", b"", reply=inbox)
-    await asyncio.sleep(wait_s)
-    await sub.unsubscribe()
+    sub = await nc.subscribe(inbox, cb=on_reply)
+    try:
+        await nc.publish(subject, b"", reply=inbox)
+        await asyncio.sleep(wait_s)
+    finally:
+        await sub.unsubscribe()
     return found
+
+
+async def service_infos(nc: nats.NATS, wait_s: float = 0.3, name: str = "") -> list[dict]:
+    """Every micro service instance's ``$SRV.INFO`` answer within ``wait_s`` (``name``: only that
+    service, e.g. ``tandem-decode``)."""
+    return await gather_replies(nc, f"$SRV.INFO.{name}" if name else "$SRV.INFO", wait_s)
 
 
 def _fetch(url: str, timeout_s: float) -> str:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import nats
 
+from tandem.discovery import gather_replies
 from tandem.gpus import memory_share, pick_gpu, visible_gpus
 from tandem.shared import subjects
 from tandem.shared.config import Settings
@@ -239,17 +240,7 @@ async def wait_until_ready(url: str, want: dict[str, int], check: Callable[[], N
 async def ping_services(nc: nats.NATS, wait_s: float = 0.3) -> dict[str, int]:
     """How many instances of each micro service answer ``$SRV.PING`` within ``wait_s``."""
     counts: dict[str, int] = {}
-    inbox = nc.new_inbox()
-
-    async def on_pong(msg) -> None:
-        try:
-            name = json.loads(msg.data)["name"]
-        except (ValueError, KeyError):
-            return
-        counts[name] = counts.get(name, 0) + 1
-
-    sub = await nc.subscribe(inbox, cb=on_pong)
-    await nc.publish("$SRV.PING", b"", reply=inbox)
-    await asyncio.sleep(wait_s)
-    await sub.unsubscribe()
+    for pong in await gather_replies(nc, "$SRV.PING", wait_s):
+        if isinstance(pong, dict) and "name" in pong:
+            counts[pong["name"]] = counts.get(pong["name"], 0) + 1
     return counts
