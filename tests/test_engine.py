@@ -67,23 +67,41 @@ def greedy_requests(prompts: list[list[int]], **extra) -> list[EngineRequest]:
 
 
 def record_logits(engine: LLMEngine) -> dict[tuple[str, int], torch.Tensor]:
-    """Wrap the runner so every sampled row's logits are kept, keyed by (request, output index)."""
+    """Wrap the runner so every sampled row's logits are kept, keyed by (request, output index),
+    for steps run one at a time and for overlapped ones (``launch_decode`` + ``sample_async``)."""
     logged: dict[tuple[str, int], torch.Tensor] = {}
     runner = engine.runner
-    launch, sample = runner.launch, runner.sample
-    keys: list[tuple[str, int]] = []
+    launch, launch_decode, sample, sample_async = (runner.launch, runner.launch_decode, runner.sample,
+                                                   runner.sample_async)
 
     def launch_and_note(batch):
-        keys[:] = [(i.seq.request_id, i.seq.num_output_tokens) for i in batch.items if i.samples]
-        return launch(batch)
+        pending = launch(batch)
+        if pending is not None:
+            pending.keys = [(i.seq.request_id, i.seq.num_output_tokens) for i in batch.items if i.samples]
+        return pending
+
+    def launch_decode_and_note(seqs, prev_tokens, rows):
+        pending = launch_decode(seqs, prev_tokens, rows)
+        # The first len(rows) sequences' newest token is in flight; the rest are admitted hand-offs.
+        pending.keys = [(seq.request_id, seq.num_output_tokens + (i < len(rows))) for i, seq in enumerate(seqs)]
+        return pending
+
+    def log(pending) -> None:
+        # Before the next step is queued: a graph's logits buffer is reused by the next replay.
+        for key, row in zip(pending.keys, pending.logits):
+            logged[key] = row.clone()
 
     def sample_and_log(pending):
-        sampled = sample(pending)
-        for key, row in zip(keys, runner.last_logits if keys else []):
-            logged[key] = row.clone()
-        return sampled
+        if pending is not None:
+            log(pending)
+        return sample(pending)
 
-    runner.launch, runner.sample = launch_and_note, sample_and_log
+    def sample_async_and_log(pending):
+        log(pending)
+        return sample_async(pending)
+
+    runner.launch, runner.launch_decode, runner.sample, runner.sample_async = (
+        launch_and_note, launch_decode_and_note, sample_and_log, sample_async_and_log)
     return logged
 
 

@@ -3,7 +3,8 @@
 CPU tests check what runs everywhere (fused q/k/v and gate/up give the same logits; presets build
 the same weights in every process; the synthetic tokenizer). GPU tests (``-m gpu``) check the
 split-K decode kernel against the gather path over long contexts and every split size, and that a
-replayed decode graph computes the same logits as the eager forward on the same cache.
+replayed decode graph computes the same logits as the eager forward on the same cache, and that
+overlapped steps (the next graph fed by the last one's ids on the device) give the same tokens.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def test_decode_kernel_matches_gather(dtype: torch.dtype, partition: int | None,
 def test_decode_graph_matches_eager_forward(batch: int) -> None:
     loaded = load_model("random:llama-test", device="cuda", dtype=torch.float32)
     config = EngineConfig(block_size=16, num_blocks=256, max_num_seqs=32, max_model_len=512,
-                          enable_prefix_caching=False)
+                          enable_prefix_caching=False, overlap_steps=False)  # no step left in flight
     engine = LLMEngine(loaded.model, loaded.tokenizer, config, "cuda")
     runner = engine.runner
     assert runner.graphs is not None and runner.graphs.sizes[-1] == 32
@@ -123,3 +124,34 @@ def test_fused_cuda_forward_matches_module_forward(dtype: torch.dtype) -> None:
         tolerance = 1e-4 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(out_fused.float(), out_plain.float(), atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(caches[0].float(), caches[1].float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_overlapped_graph_steps_give_the_same_tokens() -> None:
+    """The device-fed graph path of engine/overlap.py: same tokens and finish reasons as stepping
+    one at a time, over greedy and seeded rows, stop tokens and rows ending at different steps."""
+    loaded = load_model("random:llama-test", device="cuda", dtype=torch.float32)
+
+    def generate(overlap: bool) -> tuple[dict, int]:
+        config = EngineConfig(block_size=16, num_blocks=512, max_num_seqs=32, max_model_len=512,
+                              enable_prefix_caching=False, overlap_steps=overlap)
+        engine = LLMEngine(loaded.model, loaded.tokenizer, config, "cuda")
+        assert engine.runner.graphs is not None
+        for i in range(24):
+            params = SamplingParams(max_tokens=20 + 7 * (i % 5), temperature=0.0 if i % 3 else 0.8, seed=i,
+                                    top_k=50, ignore_eos=True, stop_token_ids=[7 + i] if i % 4 == 0 else [])
+            prompt = list(range(300 + 5 * i, 300 + 5 * i + 10 + 9 * i))
+            engine.add_request(EngineRequest(request_id=f"r{i}", prompt_token_ids=prompt, params=params))
+        out: dict[str, tuple[list[int], str | None]] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                tokens, _ = out.get(o.request_id, ([], None))
+                out[o.request_id] = (tokens + o.new_token_ids, o.finish_reason)
+        return out, engine.num_overlapped_steps
+
+    plain, none = generate(False)
+    overlapped, count = generate(True)
+    assert none == 0 and count > 20, f"{count} steps overlapped"
+    for request_id, expected in plain.items():
+        assert overlapped[request_id] == expected, f"{request_id}: overlapped steps differ"

@@ -4,7 +4,10 @@ A decode step of an 8B model is ~40 kernels per layer; launched one by one from 
 waits on the host. Each graph here captures the whole forward (embedding, every layer, final norm,
 logits) for a fixed number of one-token rows, reading its inputs from static device buffers.
 A step with ``n`` decode rows copies its inputs into those buffers (two host-to-device copies from
-pinned staging) and replays the smallest graph with ``>= n`` rows. Padding rows read token 0 at
+pinned staging) and replays the smallest graph with ``>= n`` rows. A step queued while the previous
+one is still on the device (the engine's overlap, see ``overlap.py``) takes its token ids from that
+step's sampled ids on the device, gathered by row; the host never waits for them. Staging is double
+buffered, so filling it for one step never overwrites what a queued copy of the step before reads. Padding rows read token 0 at
 position 0 and write their K/V into a scratch block the block manager never hands out, with a
 context of one token, so they cost almost nothing and touch no sequence's blocks.
 
@@ -46,8 +49,13 @@ class DecodeGraphs:
         self.inputs = self.padding[:, None].repeat(1, max_batch).to(self.device)
         self.tables = torch.full((max_batch, self.table_width), scratch_block, dtype=torch.int32, device=self.device)
         self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=self.device)
-        self.staging = torch.empty((4, max_batch), dtype=torch.long).pin_memory()
-        self.table_staging = torch.empty((max_batch, self.table_width), dtype=torch.int32).pin_memory()
+        # Two sets of pinned staging used in turn, each with the event of its last copies.
+        self.staging = [torch.empty((5, max_batch), dtype=torch.long).pin_memory() for _ in range(2)]
+        self.table_staging = [torch.empty((max_batch, self.table_width), dtype=torch.int32).pin_memory()
+                              for _ in range(2)]
+        self.staged = [torch.cuda.Event(), torch.cuda.Event()]
+        self.turn = 0
+        self.source_rows = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self.scratch_block = scratch_block
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -83,15 +91,23 @@ class DecodeGraphs:
         return 0 < num_rows <= self.max_batch and bool(self.graphs)
 
     @torch.inference_mode()
-    def run(self, token_ids: Seq[int], positions: Seq[int], block_tables: Seq[Seq[int]]) -> torch.Tensor:
+    def run(self, token_ids: Seq[int], positions: Seq[int], block_tables: Seq[Seq[int]],
+            device_tokens: tuple[torch.Tensor, Seq[int]] | None = None) -> torch.Tensor:
         """Replay for one-token rows: row ``i`` computes ``token_ids[i]`` at ``positions[i]`` through
-        ``block_tables[i]`` (which covers that position)."""
-        n = len(token_ids)
+        ``block_tables[i]`` (which covers that position). With ``device_tokens = (ids, rows)`` the
+        first ``len(rows)`` rows take ``ids[rows[i]]`` instead, read on the device when the replay
+        runs."""
+        n = len(positions)
         size = next(s for s in self.sizes if s >= n)
         bs = self.block_size
-        stage = self.staging[:, :size]
-        stage.copy_(self.padding[:, None].expand(4, size))
+        turn, self.turn = self.turn, 1 - self.turn
+        self.staged[turn].synchronize()  # the copies that last read this set are done
+        stage = self.staging[turn][:, :size]
+        stage[:4].copy_(self.padding[:, None].expand(4, size))
         stage[0, :n] = torch.as_tensor(token_ids, dtype=torch.long)
+        fed = len(device_tokens[1]) if device_tokens is not None else 0
+        if fed:
+            stage[4, :fed] = torch.as_tensor(device_tokens[1], dtype=torch.long)
         pos = torch.as_tensor(positions, dtype=torch.long)
         stage[1, :n] = pos
         flat = [table[p // bs] for table, p in zip(block_tables, positions)]
@@ -103,9 +119,13 @@ class DecodeGraphs:
         rows = array("i", [self.scratch_block]) * (size * width)
         for row, table in enumerate(block_tables):
             rows[row * width : row * width + len(table)] = array("i", table)
-        packed = self.table_staging.view(-1)[: size * width]
+        packed = self.table_staging[turn].view(-1)[: size * width]
         packed.copy_(torch.frombuffer(rows, dtype=torch.int32))
-        self.inputs[:, :size].copy_(stage, non_blocking=True)
+        self.inputs[:, :size].copy_(stage[:4], non_blocking=True)
         self.tables[:size, :width].copy_(packed.view(size, width), non_blocking=True)
+        if fed:
+            self.source_rows[:fed].copy_(stage[4, :fed], non_blocking=True)
+            torch.index_select(device_tokens[0], 0, self.source_rows[:fed], out=self.inputs[0, :fed])
+        self.staged[turn].record()
         self.graphs[size].replay()
         return self.logits[size][:n]

@@ -26,7 +26,8 @@ import torch
 
 from tandem.shared.engine.detokenizer import IncrementalDetokenizer, can_defer_text, catch_up_text
 from tandem.shared.engine.model_runner import ModelRunner
-from tandem.shared.engine.scheduler import Scheduler
+from tandem.shared.engine.overlap import InFlightStep, is_pure_decode, plan_ahead
+from tandem.shared.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.shared.engine.sequence import EngineRequest, RequestOutput, Sequence, SequenceStatus
 from tandem.shared.kvcache.block_manager import BlockManager, prefix_hashes
 from tandem.shared.tokenizer import Tokenizer
@@ -44,6 +45,9 @@ class EngineConfig:
     # Detokenize a step's tokens while the device runs the next step (outputs come one step later).
     # None: on for CUDA, where the forward runs asynchronously to the host; off on CPU.
     async_output: bool | None = None
+    # Queue the next decode step before the host has this one's tokens (see ``overlap.py``).
+    # None: on with CUDA graphs, off otherwise (where the host is the device, nothing overlaps).
+    overlap_steps: bool | None = None
 
     def validate(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
@@ -83,6 +87,10 @@ class LLMEngine:
                                   cuda_graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
                                   max_model_len=self.max_model_len)
         self.async_output = config.async_output if config.async_output is not None else self.runner.device.type == "cuda"
+        self.overlap_steps = (config.overlap_steps if config.overlap_steps is not None
+                              else self.runner.graphs is not None)
+        self._in_flight: InFlightStep | None = None
+        self.num_overlapped_steps = 0
         self._text_pending: list[tuple[Sequence, int]] = []  # (sequence, its newest token) awaiting text
         self._arrivals = itertools.count()
         self._aborted_outputs: list[RequestOutput] = []
@@ -139,18 +147,55 @@ class LLMEngine:
         With ``async_output`` the device computes this step while the host detokenizes the previous
         step's tokens, so a request's output arrives with the step after the one that sampled it
         (except sequences with stop strings, whose text decides when they end, and prefill-only
-        ones, whose token starts a hand-off: see ``can_defer_text``)."""
+        ones, whose token starts a hand-off: see ``can_defer_text``). With ``overlap_steps`` a pure
+        decode step is left running on the device and its tokens come out of the next call, which
+        first queues the step after it (see ``overlap.py``).
+        """
+        try:
+            return self._step()
+        except BaseException:
+            self._in_flight = None  # a failed step leaves nothing to wait for; its sequences get aborted
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        if self._in_flight is not None:
+            done, self._in_flight = self._in_flight, self._queue_ahead(self._in_flight)
+            outputs += self._catch_up_text()
+            outputs += self._postprocess(done.batch, done.tokens.wait())
+            if self._in_flight is not None:
+                return outputs
         batch = self.scheduler.schedule()
         if not batch:
             return outputs + self._catch_up_text()
+        self._scatter_imports(batch)
+        pending = self.runner.launch(batch)
+        if self.overlap_steps and pending is not None and is_pure_decode(batch):
+            self._in_flight = InFlightStep(batch, self.runner.sample_async(pending))
+            return outputs + self._catch_up_text()
+        outputs += self._catch_up_text()
+        return outputs + self._postprocess(batch, self.runner.sample(pending))
+
+    def _queue_ahead(self, step: InFlightStep) -> InFlightStep | None:
+        """Queue the decode step after the in-flight ``step``, fed by its tokens on the device; None
+        when the scheduler must decide the next step once ``step``'s tokens are known."""
+        plan = plan_ahead(self.scheduler, step.batch)
+        if plan is None:
+            return None
+        batch, rows = plan
+        self._scatter_imports(batch)
+        pending = self.runner.launch_decode([item.seq for item in batch.items], step.tokens.device, rows)
+        self.num_overlapped_steps += 1
+        return InFlightStep(batch, self.runner.sample_async(pending))
+
+    def _scatter_imports(self, batch: ScheduledBatch) -> None:
         for seq, kv, first in batch.imports:
             if kv.shape[0]:
                 self.runner.import_kv(seq.block_table[first:], kv)
             self.scheduler.hash_computed(seq)  # its prompt blocks hold valid K/V now: cacheable
-        pending = self.runner.launch(batch)
-        outputs += self._catch_up_text()
-        sampled = self.runner.sample(pending)
+
+    def _postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[RequestOutput]:
+        outputs = []
         for seq in self.scheduler.postprocess(batch, sampled, text_later=self.async_output):
             if self.async_output and can_defer_text(seq):
                 self._text_pending.append((seq, seq.token_ids[-1]))
@@ -169,7 +214,8 @@ class LLMEngine:
         return outputs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted_outputs) or bool(self._text_pending)
+        return (self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._aborted_outputs)
+                or bool(self._text_pending))
 
     def stats(self) -> dict[str, float | int]:
         return {

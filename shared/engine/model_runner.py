@@ -27,6 +27,21 @@ class PendingStep:
     output_indices: list[int]
 
 
+@dataclass
+class SampledTokens:
+    """A step's sampled ids: ``device`` (feeds the next step's inputs without a round trip) and a
+    host copy that ``wait`` returns once the device has made it."""
+
+    device: torch.Tensor
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+
+    def wait(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
 class ModelRunner:
     """The model plus its KV cache ``[num_blocks, num_layers, 2, block_size, Hkv, D]``."""
 
@@ -54,6 +69,9 @@ class ModelRunner:
         self.generator = generator  # for unseeded sampling rows; None = torch's default generator
         self.graphs: DecodeGraphs | None = None
         self.last_logits: torch.Tensor | None = None
+        # Pinned landing places for sampled ids, used in turn: two steps can be in flight at once.
+        self._token_hosts = [torch.empty(0, dtype=torch.long) for _ in range(2)]
+        self._token_turn = 0
         if self.device.type == "cuda":
             model.fuse_projections()
         if use_graphs:
@@ -120,6 +138,46 @@ class ModelRunner:
             return []
         self.last_logits = pending.logits  # the rows sampled from, for tests and debugging
         return sample(pending.logits, pending.params, pending.output_indices, self.generator).tolist()
+
+    @torch.inference_mode()
+    def launch_decode(self, seqs: Seq, prev_tokens: torch.Tensor, source_rows: Seq[int]) -> PendingStep:
+        """Queue one decode row per sequence. The first ``len(source_rows)`` sequences have a newest
+        token still being sampled on the device: row ``i`` computes ``prev_tokens[source_rows[i]]``
+        at position ``seqs[i].num_tokens`` (the index that token will have). The others compute
+        their last known token (hand-offs just admitted). Block tables must cover those positions."""
+        fed = len(source_rows)
+        positions = [seq.num_tokens if i < fed else seq.num_computed_tokens for i, seq in enumerate(seqs)]
+        known = [0 if i < fed else seq.token_ids[-1] for i, seq in enumerate(seqs)]
+        tables = [seq.block_table for seq in seqs]
+        if self.graphs is not None and self.graphs.can_run(len(seqs)):
+            logits = self.graphs.run(known, positions, tables, device_tokens=(prev_tokens, source_rows))
+        else:
+            meta = build_attention_metadata([1] * len(seqs), [p + 1 for p in positions], tables, self.block_size,
+                                            self.device)
+            input_ids = torch.tensor(known, dtype=torch.long).to(self.device)
+            if fed:
+                input_ids[:fed] = prev_tokens.index_select(0, torch.tensor(source_rows, dtype=torch.long).to(self.device))
+            hidden = self.model(input_ids, torch.tensor(positions, dtype=torch.long).to(self.device), self.kv_cache,
+                                meta)
+            logits = self.model.compute_logits(hidden)
+        indices = [seq.num_output_tokens + (i < fed) for i, seq in enumerate(seqs)]
+        return PendingStep(logits, [seq.params for seq in seqs], indices)
+
+    @torch.inference_mode()
+    def sample_async(self, pending: PendingStep) -> SampledTokens:
+        """Queue sampling of a launched step and the copy of its ids to the host; wait for neither."""
+        self.last_logits = pending.logits
+        ids = sample(pending.logits, pending.params, pending.output_indices, self.generator)
+        if ids.device.type != "cuda":
+            return SampledTokens(ids, ids, None)
+        turn, self._token_turn = self._token_turn, 1 - self._token_turn
+        if self._token_hosts[turn].numel() < ids.numel():
+            self._token_hosts[turn] = torch.empty(max(ids.numel(), 512), dtype=torch.long).pin_memory()
+        host = self._token_hosts[turn][: ids.numel()]
+        host.copy_(ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return SampledTokens(ids, host, done)
 
     def _run_decode_graph(self, batch: ScheduledBatch) -> torch.Tensor:
         seqs = [item.seq for item in batch.items]

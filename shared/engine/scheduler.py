@@ -131,6 +131,19 @@ class Scheduler:
         self._admit(batch, in_batch)
         return batch
 
+    def admit_handoffs(self, batch: ScheduledBatch) -> None:
+        """Admit waiting hand-offs into ``batch`` as decode rows, first come first served, while they
+        fit; only when every waiting sequence is one (see ``is_handoff_ready``), else nothing."""
+        if all(self.is_handoff_ready(seq) for seq in self.waiting):
+            self._admit(batch, {item.seq for item in batch.items})
+
+    def is_handoff_ready(self, seq: Sequence) -> bool:
+        """A waiting hand-off whose imported K/V cover its whole prompt and whose one known output
+        token is all that is left to compute: admitted, it is a one-token decode row."""
+        if seq.pending_kv is None or seq.prefill_only:
+            return False
+        return seq.num_tokens - min(seq.pending_kv.shape[0] * self.block_size, seq.num_prompt_tokens) == 1
+
     def _admit(self, batch: ScheduledBatch, in_batch: set[Sequence]) -> None:
         while self.waiting and batch.num_batched_tokens < self.max_num_batched_tokens:
             if len(self.running) >= self.max_num_seqs:
@@ -219,6 +232,7 @@ class Scheduler:
 
         ``sampled_token_ids`` has one id per item with ``samples`` set, in batch order. Returns the
         sequences that got a token this step (finished ones included, with ``finish_reason`` set).
+        A sequence that finished while the step was in flight is skipped (overlapped steps).
         ``text_later``: sequences whose text may lag (``can_defer_text``) are checked on token ids
         only; the engine detokenizes them later (see ``LLMEngine.step``).
         """
@@ -226,6 +240,12 @@ class Scheduler:
         updated: list[Sequence] = []
         for item in batch.items:
             seq = item.seq
+            if seq.status is SequenceStatus.FINISHED:
+                # Ended (abort, or a stop in the step before) while this step was in flight: its
+                # token is not part of it (see engine/overlap.py); unseen rows still use up samples.
+                if item.samples:
+                    next(sampled)
+                continue
             seq.num_computed_tokens += item.num_query_tokens
             self.hash_computed(seq)
             if not item.samples:
