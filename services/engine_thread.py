@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from tandem.shared.engine import EngineRequest, LLMEngine, RequestOutput
 
 log = logging.getLogger("tandem.engine")
+
+ENGINE_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -74,6 +77,10 @@ class EngineThread:
         self._deferred: list[_Add] = []  # requests that arrived while a _WhenIdle call waited
 
     def start(self) -> None:
+        # The engine thread and the event loop share the GIL. A thread that wants it waits until the
+        # holder blocks or the switch interval (5 ms by default, most of a decode step) runs out:
+        # a shorter one bounds how long token streaming on the loop can hold up the next step.
+        sys.setswitchinterval(min(sys.getswitchinterval(), ENGINE_SWITCH_INTERVAL_S))
         self._thread.start()
 
     async def add(self, request: EngineRequest) -> None:
