@@ -26,7 +26,7 @@ from tandem.shared import subjects
 from tandem.shared.config import Settings
 from tandem.shared.engine import EngineConfig, LLMEngine, RequestOutput
 from tandem.shared.frames import tensor_bytes
-from tandem.shared.kvcache.cache import kv_cache_bytes_per_block, kv_namespace
+from tandem.shared.kvcache.cache import kv_cache_bytes_per_block, kv_namespace, to_host
 from tandem.shared.messages import (
     Cancel, ErrorCode, ErrorReply, Heartbeat, ProtocolError, StreamChunk, decode, encode,
 )
@@ -184,7 +184,7 @@ class EngineWorker(ServiceRuntime):
         self.offers_in_flight += 1
         start = time.time()
         try:
-            blob = await asyncio.to_thread(lambda: tensor_bytes(blocks.cpu()))  # device copy: off the loop
+            blob = await asyncio.to_thread(lambda: tensor_bytes(to_host(blocks)))  # device copy: off the loop
             reply = await KVStoreClient(self.nc, store).put(self.kv_namespace, hashes, blob, len(blob) // len(hashes))
         except Exception as exc:
             self.log.warning("offering %s's blocks to kvstore %s failed: %s", request_id, store, exc)

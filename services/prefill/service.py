@@ -28,6 +28,7 @@ from tandem.shared.config import Settings
 from tandem.shared.engine import EngineRequest, RequestOutput
 from tandem.shared.frames import block_checksums, send_kv, tensor_bytes
 from tandem.shared.kvcache.block_manager import prefix_hashes
+from tandem.shared.kvcache.cache import to_host
 from tandem.shared.messages import (
     Ack, DecodeRequest, ErrorCode, ErrorReply, Heartbeat, KVTransfer, PrefillRequest, ProtocolError, RingSlots, decode,
     encode, error_reply,
@@ -46,7 +47,7 @@ class PrefillService(EngineWorker):
         self.pending: dict[str, PrefillRequest] = {}
         self.rings: dict[str, ShmRing] = {}  # decode workers' rings on this host, attached on first use
         self.handoffs: dict[str, str] = {}  # request -> decode worker, while its hand-off is under way
-        self.ring_locks: dict[str, asyncio.Lock] = {}
+        self.ring_copies: dict[str, asyncio.Semaphore] = {}
 
     async def setup(self) -> None:
         await super().setup()
@@ -183,9 +184,9 @@ class PrefillService(EngineWorker):
             return None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.kv_ring_wait_s
-        lock = self.ring_locks.setdefault(msg.decode_ring, asyncio.Lock())
+        copies = self.ring_copies.setdefault(msg.decode_ring, asyncio.Semaphore(self.settings.kv_ring_copies))
         while True:
-            async with lock:  # one copy into a ring at a time, as the fast path was measured
+            async with copies:  # at most kv_ring_copies into one ring at once
                 # From GPU memory straight into pinned slots, on a thread: the loop keeps serving.
                 desc = await asyncio.to_thread(ring.try_write, data)
             if desc is not None:
@@ -198,7 +199,7 @@ class PrefillService(EngineWorker):
 
     async def send_frames(self, msg: PrefillRequest, kv: torch.Tensor, timeout: float) -> KVTransfer:
         def pack() -> tuple[bytes, list]:  # a device copy and a checksum per block: off the event loop
-            blob = tensor_bytes(kv.cpu())
+            blob = tensor_bytes(to_host(kv))
             return blob, block_checksums(blob, len(blob) // kv.shape[0])
 
         blob, checksums = await asyncio.to_thread(pack)

@@ -63,6 +63,23 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int] | torch.Tenso
     return kv_cache.index_select(0, _block_index(block_ids, kv_cache.device))
 
 
+def to_host(blocks: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``blocks``. From CUDA: into pinned memory on a side stream, ordered after the
+    work that produced them, waiting for that copy alone. A plain ``.cpu()`` would run on the
+    engine's stream, so every decode step queued after it would wait behind a copy of a hundred MB
+    through pageable memory (KV-store offers and NATS hand-offs run while the engine decodes)."""
+    if not blocks.is_cuda:
+        return blocks
+    side = torch.cuda.Stream(blocks.device)
+    side.wait_stream(torch.cuda.current_stream(blocks.device))
+    host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
+    with torch.cuda.stream(side):
+        host.copy_(blocks, non_blocking=True)
+    blocks.record_stream(side)
+    side.synchronize()
+    return host
+
+
 def scatter_blocks(
     kv_cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, blocks: torch.Tensor
 ) -> None:
