@@ -7,10 +7,13 @@ transfer and ``--concurrency`` transfers in flight, two ways in the same run:
 - nats: ``send_kv`` acknowledged frames + crc32 per block, then an admit message whose checksums
   ``KVReceiver.take`` verifies (as services/prefill ``hand_off`` and decode ``on_admit`` do);
 - ring: ``ShmRing.try_write`` into the consumer's ring, a small descriptor message, the consumer
-  ``read``s (and releases) the slots and acks (``--ring-checksum`` adds crc32 on both ends).
+  ``read``s (and releases) the slots and acks (``--ring-checksum`` adds crc32 on both ends); the
+  consumer reads from tasks, ``--consumer-copies`` at once.
 
 It prints MB/s for each (median of ``--repeat`` runs) and the ratio. ``--device cuda`` moves GPU
-memory in the producer to GPU memory in the consumer (the ring pinned with cudaHostRegister)::
+memory in the producer to GPU memory in the consumer (the ring pinned with cudaHostRegister), on one
+GPU or, with ``--producer-gpu 1 --consumer-gpu 0``, between two (as ``tandem up`` places prefill
+and decode workers on a two-GPU machine)::
 
     python benchmarks/kv_transfer.py                       # CPU: 64 KiB and 2 MiB blocks
     python benchmarks/kv_transfer.py --device cuda --total-mib 4096 --block-kib 2048 --blocks-per-transfer 32
@@ -50,10 +53,15 @@ async def consumer(args: argparse.Namespace) -> None:
     slots = max(args.ring_mib * MiB // block, args.concurrency * args.blocks_per_transfer)
     ring = ShmRing.create("bench", block, slots, pin=args.device == "cuda")
     receiver = KVReceiver(max_bytes_in_flight=1 << 40)
-    dev = torch.device(args.device)
-    # Where the decode worker wants its KV: blocks of its preallocated pool. The subscription
-    # handles one message at a time, so one transfer's worth stands in for the pool.
-    pool = torch.empty(block * args.blocks_per_transfer, dtype=torch.uint8, device=dev)
+    dev = torch.device("cuda", args.consumer_gpu) if args.device == "cuda" else torch.device("cpu")
+    # Where the decode worker wants its KV: blocks of its preallocated pool, one transfer's worth
+    # per copy that may run at once.
+    per = block * args.blocks_per_transfer
+    pool = torch.empty(per * args.consumer_copies, dtype=torch.uint8, device=dev)
+    free_parts = asyncio.Queue()
+    for i in range(args.consumer_copies):
+        free_parts.put_nowait(pool[i * per : (i + 1) * per])
+    tasks: set[asyncio.Task] = set()
 
     def land(data: torch.Tensor) -> torch.Tensor:
         if dev.type == "cuda":
@@ -71,19 +79,30 @@ async def consumer(args: argparse.Namespace) -> None:
         kv = land(torch.frombuffer(blob, dtype=torch.uint8))
         await msg.respond(str(crc(kv)).encode() if head["check"] else b"ok")
 
-    def read(head: dict) -> torch.Tensor:
+    def read(head: dict, part: torch.Tensor) -> torch.Tensor:
         desc = SlotDescriptor.from_wire(head["desc"])
-        kv = ring.read(desc, out=pool[: desc.length])
+        kv = ring.read(desc, out=part[: desc.length])
         if head["sums"] and block_checksums(kv.cpu().numpy(), block) != head["sums"]:
             raise ValueError("checksum mismatch")
         return kv
 
-    async def on_ring(msg) -> None:
+    async def copy_out(msg) -> None:
         head = msgpack.unpackb(msg.data)
-        # GPU copies wait on DMA: off the loop, so acks flush meanwhile; a CPU memcpy is cheaper
-        # than a thread hand-off
-        kv = await asyncio.to_thread(read, head) if dev.type == "cuda" else read(head)
-        await msg.respond(str(crc(kv)).encode() if head["check"] else b"ok")
+        part = await free_parts.get()
+        try:
+            # GPU copies wait on DMA: off the loop, so acks flush meanwhile; a CPU memcpy is
+            # cheaper than a thread hand-off
+            kv = await asyncio.to_thread(read, head, part) if dev.type == "cuda" else read(head, part)
+            await msg.respond(str(crc(kv)).encode() if head["check"] else b"ok")
+        finally:
+            free_parts.put_nowait(part)
+
+    async def on_ring(msg) -> None:
+        # As the decode service admits: from a task, so the next descriptor is read while this
+        # copy runs (a subscription's callbacks run one at a time).
+        task = asyncio.create_task(copy_out(msg))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     async def on_info(msg) -> None:
         await msg.respond(msgpack.packb({"ring": ring.name, "host_id": host_id()}))
@@ -103,10 +122,12 @@ async def producer(args: argparse.Namespace, url: str) -> dict[str, list[float]]
     block = args.block_kib * 1024
     per = block * args.blocks_per_transfer
     count = max(1, args.total_mib * MiB // per)
-    label = f"[{args.block_kib} KiB blocks, {args.blocks_per_transfer}/transfer, {count} transfers, {args.device}]"
+    where = f"cuda:{args.producer_gpu} -> cuda:{args.consumer_gpu}" if args.device == "cuda" else "cpu"
+    label = f"[{args.block_kib} KiB blocks, {args.blocks_per_transfer}/transfer, {count} transfers, {where}]"
     proc = subprocess.Popen([sys.executable, __file__, "--role", "consumer", "--nats-url", url, "--device", args.device,
                              "--block-kib", str(args.block_kib), "--blocks-per-transfer", str(args.blocks_per_transfer),
-                             "--concurrency", str(args.concurrency), "--ring-mib", str(args.ring_mib)],
+                             "--concurrency", str(args.concurrency), "--ring-mib", str(args.ring_mib),
+                             "--consumer-copies", str(args.consumer_copies), "--consumer-gpu", str(args.consumer_gpu)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready", "consumer did not start"
     nc = await nats.connect(url, pending_size=256 * MiB)
@@ -114,7 +135,8 @@ async def producer(args: argparse.Namespace, url: str) -> dict[str, list[float]]
     assert info["host_id"] == host_id(), "consumer is on another host"
     ring = ShmRing.attach(info["ring"], pin=args.device == "cuda")
     print(f"{label} consumer pid {proc.pid} ready, ring {ring.name}: {ring.num_slots} x {ring.slot_bytes} B", flush=True)
-    src = torch.from_numpy(np.random.default_rng(0).integers(0, 256, count * per, dtype=np.uint8)).to(args.device)
+    dev = torch.device("cuda", args.producer_gpu) if args.device == "cuda" else torch.device("cpu")
+    src = torch.from_numpy(np.random.default_rng(0).integers(0, 256, count * per, dtype=np.uint8)).to(dev)
     sem, fallbacks = asyncio.Semaphore(args.concurrency), 0
 
     async def via_nats(part: torch.Tensor, check: bool = False) -> bytes:
@@ -144,10 +166,11 @@ async def producer(args: argparse.Namespace, url: str) -> dict[str, list[float]]
         return count * per / (time.perf_counter() - start) / 1e6
 
     results: dict[str, list[float]] = {"nats": [], "ring": []}
-    for name, path in (("nats", via_nats), ("ring", via_ring)):  # warm up, and check the bytes land
+    paths = [(name, path) for name, path in (("nats", via_nats), ("ring", via_ring)) if name in args.paths]
+    for name, path in paths:  # warm up, and check the bytes land
         assert int(await path(src[:per], True)) == crc(src[:per]), f"{name}: bytes differ"
     for r in range(args.repeat):
-        for name, path in (("nats", via_nats), ("ring", via_ring)):
+        for name, path in paths:
             results[name].append(await run(path))
             print(f"{label} run {r + 1}/{args.repeat} {name}: {results[name][-1]:,.0f} MB/s", flush=True)
     if fallbacks:
@@ -167,12 +190,13 @@ async def main(args: argparse.Namespace) -> None:
     try:
         for kib in args.block_kib:
             res = await producer(argparse.Namespace(**{**vars(args), "block_kib": kib}), url)
-            nats_mbs, ring_mbs = statistics.median(res["nats"]), statistics.median(res["ring"])
+            nats_mbs, ring_mbs = (statistics.median(res[k]) if res[k] else float("nan") for k in ("nats", "ring"))
             rows.append((kib, nats_mbs, ring_mbs))
     finally:
         if server:
             server.stop()
-    print(f"\n{'block':>9} | {'nats MB/s':>10} | {'ring MB/s':>10} | ring / nats   ({args.device}, median of {args.repeat})")
+    where = f"cuda:{args.producer_gpu} -> cuda:{args.consumer_gpu}" if args.device == "cuda" else "cpu"
+    print(f"\n{'block':>9} | {'nats MB/s':>10} | {'ring MB/s':>10} | ring / nats   ({where}, median of {args.repeat})")
     for kib, n, r in rows:
         print(f"{kib:>5} KiB | {n:>10,.0f} | {r:>10,.0f} | {r / n:.1f}x")
 
@@ -187,7 +211,13 @@ if __name__ == "__main__":
     p.add_argument("--total-mib", type=int, default=64, help="bytes moved per run")
     p.add_argument("--concurrency", type=int, default=4, help="transfers in flight")
     p.add_argument("--ring-mib", type=int, default=64, help="ring size (raised to hold every transfer in flight)")
+    p.add_argument("--consumer-copies", type=int, default=2,
+                   help="ring copies the consumer runs at once (the services: TANDEM_KV_RING_COPIES)")
+    p.add_argument("--producer-gpu", type=int, default=0, help="--device cuda: the prefill side's GPU")
+    p.add_argument("--consumer-gpu", type=int, default=0, help="--device cuda: the decode side's GPU")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--paths", nargs="+", choices=["nats", "ring"], default=["nats", "ring"],
+                   help="ring alone for GB-sized GPU runs (NATS moves a few hundred MB/s)")
     p.add_argument("--ring-checksum", action="store_true", help="crc32 per block on the ring path too")
     a = p.parse_args()
     if a.role == "consumer":

@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     kv_ring_mib: int = Field(256, ge=0)  # decode: shared-memory ring for same-host hand-offs; 0 disables the fast path
     kv_ring_slot_kib: int = Field(1024, ge=4)
     kv_ring_wait_s: float = Field(2.0, ge=0)  # prefill: how long a hand-off waits for ring room before NATS
+    # Copies into (prefill) or out of (decode) one ring at once: two keep the link busy while the
+    # other copy's descriptor, thread hand-off and acknowledgement are in flight.
+    kv_ring_copies: int = Field(2, ge=1)
 
     # router
     router_load_weight: float = Field(1.0, ge=0)  # blocks of recompute one queued sequence is worth

@@ -63,7 +63,7 @@ class DecodeService(EngineWorker):
         budget = max(self.engine_config.num_blocks // 4, blocks_for_one) * self.block_bytes
         self.receiver = KVReceiver(max_bytes_in_flight=budget)
         self.ring: ShmRing | None = None
-        self.ring_copy_lock = threading.Lock()
+        self.ring_copies = threading.Semaphore(settings.kv_ring_copies)
         self.transfers = {"ring": 0, "nats": 0}
         self.offers: dict[str, tuple[str, int]] = {}  # request -> (kvstore, leading blocks it holds)
         if settings.kv_ring_mib:
@@ -178,8 +178,8 @@ class DecodeService(EngineWorker):
             try:
                 # On a GPU worker the slots go straight into device memory (pinned -> GPU DMA).
                 staging = torch.empty(msg.ring.length, dtype=torch.uint8, device=self.device)
-                # The ring is thread-safe; one copy out of it at a time is how the fast path was measured.
-                with self.ring_copy_lock:
+                # The ring is thread-safe; kv_ring_copies copies out of it at once keep the link busy.
+                with self.ring_copies:
                     raw = self.ring.read(SlotDescriptor.from_wire(msg.ring.model_dump()), out=staging)
             except RingError as exc:
                 raise ProtocolError(ErrorCode.BAD_FRAME, f"ring slots unusable: {exc}") from None
