@@ -4,8 +4,9 @@
 
 Submits ``--batch`` random 1024-token prompts, steps until every one has its first token, then
 profiles ``--steps`` pure decode steps and prints the mean step time (profiler included) and the
-functions by own time. On CUDA the time spent in ``tolist`` is the host waiting for the device;
-the rest is host work. Without CUDA it profiles ``random:llama-test`` on the CPU.
+functions by own time. On CUDA the time spent in ``synchronize`` (``SampledTokens.wait``) or
+``tolist`` is the host waiting for the device; the rest is host work, which overlapped steps
+(``engine/overlap.py``) run while the device computes. Without CUDA it profiles ``random:llama-test`` on the CPU.
 """
 
 from __future__ import annotations

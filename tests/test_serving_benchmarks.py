@@ -1,7 +1,8 @@
 """The GPU serving benchmarks run on CPU too (small models), so their code paths stay working.
 
 ``benchmarks/serving_gpu.py`` falls back to ``random:llama-test`` and ``benchmarks/serving_system.py``
-to the tiny model behind a real ``tandem up``; these tests check that each prints its figures.
+to the tiny model behind a real ``tandem up``; ``benchmarks/kv_transfer.py`` moves CPU memory.
+These tests check that each prints its figures.
 """
 
 from __future__ import annotations
@@ -36,3 +37,14 @@ def test_system_benchmark_runs_bench_serve_against_tandem_up(tmp_path: Path) -> 
     (system,) = [g for g in figures(out.stdout) if g["figure"] == "system"]
     assert (system["completed"], system["failed"]) == (4, 0), system
     assert system["ttft_ms"]["median"] > 0 and system["output_throughput"] > 0
+
+
+def test_kv_transfer_benchmark_moves_the_bytes_both_ways() -> None:
+    """The KV transfer benchmark (NATS frames vs the shared-memory ring, consumer reading from tasks)
+    checks the bytes that land on both paths and prints one row per block size."""
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "kv_transfer.py"), "--block-kib", "64",
+                          "--total-mib", "4", "--repeat", "1", "--consumer-copies", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = out.stdout.strip().splitlines()[-1].split("|")
+    assert row[0].strip() == "64 KiB" and float(row[1].replace(",", "")) > 0 and float(row[2].replace(",", "")) > 0, out.stdout
