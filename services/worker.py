@@ -103,6 +103,7 @@ class EngineWorker(ServiceRuntime):
             max_model_len=self.max_model_len,
             enable_prefix_caching=settings.enable_prefix_caching,
             enforce_eager=settings.enforce_eager,
+            overlap_steps=None if settings.overlap_steps else False,  # None: wherever decode graphs run
         )
         self.engine = LLMEngine(self.loaded.model, self.loaded.tokenizer, self.engine_config, self.device, self.dtype)
         self.streams: dict[str, Stream] = {}

@@ -45,6 +45,7 @@ class Settings(BaseSettings):
     max_model_len: int = Field(2048, ge=16)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # CUDA: skip decode CUDA graphs (debugging, or to save their memory)
+    overlap_steps: bool = True  # with graphs: queue the next decode step before this one's tokens are read
 
     # bus
     heartbeat_interval_s: float = Field(0.5, gt=0)

@@ -54,11 +54,13 @@ def add_engine(p: argparse.ArgumentParser) -> None:
                    help="reuse cached KV blocks of shared prompt prefixes (default: on)")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: no decode CUDA graphs (default: graphs for batch sizes up to --max-num-seqs)")
+    p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
+                   help="with decode graphs: queue decode step N+1 before step N's tokens reach the host (default: on)")
 
 
 ENGINE_FLAGS = ("device", "dtype", "block_size", "num_blocks", "kv_cache_mib", "gpu_memory_utilization", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "torch_threads", "enable_prefix_caching", "kv_ring_mib",
-                "enforce_eager")
+                "enforce_eager", "overlap_steps")
 KVSTORE_FLAGS = ("kvstore_ram_mib", "kvstore_disk_mib", "kvstore_dir")
 
 

@@ -121,3 +121,17 @@ def test_up_without_nats_binary_is_a_clear_error(tmp_path):
     out = subprocess.run([*TANDEM, "up"], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert "nats-server" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(("flags", "overlap", "passed_on"), [
+    ([], True, []),
+    (["--no-overlap-steps"], False, ["--no-overlap-steps"]),
+    (["--overlap-steps", "--enforce-eager"], True, ["--enforce-eager", "--overlap-steps"]),
+])
+def test_engine_flags_reach_settings_and_workers(flags: list[str], overlap: bool, passed_on: list[str]) -> None:
+    """Engine flags become settings, and ``up`` hands the ones given to the workers it starts."""
+    from tandem.cli import ENGINE_FLAGS, engine_argv, parser, settings_from
+
+    args = parser().parse_args(["up", *flags])
+    assert settings_from(args, *ENGINE_FLAGS).overlap_steps is overlap
+    assert engine_argv(args) == passed_on
