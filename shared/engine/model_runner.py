@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.shared.engine.cuda_graphs import DecodeGraphs
-from tandem.shared.engine.sampling import sample
+from tandem.shared.engine.sampling import host_values_to, sample
 from tandem.shared.engine.scheduler import ScheduledBatch
 from tandem.shared.kvcache.attention import AttentionMetadata, build_attention_metadata
 from tandem.shared.kvcache.cache import allocate_kv_cache, gather_blocks, scatter_blocks
@@ -119,13 +119,13 @@ class ModelRunner:
         if end == len(batch.items) and self.graphs is not None and self.graphs.can_run(end):
             logits = self._run_decode_graph(batch)  # every row is one token: replay a graph
             if len(rows) < end:
-                logits = logits[torch.tensor(rows, dtype=torch.long, device=self.device)]
+                logits = logits[host_values_to(self.device, rows, torch.long)]
         else:
             input_ids, positions, meta = self.prepare(batch)
             hidden = self.model(input_ids, positions, self.kv_cache, meta)
             if not rows:
                 return None
-            row_index = torch.tensor(rows, dtype=torch.long).to(self.device)
+            row_index = host_values_to(self.device, rows, torch.long)
             logits = self.model.compute_logits(hidden.index_select(0, row_index))
         if not rows:
             return None
@@ -154,11 +154,10 @@ class ModelRunner:
         else:
             meta = build_attention_metadata([1] * len(seqs), [p + 1 for p in positions], tables, self.block_size,
                                             self.device)
-            input_ids = torch.tensor(known, dtype=torch.long).to(self.device)
+            input_ids = host_values_to(self.device, known, torch.long)
             if fed:
-                input_ids[:fed] = prev_tokens.index_select(0, torch.tensor(source_rows, dtype=torch.long).to(self.device))
-            hidden = self.model(input_ids, torch.tensor(positions, dtype=torch.long).to(self.device), self.kv_cache,
-                                meta)
+                input_ids[:fed] = prev_tokens.index_select(0, host_values_to(self.device, source_rows, torch.long))
+            hidden = self.model(input_ids, host_values_to(self.device, positions, torch.long), self.kv_cache, meta)
             logits = self.model.compute_logits(hidden)
         indices = [seq.num_output_tokens + (i < fed) for i, seq in enumerate(seqs)]
         return PendingStep(logits, [seq.params for seq in seqs], indices)

@@ -34,6 +34,14 @@ def mix_seed(seed: int, output_index: int) -> int:
     return state >> 1  # torch.Generator.manual_seed takes it on every version
 
 
+def host_values_to(device: torch.device, values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``values`` on ``device`` without waiting for the device: a plain ``torch.tensor(...,
+    device=cuda)`` is a blocking copy, which waits for everything queued on the stream (with
+    overlapped steps, the next step's whole forward). Pinned memory makes the copy asynchronous."""
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
 def _top_k_top_p_mask(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     """Set logits outside each row's top-k / top-p set to -inf (one descending sort per row)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -66,12 +74,12 @@ def sample(
     if all(p.temperature == 0.0 for p in params):
         return greedy_ids
 
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    temps = host_values_to(device, [p.temperature for p in params], torch.float32)
     greedy = temps == 0.0
     scaled = logits / torch.where(greedy, 1.0, temps)[:, None]
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        top_ks = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
-        top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        top_ks = host_values_to(device, [p.top_k for p in params], torch.long)
+        top_ps = host_values_to(device, [p.top_p for p in params], torch.float32)
         scaled = _top_k_top_p_mask(scaled, top_ks, top_ps)
     probs = scaled.softmax(dim=-1)
 
