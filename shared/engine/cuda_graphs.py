@@ -7,12 +7,11 @@ A step with ``n`` decode rows copies its inputs into those buffers (two host-to-
 pinned staging) and replays the smallest graph with ``>= n`` rows. A step queued while the previous
 one is still on the device (the engine's overlap, see ``overlap.py``) takes its token ids from that
 step's sampled ids on the device, gathered by row; the host never waits for them. Staging is double
-buffered, so filling it for one step never overwrites what a queued copy of the step before reads. Padding rows read token 0 at
-position 0 and write their K/V into a scratch block the block manager never hands out, with a
-context of one token, so they cost almost nothing and touch no sequence's blocks.
-
-The attention grid is sized for ``max_model_len`` (the split-K decode kernel skips splits past each
-row's context), so one graph serves every context length.
+buffered, so filling it for one step never overwrites what a queued copy of the step before reads.
+Padding rows read token 0 at position 0 and write their K/V into a scratch block the block manager
+never hands out, with a context of one token, so they cost almost nothing and touch no sequence's
+blocks. The attention grid is sized for ``max_model_len`` (the split-K decode kernel skips splits
+past each row's context), so one graph serves every context length.
 """
 
 from __future__ import annotations
