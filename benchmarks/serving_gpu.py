@@ -1,7 +1,7 @@
 """GPU serving speed of the engine on an 8B Llama-3-shaped model with random bf16 weights.
 
     python benchmarks/serving_gpu.py [--model random:llama3-8b] [--parts roofline,batch1,throughput]
-                                     [--json-out FILE]
+                                     [--batches 32 64 256] [--hf-anchor PATH] [--json-out FILE]
 
 Prints one JSON line per figure, all from one process and one run:
 - ``hbm``: HBM read bandwidth (sum over 8 GiB of bf16), the roofline's denominator, and the
@@ -10,7 +10,10 @@ Prints one JSON line per figure, all from one process and one run:
   CUDA graphs and without (``enforce_eager``), against the roofline;
 - ``throughput``: B requests of 1024 random prompt tokens and 128 output tokens submitted at once,
   B = 32, 64 and 256: output tokens/s over the whole run and over the decode phase alone, and the
-  decode step against its bandwidth floor (all weights plus every sequence's cached K/V per step).
+  decode step against its bandwidth floor (all weights plus every sequence's cached K/V per step);
+- ``hf_generate`` (with ``--hf-anchor PATH``, e.g. ``../shared/anchors/hf_generate.py``): that
+  script's plain transformers ``generate`` peer, run after this process freed its GPU memory, with
+  tandem's batch-1 decode rate over the peer's.
 
 On CPU it runs the same code on ``random:llama-test`` so the script itself is tested.
 """
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
 
 import torch
@@ -114,6 +119,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 64, 256])
     parser.add_argument("--kv-gib", type=float, default=60.0)
     parser.add_argument("--json-out")
+    parser.add_argument("--hf-anchor", help="path of the HF generate peer script to run after the parts, same run")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = args.model or ("random:llama3-8b" if device.type == "cuda" else "random:llama-test")
@@ -158,6 +164,16 @@ def main() -> None:
                 record["decode_step_roofline_ms"] = round(step_bytes / (gbps * 1e9) * 1e3, 2)
                 record["decode_of_roofline"] = round(record["decode_step_roofline_ms"] / result["itl_ms"], 3)
             emit(record, records)
+    if args.hf_anchor:
+        loaded = engine = None  # the peer needs the memory: drop the model, pool and graphs first
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+        out = subprocess.run([sys.executable, args.hf_anchor], capture_output=True, text=True, check=True)
+        peer = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
+        record = {"figure": "hf_generate", **peer}
+        ours = next((r["decode_tok_s"] for r in records if r["figure"] == "batch1" and r["cuda_graphs"]), None)
+        if ours and peer.get("B1_decode_tok_s"):
+            record["tandem_batch1_over_hf"] = round(ours / peer["B1_decode_tok_s"], 1)
+        emit(record, records)
     if args.json_out:
         with open(args.json_out, "w") as fh:
             json.dump(records, fh, indent=1)

@@ -19,14 +19,20 @@ def figures(stdout: str) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
-def test_in_process_benchmark_prints_batch1_and_throughput() -> None:
-    out = subprocess.run([sys.executable, str(BENCHMARKS / "serving_gpu.py")], capture_output=True, text=True,
-                         timeout=300, check=True)
+def test_in_process_benchmark_prints_batch1_throughput_and_the_peer(tmp_path: Path) -> None:
+    # The HF generate peer needs CUDA and an 8B model; a stand-in prints the same kind of line.
+    peer = tmp_path / "peer.py"
+    peer.write_text('import json; print(json.dumps({"anchor": "hf_generate", "B1_decode_tok_s": 2.0}))\n')
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "serving_gpu.py"), "--hf-anchor", str(peer)],
+                         capture_output=True, text=True, timeout=300, check=True)
     got = figures(out.stdout)
     kinds = [(g["figure"], g.get("batch", g.get("cuda_graphs"))) for g in got]
     assert ("batch1", True) in kinds and ("throughput", 8) in kinds, f"figures printed: {kinds}"
-    for g in got:
+    for g in got[:-1]:
         assert g["output_tokens"] == g["requests"] * 128, f"every request gets its 128 tokens: {g}"
+    batch1 = next(g for g in got if g["figure"] == "batch1" and g["cuda_graphs"])
+    assert got[-1]["figure"] == "hf_generate" and got[-1]["anchor"] == "hf_generate", got[-1]
+    assert got[-1]["tandem_batch1_over_hf"] == round(batch1["decode_tok_s"] / 2.0, 1), got[-1]
 
 
 def test_system_benchmark_runs_bench_serve_against_tandem_up(tmp_path: Path) -> None:
