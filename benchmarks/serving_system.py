@@ -4,10 +4,11 @@
                                         [--out-dir DIR]
 
 First runs the in-process engine on the same workload at one batch size (``--in-process-batch``),
-for the TPOT comparison. Then starts router, one prefill and one decode worker (on separate GPUs when two are visible, otherwise
-sharing one), NATS and a KV-store, waits until ready, then for each max concurrency sends random
-1024-token prompts for 128 output tokens (``ignore_eos``) and prints one JSON line of what the
-clients saw: output tokens/s, TTFT and TPOT p50/p99. Also prints the compute ceiling of that
+for the TPOT comparison. Then starts router, one prefill and one decode worker (on separate GPUs
+when two are visible, otherwise sharing one), NATS and a KV-store, waits until ready, then for each
+max concurrency sends random 1024-token prompts for 128 output tokens (``ignore_eos``) and prints
+one JSON line of what the clients saw: output tokens/s, TTFT and TPOT p50/p99, and TPOT p50 over the
+in-process engine's at ``--in-process-batch`` (same run). Also prints the compute ceiling of that
 workload on the GPUs present (every prompt token costs 2 x params FLOPs; measured bf16 matmul peak),
 which bounds output tokens/s whatever the serving stack. Without CUDA it runs the tiny model.
 """
@@ -67,6 +68,7 @@ def main() -> None:
         print(json.dumps({"figure": "compute_ceiling", "gpus": gpus, "bf16_matmul_tflops": round(tflops),
                           "output_tok_s_at_100pct_mfu": round(ceiling)}), flush=True)
         torch.cuda.empty_cache()
+    in_process_tpot = None
     if cuda and args.in_process_batch:
         # The same workload through the engine alone, in its own process (its GPU memory is freed
         # before the system starts): the full system's TPOT is compared with this one.
@@ -75,7 +77,9 @@ def main() -> None:
                               "--batches", str(args.in_process_batch)], capture_output=True, text=True, check=True)
         for line in out.stdout.splitlines():
             if line.startswith("{"):
-                print(json.dumps({**json.loads(line), "figure": "in_process"}), flush=True)
+                record = {**json.loads(line), "figure": "in_process"}
+                in_process_tpot = record.get("tpot_p50_ms")
+                print(json.dumps(record), flush=True)
     data_dir = out_dir / "data"
     env = {**os.environ, "TANDEM_DATA_DIR": str(data_dir)}
     up_args = [sys.executable, "-m", "tandem", "up", "--model", model, "--no-planner", "--prefill", "1",
@@ -102,7 +106,11 @@ def main() -> None:
             summary = json.loads(result_file.read_text()).get("summary", {})
             keep = {k: summary.get(k) for k in ("completed", "failed", "duration_s", "output_throughput", "ttft_ms",
                                                 "tpot_ms")}
-            print(json.dumps({"figure": "system", "concurrency": concurrency, "requests": n, **keep}), flush=True)
+            record = {"figure": "system", "concurrency": concurrency, "requests": n, **keep}
+            tpot = (summary.get("tpot_ms") or {}).get("median")
+            if in_process_tpot and tpot:  # the issue's bar: within 15% of the engine alone, same run
+                record["tpot_p50_over_in_process"] = round(tpot / in_process_tpot, 3)
+            print(json.dumps(record), flush=True)
     finally:
         up.terminate()
         try:
