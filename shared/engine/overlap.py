@@ -56,8 +56,8 @@ def plan_ahead(scheduler: Scheduler, step: ScheduledBatch) -> tuple[ScheduledBat
 
     Its first rows continue sequences of ``step`` (their block tables grown to cover the token in
     flight); the returned list gives each one's row in ``step``, whose sampled id it computes. Then
-    come waiting hand-offs admitted as ordinary one-token decode rows (``Scheduler.admit_handoffs``),
-    their imported K/V listed in ``batch.imports``."""
+    come waiting hand-offs admitted as ordinary one-token decode rows (every waiting sequence is one,
+    checked first), their imported K/V listed in ``batch.imports``."""
     if not all(scheduler.is_handoff_ready(seq) for seq in scheduler.waiting):
         return None
     live = [(row, item.seq) for row, item in enumerate(step.items) if item.seq.status is SequenceStatus.RUNNING]
@@ -72,7 +72,7 @@ def plan_ahead(scheduler: Scheduler, step: ScheduledBatch) -> tuple[ScheduledBat
     for _, seq in chosen:
         manager.grow(seq.block_table, seq.num_tokens + 1)
     batch = ahead_batch([seq for _, seq in chosen])
-    scheduler.admit_handoffs(batch)
+    scheduler.admit(batch)
     if not batch.items:
         return None
     return batch, [row for row, _ in chosen]

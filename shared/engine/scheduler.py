@@ -131,11 +131,10 @@ class Scheduler:
         self._admit(batch, in_batch)
         return batch
 
-    def admit_handoffs(self, batch: ScheduledBatch) -> None:
-        """Admit waiting hand-offs into ``batch`` as decode rows, first come first served, while they
-        fit; only when every waiting sequence is one (see ``is_handoff_ready``), else nothing."""
-        if all(self.is_handoff_ready(seq) for seq in self.waiting):
-            self._admit(batch, {item.seq for item in batch.items})
+    def admit(self, batch: ScheduledBatch) -> None:
+        """Admit waiting sequences into ``batch``, first come first served, while they fit (as
+        ``schedule`` does after placing the running ones)."""
+        self._admit(batch, {item.seq for item in batch.items})
 
     def is_handoff_ready(self, seq: Sequence) -> bool:
         """A waiting hand-off whose imported K/V cover its whole prompt and whose one known output
