@@ -43,6 +43,10 @@ from tandem.shared.shmring import ShmRing, SlotDescriptor, host_id
 MiB = 1 << 20
 
 
+def route(args: argparse.Namespace) -> str:
+    return f"cuda:{args.producer_gpu} -> cuda:{args.consumer_gpu}" if args.device == "cuda" else "cpu"
+
+
 def crc(t: torch.Tensor) -> int:
     return zlib.crc32(t.cpu().numpy())
 
@@ -122,8 +126,7 @@ async def producer(args: argparse.Namespace, url: str) -> dict[str, list[float]]
     block = args.block_kib * 1024
     per = block * args.blocks_per_transfer
     count = max(1, args.total_mib * MiB // per)
-    where = f"cuda:{args.producer_gpu} -> cuda:{args.consumer_gpu}" if args.device == "cuda" else "cpu"
-    label = f"[{args.block_kib} KiB blocks, {args.blocks_per_transfer}/transfer, {count} transfers, {where}]"
+    label = f"[{args.block_kib} KiB blocks, {args.blocks_per_transfer}/transfer, {count} transfers, {route(args)}]"
     proc = subprocess.Popen([sys.executable, __file__, "--role", "consumer", "--nats-url", url, "--device", args.device,
                              "--block-kib", str(args.block_kib), "--blocks-per-transfer", str(args.blocks_per_transfer),
                              "--concurrency", str(args.concurrency), "--ring-mib", str(args.ring_mib),
@@ -195,8 +198,7 @@ async def main(args: argparse.Namespace) -> None:
     finally:
         if server:
             server.stop()
-    where = f"cuda:{args.producer_gpu} -> cuda:{args.consumer_gpu}" if args.device == "cuda" else "cpu"
-    print(f"\n{'block':>9} | {'nats MB/s':>10} | {'ring MB/s':>10} | ring / nats   ({where}, median of {args.repeat})")
+    print(f"\n{'block':>9} | {'nats MB/s':>10} | {'ring MB/s':>10} | ring / nats   ({route(args)}, median of {args.repeat})")
     for kib, n, r in rows:
         print(f"{kib:>5} KiB | {n:>10,.0f} | {r:>10,.0f} | {r / n:.1f}x")
 
