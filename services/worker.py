@@ -26,7 +26,8 @@ from tandem.shared import subjects
 from tandem.shared.config import Settings
 from tandem.shared.engine import EngineConfig, LLMEngine, RequestOutput
 from tandem.shared.frames import tensor_bytes
-from tandem.shared.kvcache.cache import kv_cache_bytes_per_block, kv_namespace, to_host
+from tandem.shared.devcopy import to_host
+from tandem.shared.kvcache.cache import kv_cache_bytes_per_block, kv_namespace
 from tandem.shared.messages import (
     Cancel, ErrorCode, ErrorReply, Heartbeat, ProtocolError, StreamChunk, decode, encode,
 )

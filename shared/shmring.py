@@ -57,6 +57,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from tandem.shared.devcopy import copy_stream
+
 SHM_DIR = "/dev/shm"
 PREFIX = "tandem-kv-"
 MAGIC, VERSION = b"TDKVRNG1", 1
@@ -66,25 +68,6 @@ _HEADER = np.dtype([("magic", "S8"), ("version", "<u4"), ("num_slots", "<u4"), (
                     ("pad", "V12")])
 _SLOT = np.dtype([("state", "<u4"), ("pid", "<u4"), ("gen", "<u8"), ("start", "<u8"), ("stamp", "<f8")])
 FREE, WRITING, READY, READING = 0, 1, 2, 3
-
-
-_streams = threading.local()
-
-
-@contextmanager
-def _copy_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
-    """A side stream of this thread's for ring copies, ordered after the work already queued on
-    the current stream (which produced the source). Waiting on it alone, rather than on the shared
-    current stream, keeps one transfer from waiting for copies queued by another."""
-    cache = getattr(_streams, "by_device", None)
-    if cache is None:
-        cache = _streams.by_device = {}
-    stream = cache.get(device)
-    if stream is None:
-        stream = cache[device] = torch.cuda.Stream(device=device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        yield stream
 
 
 class RingError(RuntimeError):
@@ -341,7 +324,7 @@ class ShmRing:
         """Copy ``data`` to bytes [offset, offset+len) of a reserved transfer, one copy per run."""
         if isinstance(data, torch.Tensor) and data.is_cuda:
             src = data.detach().contiguous().reshape(-1).view(torch.uint8)
-            with _copy_stream(src.device) as stream:
+            with copy_stream(src.device) as stream:
                 for addr, pos, n in self._spans(desc, offset, src.numel()):
                     self._buf[addr : addr + n].copy_(src[pos - offset : pos - offset + n], non_blocking=True)
             stream.synchronize()  # bytes in place before commit
@@ -413,7 +396,7 @@ class ShmRing:
                 raise ValueError(f"out holds {dst.numel()} bytes, the transfer {desc.length}")
             pos = 0
             if dst.is_cuda:
-                with _copy_stream(dst.device) as stream:
+                with copy_stream(dst.device) as stream:
                     for part in parts:
                         dst[pos : pos + part.numel()].copy_(part, non_blocking=True)
                         pos += part.numel()

@@ -71,8 +71,7 @@ def record_logits(engine: LLMEngine) -> dict[tuple[str, int], torch.Tensor]:
     for steps run one at a time and for overlapped ones (``launch_decode`` + ``sample_async``)."""
     logged: dict[tuple[str, int], torch.Tensor] = {}
     runner = engine.runner
-    launch, launch_decode, sample, sample_async = (runner.launch, runner.launch_decode, runner.sample,
-                                                   runner.sample_async)
+    launch, launch_decode, sample_async = runner.launch, runner.launch_decode, runner.sample_async
 
     def launch_and_note(batch):
         pending = launch(batch)
@@ -86,22 +85,14 @@ def record_logits(engine: LLMEngine) -> dict[tuple[str, int], torch.Tensor]:
         pending.keys = [(seq.request_id, seq.num_output_tokens + (i < len(rows))) for i, seq in enumerate(seqs)]
         return pending
 
-    def log(pending) -> None:
+    def sample_async_and_log(pending):  # every sampling goes through here (``sample`` waits on it)
         # Before the next step is queued: a graph's logits buffer is reused by the next replay.
         for key, row in zip(pending.keys, pending.logits):
             logged[key] = row.clone()
-
-    def sample_and_log(pending):
-        if pending is not None:
-            log(pending)
-        return sample(pending)
-
-    def sample_async_and_log(pending):
-        log(pending)
         return sample_async(pending)
 
-    runner.launch, runner.launch_decode, runner.sample, runner.sample_async = (
-        launch_and_note, launch_decode_and_note, sample_and_log, sample_async_and_log)
+    runner.launch, runner.launch_decode, runner.sample_async = (
+        launch_and_note, launch_decode_and_note, sample_async_and_log)
     return logged
 
 

@@ -27,8 +27,8 @@ from tandem.shared import subjects
 from tandem.shared.config import Settings
 from tandem.shared.engine import EngineRequest, RequestOutput
 from tandem.shared.frames import block_checksums, send_kv, tensor_bytes
+from tandem.shared.devcopy import to_host
 from tandem.shared.kvcache.block_manager import prefix_hashes
-from tandem.shared.kvcache.cache import to_host
 from tandem.shared.messages import (
     Ack, DecodeRequest, ErrorCode, ErrorReply, Heartbeat, KVTransfer, PrefillRequest, ProtocolError, RingSlots, decode,
     encode, error_reply,

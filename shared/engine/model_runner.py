@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from tandem.shared.engine.cuda_graphs import DecodeGraphs
-from tandem.shared.engine.sampling import host_values_to, sample
+from tandem.shared.devcopy import host_values_to
+from tandem.shared.engine.sampling import sample
 from tandem.shared.engine.scheduler import ScheduledBatch
 from tandem.shared.kvcache.attention import AttentionMetadata, build_attention_metadata
 from tandem.shared.kvcache.cache import allocate_kv_cache, gather_blocks, scatter_blocks
@@ -69,9 +70,6 @@ class ModelRunner:
         self.generator = generator  # for unseeded sampling rows; None = torch's default generator
         self.graphs: DecodeGraphs | None = None
         self.last_logits: torch.Tensor | None = None
-        # Pinned landing places for sampled ids, used in turn: two steps can be in flight at once.
-        self._token_hosts = [torch.empty(0, dtype=torch.long) for _ in range(2)]
-        self._token_turn = 0
         if self.device.type == "cuda":
             model.fuse_projections()
         if use_graphs:
@@ -134,10 +132,7 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, pending: PendingStep | None) -> list[int]:
         """The sampled token ids of a launched step (waits for the device)."""
-        if pending is None:
-            return []
-        self.last_logits = pending.logits  # the rows sampled from, for tests and debugging
-        return sample(pending.logits, pending.params, pending.output_indices, self.generator).tolist()
+        return [] if pending is None else self.sample_async(pending).wait()
 
     @torch.inference_mode()
     def launch_decode(self, seqs: Seq, prev_tokens: torch.Tensor, source_rows: Seq[int]) -> PendingStep:
@@ -165,14 +160,13 @@ class ModelRunner:
     @torch.inference_mode()
     def sample_async(self, pending: PendingStep) -> SampledTokens:
         """Queue sampling of a launched step and the copy of its ids to the host; wait for neither."""
-        self.last_logits = pending.logits
+        self.last_logits = pending.logits  # the rows sampled from, for tests and debugging
         ids = sample(pending.logits, pending.params, pending.output_indices, self.generator)
         if ids.device.type != "cuda":
             return SampledTokens(ids, ids, None)
-        turn, self._token_turn = self._token_turn, 1 - self._token_turn
-        if self._token_hosts[turn].numel() < ids.numel():
-            self._token_hosts[turn] = torch.empty(max(ids.numel(), 512), dtype=torch.long).pin_memory()
-        host = self._token_hosts[turn][: ids.numel()]
+        # Pinned, from torch's caching host allocator: it hands a block out again only once the
+        # copies recorded on it are done, so two steps in flight never share a landing place.
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
         host.copy_(ids, non_blocking=True)
         done = torch.cuda.Event()
         done.record()

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tandem.shared.devcopy import host_values_to
 from tandem.shared.engine.sequence import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -32,14 +33,6 @@ def mix_seed(seed: int, output_index: int) -> int:
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
         state = z ^ (z >> 31)
     return state >> 1  # torch.Generator.manual_seed takes it on every version
-
-
-def host_values_to(device: torch.device, values: Sequence, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of ``values`` on ``device`` without waiting for the device: a plain ``torch.tensor(...,
-    device=cuda)`` is a blocking copy, which waits for everything queued on the stream (with
-    overlapped steps, the next step's whole forward). Pinned memory makes the copy asynchronous."""
-    host = torch.tensor(values, dtype=dtype)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 def _top_k_top_p_mask(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:

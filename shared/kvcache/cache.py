@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from tandem.shared.devcopy import host_values_to
+
 
 def allocate_kv_cache(
     num_blocks: int,
@@ -52,7 +54,7 @@ def num_blocks_for_memory(
 def _block_index(block_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(block_ids, torch.Tensor):
         return block_ids.to(device=device, dtype=torch.long)
-    return torch.tensor(list(block_ids), dtype=torch.long, device=device)
+    return host_values_to(torch.device(device), list(block_ids), torch.long)  # never waits for the engine
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -61,23 +63,6 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int] | torch.Tenso
     The caller moves the result to CPU (``.cpu()``) for export; one ``index_select`` gathers all.
     """
     return kv_cache.index_select(0, _block_index(block_ids, kv_cache.device))
-
-
-def to_host(blocks: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of ``blocks``. From CUDA: into pinned memory on a side stream, ordered after the
-    work that produced them, waiting for that copy alone. A plain ``.cpu()`` would run on the
-    engine's stream, so every decode step queued after it would wait behind a copy of a hundred MB
-    through pageable memory (KV-store offers and NATS hand-offs run while the engine decodes)."""
-    if not blocks.is_cuda:
-        return blocks
-    side = torch.cuda.Stream(blocks.device)
-    side.wait_stream(torch.cuda.current_stream(blocks.device))
-    host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
-    with torch.cuda.stream(side):
-        host.copy_(blocks, non_blocking=True)
-    blocks.record_stream(side)
-    side.synchronize()
-    return host
 
 
 def scatter_blocks(
