@@ -56,7 +56,8 @@ class StepHandle:
 
 class StreamingEngine:
     def __init__(self, config: ModelConfig, state: HostState, optimizer: HostAdamW, device: torch.device,
-                 mlp_chunk: int = 16384, loss_chunk: int | None = None, device_update_layers: int = 0) -> None:
+                 mlp_chunk: int = 16384, loss_chunk: int | None = None, device_update_layers: int = 0,
+                 compile_layers: bool = False) -> None:
         self.cfg, self.state, self.opt, self.device = config, state, optimizer, device
         self.lanes = Lanes(device)
         self.trace = StepTrace(self.lanes, False)
@@ -64,6 +65,7 @@ class StreamingEngine:
         self.layer_layout = state.units[1].layout if config.num_layers else None
         self.extras_layout = state.units[EXTRAS].layout
         self.mlp_chunk = mlp_chunk
+        self.blocks = fn.compiled_blocks() if compile_layers else fn.EAGER
         self.loss_chunk = loss_chunk or max(256, (512 << 20) // (4 * config.vocab_size))
         self.head_name = head_weight_name(config)
         n = self.layer_layout.numel
@@ -174,7 +176,8 @@ class StreamingEngine:
                 slot = i % 2
                 lanes.wait("compute", self.w_ready[slot])
                 with tl.op("compute", i, "fwd"):
-                    x = fn.layer_forward(self.layer_layout.views(self.w_slots[slot]), x, cos, sin, cfg, self.mlp_chunk)
+                    x = fn.layer_forward(self.layer_layout.views(self.w_slots[slot]), x, cos, sin, cfg, self.mlp_chunk,
+                                         self.blocks)
                 self.slot_free[slot] = lanes.record("compute")
 
             # head: loss and its backward, chunked; extras gradients accumulate from here on
@@ -200,7 +203,7 @@ class StreamingEngine:
             self.updater.issue(version + 1, self.sumsq, done, tl)
             lanes.wait("d2h", done)
             with lanes.on("d2h"):
-                extras_grad = self.state.units[EXTRAS].grad
+                extras_grad = self.state.units[EXTRAS].grad_for(version + 1)
                 with tl.op("d2h", -1, "bwd", extras_grad.nbytes):
                     extras_grad.copy_(self.extras_g, non_blocking=True)
                 self.sumsq_host.copy_(self.sumsq, non_blocking=True)
@@ -234,15 +237,15 @@ class StreamingEngine:
         with self.trace.op("compute", i, "bwd"):
             grads.zero_()
             leaves = self._leaves(self.w_slots[slot], grads, self.layer_layout)
-            grad = fn.layer_backward(leaves, x_in, grad, cos, sin, self.cfg, self.mlp_chunk)
+            grad = fn.layer_backward(leaves, x_in, grad, cos, sin, self.cfg, self.mlp_chunk, self.blocks)
             self.sumsq[i + 1] = _sumsq(grads)
         done = lanes.record("compute")
         self.slot_free[slot] = self.act_free[slot] = done
         if on_device:  # its gradients stay for the GPU's update (device_update.py)
             return grad
         lanes.wait("d2h", done)
-        unit = self.state.units[i + 1]
-        with lanes.on("d2h"), self.trace.op("d2h", i, "bwd", unit.grad.nbytes):
-            unit.grad.copy_(self.g_slots[slot], non_blocking=True)
+        host_grad = self.state.units[i + 1].grad_for(self.version + 1)
+        with lanes.on("d2h"), self.trace.op("d2h", i, "bwd", host_grad.nbytes):
+            host_grad.copy_(self.g_slots[slot], non_blocking=True)
         self.g_free[slot] = lanes.record("d2h")
         return grad

@@ -5,10 +5,16 @@ SiLU-gated MLP), but over a padded-free ``[B, S]`` batch with causal SDPA instea
 cache. The functions take a parameter dict (views into whichever buffer holds the layer), so one
 stateless template serves every layer. Memory stays bounded at long sequence lengths: the MLP runs
 over token chunks (forward and backward), and the LM head + cross-entropy run chunked with their
-backward fused in, so full ``[tokens, vocab]`` logits never exist.
+backward fused in, so full ``[tokens, vocab]`` logits never exist. On CUDA the two blocks can be
+``torch.compile``d (:func:`compiled_blocks`): the norms, RoPE and SiLU-gating fuse into a few kernels,
+a quarter off a 3B layer's forward and backward; the math and parameter names stay the same.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +66,24 @@ def mlp_block(p: Params, a: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return a + F.linear(act, p["mlp.down_proj.weight"])
 
 
+@dataclass(frozen=True)
+class LayerBlocks:
+    """The two halves of a decoder layer, eager or compiled; the layer functions run either."""
+
+    attention: Callable[..., torch.Tensor] = attention_block
+    mlp: Callable[..., torch.Tensor] = mlp_block
+
+
+EAGER = LayerBlocks()
+
+
+@functools.cache
+def compiled_blocks() -> LayerBlocks:
+    """The blocks through ``torch.compile`` (one compile per input shape and grad mode; the layer
+    weights are inputs, so every layer shares the compiled code)."""
+    return LayerBlocks(torch.compile(attention_block, dynamic=False), torch.compile(mlp_block, dynamic=False))
+
+
 def _chunks(num_tokens: int, chunk: int) -> list[slice]:
     chunk = max(1, chunk)
     return [slice(s, min(s + chunk, num_tokens)) for s in range(0, num_tokens, chunk)]
@@ -67,20 +91,20 @@ def _chunks(num_tokens: int, chunk: int) -> list[slice]:
 
 @torch.no_grad()
 def layer_forward(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
-                  mlp_chunk: int) -> torch.Tensor:
+                  mlp_chunk: int, blocks: LayerBlocks = EAGER) -> torch.Tensor:
     """One decoder layer without autograd state (the backward recomputes it)."""
-    a = attention_block(p, x, cos, sin, cfg)
+    a = blocks.attention(p, x, cos, sin, cfg)
     flat = a.view(-1, a.shape[-1])
     if flat.shape[0] <= mlp_chunk:
-        return mlp_block(p, a, cfg)
+        return blocks.mlp(p, a, cfg)
     out = torch.empty_like(flat)
     for c in _chunks(flat.shape[0], mlp_chunk):
-        out[c] = mlp_block(p, flat[c], cfg)
+        out[c] = blocks.mlp(p, flat[c], cfg)
     return out.view_as(a)
 
 
 def layer_backward(p: Params, x: torch.Tensor, grad_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   cfg: ModelConfig, mlp_chunk: int) -> torch.Tensor:
+                   cfg: ModelConfig, mlp_chunk: int, blocks: LayerBlocks = EAGER) -> torch.Tensor:
     """Recompute the layer from its input ``x`` and backpropagate ``grad_out``; returns dL/dx.
 
     ``p`` holds leaf tensors whose ``.grad`` are preset views of a gradient buffer: autograd adds
@@ -88,13 +112,13 @@ def layer_backward(p: Params, x: torch.Tensor, grad_out: torch.Tensor, cos: torc
     before the next, so only the attention half's graph is held across the layer."""
     with torch.enable_grad():
         x_leaf = x.detach().requires_grad_(True)
-        a = attention_block(p, x_leaf, cos, sin, cfg)
+        a = blocks.attention(p, x_leaf, cos, sin, cfg)
         a_flat = a.detach().view(-1, a.shape[-1])
         g_flat = grad_out.reshape(-1, a.shape[-1])
         grad_a = torch.empty_like(a_flat)
         for c in _chunks(a_flat.shape[0], mlp_chunk):
             a_c = a_flat[c].detach().requires_grad_(True)
-            torch.autograd.backward(mlp_block(p, a_c, cfg), g_flat[c])
+            torch.autograd.backward(blocks.mlp(p, a_c, cfg), g_flat[c])
             grad_a[c] = a_c.grad
             del a_c
         torch.autograd.backward(a, grad_a.view_as(a))
