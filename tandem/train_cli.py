@@ -20,7 +20,8 @@ from pathlib import Path
 DEFAULT_JOB = dict(model="tiny", dataset="stdlib", steps=200, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=20,
                    weight_decay=0.1, grad_clip=1.0)
 JOB_FLAGS = ("model", "dataset", "steps", "batch_size", "seq_len", "lr", "weight_decay", "grad_clip", "warmup_steps",
-             "seed", "device", "checkpoint_every", "output_dir", "resume", "gpu_memory_gib", "device_update_layers")
+             "seed", "device", "checkpoint_every", "output_dir", "resume", "gpu_memory_gib", "device_update_layers",
+             "compile_layers", "split_update")
 SAMPLE_PROMPT = "def "
 
 
@@ -47,6 +48,10 @@ def add_train_parser(sub: argparse._SubParsersAction, add_common) -> None:  # no
     p.add_argument("--gpu-memory-gib", type=float, help="cap this process's GPU memory")
     p.add_argument("--device-update-layers", type=int,
                    help="CUDA: the GPU computes the AdamW of this many first layers, the CPU the rest (default 0)")
+    p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the layer blocks (default: on CUDA)")
+    p.add_argument("--split-update", action=argparse.BooleanOptionalAction, default=None,
+                   help="host AdamW as preview + commit (default: on CUDA when host RAM has room)")
     p.add_argument("--job-id", help="name of the run (default: random)")
     p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's)")

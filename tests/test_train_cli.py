@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tandem.shared.model import load_model, load_model_meta
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,3 +61,19 @@ def test_benchmark_cpu_mode_prints_its_figures(tmp_path):
     (result,) = json.loads(out.read_text())
     assert result["tokens_per_s"] > 0 and result["hidden_fraction"] is not None and len(result["losses"]) == 3
     assert "tok/s" in proc.stdout
+
+
+@pytest.mark.parametrize("flags,expected", [
+    ([], dict(compile_layers=None, split_update=None)),
+    (["--split-update", "--no-compile-layers"], dict(compile_layers=False, split_update=True)),
+    (["--no-split-update", "--compile-layers"], dict(compile_layers=True, split_update=False)),
+])
+def test_engine_flags_reach_the_job(tmp_path, flags, expected):
+    import argparse
+
+    from tandem.train_cli import add_train_parser, build_job
+
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers(), lambda p: None)
+    job = build_job(parser.parse_args(["train", *flags]), tmp_path)
+    assert {k: getattr(job, k) for k in expected} == expected

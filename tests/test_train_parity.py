@@ -89,16 +89,27 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name,device_layers", [("tiny-tied", 0), ("untied-bias-qknorm", 0),
-                                                ("untied-bias-qknorm", 2)])
-def test_losses_and_weights_match_plain_pytorch(name, device_layers):
-    """``device_layers``: that many layers take the engine-side AdamW path (device_update.py)."""
+HOST_PATHS = {  # HostAdamW keyword arguments: the C kernel (whole updates / preview + commit), torch's ops
+    "kernel": dict(kernel=True, split=False),
+    "split": dict(kernel=True, split=True),
+    "torch": dict(kernel=False, split=False),
+}
+
+
+@pytest.mark.parametrize("name,device_layers,host", [("tiny-tied", 0, "kernel"), ("untied-bias-qknorm", 0, "kernel"),
+                                                     ("untied-bias-qknorm", 2, "split"), ("tiny-tied", 0, "split"),
+                                                     ("untied-bias-qknorm", 0, "torch")])
+def test_losses_and_weights_match_plain_pytorch(name, device_layers, host):
+    """``device_layers``: that many layers take the engine-side AdamW path (device_update.py);
+    ``host``: how the host does the rest (HOST_PATHS)."""
     cfg, steps = CONFIGS[name], 5
     state = HostState.random(cfg, seed=1, work_dtype=torch.float32, pin=False)
     model = reference_model(state)
     ref_opt = reference_optimizer(model)
     lr_at = lr_schedule(LR, 2, steps)
-    opt = HostAdamW(state, lr_at, WD, CLIP)
+    opt = HostAdamW(state, lr_at, WD, CLIP, **HOST_PATHS[host])
+    if host != "torch" and opt.kernel is None:
+        pytest.fail("the host AdamW kernel did not build (is a C compiler installed?)")
     opt.start()
     # Small chunks so the chunked MLP and chunked loss paths both run.
     engine = StreamingEngine(cfg, state, opt, torch.device("cpu"), mlp_chunk=40, loss_chunk=50,
@@ -126,6 +137,8 @@ def test_losses_and_weights_match_plain_pytorch(name, device_layers):
         torch.testing.assert_close(unit.layout.views(unit.exp_avg)["mlp.up_proj.weight"], ref_state["exp_avg"],
                                    rtol=1e-3, atol=1e-7)
         assert int(unit.step) == steps
+    for unit in state.units:  # the working copy the next forward reads is exactly the master
+        assert torch.equal(unit.work, unit.master), f"{unit.name}: working copy differs from the master"
 
 
 def test_layer_views_share_one_flat_buffer():
@@ -165,3 +178,27 @@ def test_hidden_fraction_counts_transfer_time_under_compute():
     assert hidden_fraction([op("h2d", 0, 1), op("compute", 0, 1)]) == pytest.approx(1.0)
     assert hidden_fraction([op("h2d", 0, 1), op("d2h", 0.5, 1.5), op("compute", 1, 2)]) == pytest.approx(1 / 3)
     assert hidden_fraction([op("compute", 0, 1)]) == 1.0
+
+
+def test_split_update_keeps_each_steps_gradients_until_its_commit():
+    """In preview + commit mode the commit of step k reads step k's gradients while step k+1's
+    backward writes its own: the two steps' gradients land in different host buffers."""
+    cfg = ModelConfig.tiny()
+    state = HostState.random(cfg, seed=0, work_dtype=torch.float32, pin=False)
+    opt = HostAdamW(state, lambda step: 1e-3, 0.0, 1.0, split=True)
+    if opt.kernel is None:
+        pytest.fail("the host AdamW kernel did not build (is a C compiler installed?)")
+    opt.start()
+    engine = StreamingEngine(cfg, state, opt, torch.device("cpu"))
+    (ids1, t1), (ids2, t2) = batches(2, 2, 16, cfg.vocab_size)
+    try:
+        engine.step(ids1, t1).loss()
+        unit = state.units[2]
+        first = unit.grad_for(1).clone()
+        assert first.abs().sum() > 0 and unit.grad_for(2).abs().sum() == 0, "step 1 wrote the wrong buffer"
+        engine.step(ids2, t2).loss()
+        assert torch.equal(unit.grad_for(1), first), "step 2's backward overwrote step 1's gradients"
+        assert not torch.equal(unit.grad_for(2), first) and unit.grad_for(3) is unit.grad_for(1)
+        opt.wait_all(2)
+    finally:
+        opt.close()

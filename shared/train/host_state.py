@@ -37,6 +37,11 @@ class Unit:
     step: torch.Tensor  # fp32 scalar: updates applied (the fused AdamW kernel reads it)
     work: torch.Tensor  # compute dtype, what the GPU loads
     grad: torch.Tensor  # compute dtype, what the GPU's gradients land in
+    grad_spare: torch.Tensor | None = None  # a second one, for updates that read gradients late (optimizer.py)
+
+    def grad_for(self, version: int) -> torch.Tensor:
+        """The buffer for the gradients of the step whose update makes ``version``."""
+        return self.grad_spare if self.grad_spare is not None and version % 2 == 0 else self.grad
 
     def master_views(self) -> dict[str, torch.Tensor]:
         return {self.prefix + k: v for k, v in self.layout.views(self.master).items()}
@@ -104,6 +109,14 @@ class HostState:
             unit.work.copy_(unit.master)
         return state
 
+    def grad_nbytes(self) -> int:
+        return sum(u.grad.numel() * u.grad.element_size() for u in self.units)
+
+    def add_grad_spares(self) -> None:
+        for unit in self.units:
+            if unit.grad_spare is None:
+                unit.grad_spare = host_buffer(unit.layout.numel, self.work_dtype, self.pin)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Hugging Face names -> fp32 master views (tied LM head not repeated)."""
         out: dict[str, torch.Tensor] = {}
@@ -116,4 +129,4 @@ class HostState:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for u in self.units
-                   for t in (u.master, u.exp_avg, u.exp_avg_sq, u.work, u.grad))
+                   for t in (u.master, u.exp_avg, u.exp_avg_sq, u.work, u.grad, u.grad_spare) if t is not None)

@@ -4,10 +4,21 @@ The update of step k starts once step k's backward has finished (the global grad
 every gradient) and walks the units in forward order: extras, layer 0, layer 1, ... After each
 unit it refreshes that unit's working copy and bumps the unit's version, so the next step's forward
 of layer i waits for layer i's update only (:meth:`HostAdamW.wait`) and the CPU update overlaps the
-GPU's forward. The arithmetic is ``torch._fused_adamw_`` (vectorized, multi-threaded), run over
-cache-sized chunks so that converting bf16 gradients, clip-scaling them, updating and writing the
-bf16 working copy touch each chunk while it is still in cache. Gradients are clip-scaled by
-multiplying (as ``clip_grad_norm_`` does) before the update; the AdamW math is torch's own.
+GPU's forward. Gradients are clip-scaled by multiplying (as ``clip_grad_norm_`` does) before the
+update.
+
+Two arithmetic paths: the fused C kernel (host_kernel.py, one pass over host memory, GIL released)
+and, where it cannot be built, ``torch._fused_adamw_`` over cache-sized chunks.
+
+**Preview, then commit** (``split=True``, kernel only). The next forward needs only the new
+*working copy*; the new masters and moments are needed by the next update. So a step's update runs
+in two passes: *preview* reads masters, moments and gradient and writes only the working copy (16
+of the 28 bytes per parameter a full update moves), unit by unit as above, which is what the next
+forward waits on; *commit* then writes masters and moments, while the GPU runs the next backward and
+the host is otherwise idle. Both passes evaluate the same expression per element, so the working
+copy the forward used is bit for bit the one a full update would write. Commit reads the gradient
+after the next backward has started producing new ones, so split mode gives each unit a second
+gradient buffer (:meth:`Unit.grad_for`). :meth:`wait_all` waits for commits.
 
     opt = HostAdamW(state, lr_at=lambda step: 3e-4, weight_decay=0.1, grad_clip=1.0)
     opt.start(); opt.submit(UpdateJob(...)); opt.wait(unit_index, version)
@@ -25,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.shared.train import host_kernel
 from tandem.shared.train.host_state import HostState, Unit
 
 BETAS = (0.9, 0.95)
@@ -65,14 +77,20 @@ class HostAdamW:
     """Updates :class:`HostState` units in a background thread; see the module docstring."""
 
     def __init__(self, state: HostState, lr_at: Callable[[int], float], weight_decay: float, grad_clip: float,
-                 betas: tuple[float, float] = BETAS, eps: float = EPS) -> None:
+                 betas: tuple[float, float] = BETAS, eps: float = EPS, kernel: bool = True,
+                 split: bool = False) -> None:
         self.state = state
+        self.kernel = host_kernel.load() if kernel else None
+        self.split = split and self.kernel is not None
+        if self.split:
+            state.add_grad_spares()
         self.lr_at = lr_at
         self.weight_decay = weight_decay
         self.grad_clip = grad_clip
         self.betas = betas
         self.eps = eps
-        self.version = [int(u.step.item()) for u in state.units]
+        self.version = [int(u.step.item()) for u in state.units]  # working copies hold this many updates
+        self.settled = list(self.version)  # masters and moments hold this many
         self._cond = threading.Condition()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -97,8 +115,12 @@ class HostAdamW:
             raise RuntimeError("the host optimizer failed") from self._error
 
     def wait_all(self, version: int) -> None:
-        for unit in range(len(self.state.units)):
-            self.wait(unit, version)
+        """Block until every unit's masters and moments (not only its working copy) hold ``version``."""
+        with self._cond:
+            while min(self.settled) < version and self._error is None:
+                self._cond.wait(1.0)
+        if self._error is not None:
+            raise RuntimeError("the host optimizer failed") from self._error
 
     def close(self) -> None:
         if self._thread is not None:
@@ -128,29 +150,65 @@ class HostAdamW:
         for index, unit in enumerate(self.state.units):
             start = time.perf_counter()
             if index not in self.skip:
-                self.update_unit(unit, job.lr, scale)
-            if job.record is not None and index not in self.skip:
-                job.record(index, start - job.t0, time.perf_counter() - job.t0, unit.master.numel() * 4)
-            with self._cond:
-                self.version[index] = job.version
-                self._cond.notify_all()
+                grad = unit.grad_for(job.version)
+                if self.split:
+                    self._kernel_pass(unit, grad, job.lr, scale, write_state=False)
+                else:
+                    self.update_unit(unit, job.lr, scale, grad)
+                if job.record is not None:
+                    job.record(index, start - job.t0, time.perf_counter() - job.t0, unit.master.numel() * 4)
+            self._publish(index, job.version, settled=not self.split)
         job.done.set()
+        if self.split:
+            for index, unit in enumerate(self.state.units):
+                if index not in self.skip:
+                    self._kernel_pass(unit, unit.grad_for(job.version), job.lr, scale, write_state=True)
+                    unit.step += 1
+                self._publish(index, job.version, settled=True)
 
-    def update_unit(self, unit: Unit, lr: float, scale: float) -> None:
+    def _publish(self, index: int, version: int, settled: bool) -> None:
+        with self._cond:
+            self.version[index] = version
+            if settled:
+                self.settled[index] = version
+            self._cond.notify_all()
+
+    def update_unit(self, unit: Unit, lr: float, scale: float, grad: torch.Tensor | None = None) -> None:
+        """A whole update of one unit: masters, moments, step and working copy."""
+        grad = unit.grad if grad is None else grad
+        if self.kernel is not None:
+            self._kernel_pass(unit, grad, lr, scale, write_state=True, write_work=True)
+            unit.step += 1
+            return
         unit.step += 1
         decay_end, n = unit.layout.decay_end, unit.layout.numel
         for start in range(0, n, CHUNK):
             end = min(start + CHUNK, n)
-            grad = unit.grad[start:end]
-            if grad.dtype != torch.float32:
-                grad = self._tmp[: end - start].copy_(grad)
+            g = grad[start:end]
+            if g.dtype != torch.float32:
+                g = self._tmp[: end - start].copy_(g)
             if scale != 1.0:
-                grad.mul_(scale)
+                g.mul_(scale)
             for lo, hi, wd in ((start, min(end, decay_end), self.weight_decay), (max(start, decay_end), end, 0.0)):
                 if lo < hi:
                     torch._fused_adamw_(
-                        [unit.master[lo:hi]], [grad[lo - start : hi - start]], [unit.exp_avg[lo:hi]],
+                        [unit.master[lo:hi]], [g[lo - start : hi - start]], [unit.exp_avg[lo:hi]],
                         [unit.exp_avg_sq[lo:hi]], [], [unit.step], lr=lr, beta1=self.betas[0], beta2=self.betas[1],
                         weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False,
                     )
             unit.work[start:end].copy_(unit.master[start:end])
+
+    def _kernel_pass(self, unit: Unit, grad: torch.Tensor, lr: float, scale: float, write_state: bool,
+                     write_work: bool | None = None) -> None:
+        """One kernel pass with the unit's next step count (the caller bumps ``unit.step``)."""
+        step = float(unit.step) + 1
+        b1, b2 = self.betas
+        step_size = lr / (1 - b1**step)
+        bc2_sqrt = math.sqrt(1 - b2**step)
+        write_work = not write_state if write_work is None else write_work
+        decay_end = unit.layout.decay_end
+        for lo, hi, wd in ((0, decay_end, self.weight_decay), (decay_end, unit.layout.numel, 0.0)):
+            if lo < hi:
+                hyper = (scale, 1 - lr * wd, 1 - b1, b2, 1 - b2, self.eps, step_size, bc2_sqrt)
+                self.kernel.adamw(unit.master[lo:hi], unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi], grad[lo:hi],
+                                  unit.work[lo:hi], hyper, write_state=write_state, write_work=write_work)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -54,6 +55,14 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
+def _fits_in_host_ram(nbytes: int, share: float = 0.85) -> bool:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return True
+    return nbytes <= share * total
+
+
 def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
     """DESIGN.md's model FLOPs per trained token: 6N + 6·L·d·seq (recompute not counted)."""
     return 6 * num_params + 6 * num_layers * hidden * seq_len
@@ -89,9 +98,15 @@ class TrainRunner:
         tokenizer = ByteTokenizer() if config.byte_tokenizer or init_from is None else HFTokenizer(init_from)
         self.data = TokenData.load(job.dataset, tokenizer, config.vocab_size)
         self.lr_at = lr_schedule(job.lr, job.warmup_steps, job.steps)
-        self.optimizer = HostAdamW(self.state, self.lr_at, job.weight_decay, job.grad_clip)
+        split = job.split_update if job.split_update is not None else self.device.type == "cuda"
+        if split and job.split_update is None and not _fits_in_host_ram(self.state.nbytes() + self.state.grad_nbytes()):
+            log.info("job %s: no room in host RAM for a second gradient buffer; host AdamW runs whole updates", job_id)
+            split = False
+        self.optimizer = HostAdamW(self.state, self.lr_at, job.weight_decay, job.grad_clip, split=split)
+        self.compile_layers = job.compile_layers if job.compile_layers is not None else self.device.type == "cuda"
         self.engine = StreamingEngine(config, self.state, self.optimizer, self.device, mlp_chunk=mlp_chunk,
-                                      device_update_layers=job.device_update_layers)
+                                      device_update_layers=job.device_update_layers,
+                                      compile_layers=self.compile_layers)
         self.num_params = count_parameters(config)
         self.flops_per_token = flops_per_token(self.num_params, config.num_layers, config.hidden_size, job.seq_len)
         log.info("job %s: %s, %.3fB parameters, %s, data %s, host state %.1f GiB", job_id, job.model,
