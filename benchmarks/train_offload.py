@@ -3,6 +3,7 @@
     python benchmarks/train_offload.py                          # CUDA: 3b, probe (7b), long (1b @ 131k), adam
     python benchmarks/train_offload.py --runs 3b --json-out r.json
     python benchmarks/train_offload.py --device cpu             # a tiny config, for CI
+    python benchmarks/train_offload.py --runs 3b:0/12 --peer ../shared/anchors/zero3_offload.py
 
 Runs (each in its own process, so host RAM is returned between them):
 - ``3b``: the 3B preset, batch 8 x 2048, bf16 compute, GPU memory capped at 16 GiB;
@@ -71,9 +72,10 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
                 runner.start_step = int(runner.state.units[0].step)
                 runner.job = job = job.model_copy(update={"steps": runner.start_step + warmup + measure,
                                                           "device_update_layers": k})
-                runner.optimizer = HostAdamW(runner.state, runner.lr_at, job.weight_decay, job.grad_clip)
+                runner.optimizer = HostAdamW(runner.state, runner.lr_at, job.weight_decay, job.grad_clip,
+                                             split=runner.optimizer.split)
                 runner.engine = StreamingEngine(runner.config, runner.state, runner.optimizer, runner.device,
-                                                device_update_layers=k)
+                                                device_update_layers=k, compile_layers=runner.compile_layers)
             metrics, traces = [], []
             first = runner.start_step
             runner.run(on_step=metrics.append, trace_every_s=0, final_checkpoint=False,
@@ -81,6 +83,9 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
             result = summarize(runner, job, metrics, [t for t in traces if t[0] - first > warmup], warmup)
             result = {"run": f"{base}:{k}" if k else base, "device_update_layers": k, **result,
                       "init_s": round(init_s, 1)}
+            if (dump := os.environ.get("TANDEM_TIMELINE_DIR")) and traces:
+                ops = [op.model_dump() for op in traces[-1][1]]
+                Path(dump, f"{base}_{k}.json").write_text(json.dumps(ops))
             results.append(result)
             print("RESULT " + json.dumps(result), flush=True)
     return results
@@ -107,6 +112,12 @@ def summarize(runner, job, metrics, measured, warmup: int) -> dict:  # noqa: ANN
         "peak_gpu_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else 0.0,
         "host_state_GiB": round(runner.state.nbytes() / 2**30, 1),
         "last_step_busy_s": {k: round(v, 3) for k, v in busy.items()},
+        "last_step_compute_s": {phase: round(sum(o.end_s - o.start_s for o in last_ops
+                                                 if o.lane == "compute" and o.phase == phase), 3)
+                                for phase in ("fwd", "bwd", "opt")},
+        "last_step_span_s": {lane: [round(min(o.start_s for o in ops), 3), round(max(o.end_s for o in ops), 3)]
+                             for lane in ("compute", "h2d", "d2h", "optimizer")
+                             if (ops := [o for o in last_ops if o.lane == lane])},
         "step_times": [round(m.step_time_s, 3) for m in metrics],
         "losses": [round(m.loss, 3) for m in metrics], "torch": torch.__version__,
     }
@@ -132,17 +143,22 @@ def run_adam(device: str) -> dict:
         dst.copy_(src)
     copy_gbs = 3 * 2 * n * 4 / (time.perf_counter() - t) / 1e9
     out = {"run": "adam", "layer_params_M": round(n / 1e6, 1), "threads": torch.get_num_threads(),
-           "copy_GBps": round(copy_gbs, 1), "chunks": {}}
-    for chunk in (1 << 19, 1 << 20, 1 << 21, 1 << 22, 1 << 24):
-        opt_mod.CHUNK = chunk
-        adam = opt_mod.HostAdamW(state, lambda step: 1e-4, 0.1, 1.0)
-        adam._tmp = torch.empty(chunk)
-        adam.update_unit(unit, 1e-4, 0.5)
+           "copy_GBps": round(copy_gbs, 1)}
+    def rate(fn) -> float:  # noqa: ANN001
+        fn()
         t = time.perf_counter()
         for _ in range(3):
-            adam.update_unit(unit, 1e-4, 0.5)
-        per_param_ns = (time.perf_counter() - t) / 3 / n * 1e9
-        out["chunks"][chunk] = {"Gparams_per_s": round(1 / per_param_ns, 2)}
+            fn()
+        return round(3 * n / (time.perf_counter() - t) / 1e9, 2)
+
+    torch_path = opt_mod.HostAdamW(state, lambda step: 1e-4, 0.1, 1.0, kernel=False)
+    out["torch_Gparams_per_s"] = rate(lambda: torch_path.update_unit(unit, 1e-4, 0.5))
+    kernel = opt_mod.HostAdamW(state, lambda step: 1e-4, 0.1, 1.0)
+    if kernel.kernel is not None:
+        out["kernel_threads"] = kernel.kernel.threads
+        out["kernel_full_Gparams_per_s"] = rate(lambda: kernel.update_unit(unit, 1e-4, 0.5))
+        out["kernel_preview_Gparams_per_s"] = rate(lambda: kernel._kernel_pass(unit, unit.grad, 1e-4, 0.5, False))
+        out["kernel_commit_Gparams_per_s"] = rate(lambda: kernel._kernel_pass(unit, unit.grad, 1e-4, 0.5, True))
     return out
 
 
@@ -152,6 +168,8 @@ def main() -> int:
     ap.add_argument("--runs", default="", help="comma-separated subset of 3b,probe,long,adam (default: all)")
     ap.add_argument("--steps", type=int, help="measured steps per run (default: per run)")
     ap.add_argument("--json-out")
+    ap.add_argument("--peer", help="DeepSpeed anchor script (../shared/anchors/zero3_offload.py): run it for the 3B "
+                                   "preset after tandem's runs and print each 3B run's tokens/s over it")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -178,11 +196,29 @@ def main() -> int:
             result["wall_s"] = round(time.perf_counter() - t, 1)
             results.append(result)
             print(json.dumps(result), flush=True)
+    if args.peer:
+        spec = RUNS["3b"]
+        cmd = [sys.executable, args.peer, "--preset", "3b", "--batch", str(spec["batch_size"]), "--seq",
+               str(spec["seq_len"]), "--steps", "4"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        peer = next((json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")), None)
+        if peer is None:
+            results.append({"run": "peer", "error": (proc.stderr or proc.stdout)[-3000:]})
+        else:
+            results.append({"run": "peer", **peer})
+            for r in results:
+                if r.get("model") == "3b" and "tokens_per_s" in r:
+                    r["over_peer"] = round(r["tokens_per_s"] / peer["tokens_per_s"], 3)
+        print(json.dumps(results[-1]), flush=True)
     for r in results:
-        if "tokens_per_s" in r:
+        if "tokens_per_s" in r and "anchor" not in r:
             print(f"{r['run']:>6}: {r['model']} ({r['params_B']}B) batch {r['batch']} x {r['seq']}: "
                   f"{r['tokens_per_s']:,} tok/s, {r['model_TFLOPs']} TFLOP/s, hidden {r['hidden_fraction']}, "
-                  f"peak GPU {r['peak_gpu_GiB']} GiB (cap {r['gpu_cap_GiB']}), step {r['step_s_median']} s")
+                  f"peak GPU {r['peak_gpu_GiB']} GiB (cap {r['gpu_cap_GiB']}), step {r['step_s_median']} s"
+                  + (f", {r['over_peer']}x DeepSpeed" if "over_peer" in r else ""))
+        elif "anchor" in r:
+            print(f"  peer: DeepSpeed ZeRO-3 offload, 3B batch 8 x 2048: {r['tokens_per_s']:,} tok/s, "
+                  f"step {r['step_s_median']} s")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=1) + "\n")
     return 0 if all("error" not in r for r in results) else 1
