@@ -12,7 +12,7 @@ Runs (each in its own process, so host RAM is returned between them):
 - ``adam``: the host AdamW's throughput on one 3B layer, and the host's copy bandwidth.
 A run named ``NAME:k1/k2`` (e.g. ``3b:0/12``) is measured once per k, on one host state, with the
 GPU doing the AdamW arithmetic of the first k layers and the CPU the rest (state stays in host RAM;
-see shared/train/device_update.py).
+see shared/train/device_update.py); ``13s4`` also gives those updates 4 GPU buffer sets (default 2).
 Model TFLOP/s = (6N + 6·L·d·seq) · tokens / step time (DESIGN.md; recompute not counted). The hidden
 fraction is the share of host<->device transfer time that runs under compute (CUDA events).
 """
@@ -51,8 +51,9 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     base, _, ks = name.partition(":")
-    variants = [int(k) for k in ks.split("/")] if ks else [0]
-    spec = dict(RUNS[base], device_update_layers=variants[0])
+    variants = [tuple(int(x) for x in v.split("s")) + (2,) for v in ks.split("/")] if ks else [(0, 2)]
+    variants = [v[:2] for v in variants]  # (layers, sets): "13" or "13s4"
+    spec = dict(RUNS[base], device_update_layers=variants[0][0], device_update_sets=variants[0][1])
     warmup, measure = spec.pop("warmup"), spec.pop("measure")
     measure = steps or measure
     results = []
@@ -62,7 +63,7 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
         t0 = time.perf_counter()
         runner = TrainRunner(job, name, Path(tmp))
         init_s = time.perf_counter() - t0
-        for index, k in enumerate(variants):
+        for index, (k, sets) in enumerate(variants):
             if index:  # same host state, fresh optimizer thread and engine
                 runner.engine = None
                 gc.collect()
@@ -71,21 +72,24 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
                     torch.cuda.reset_peak_memory_stats()
                 runner.start_step = int(runner.state.units[0].step)
                 runner.job = job = job.model_copy(update={"steps": runner.start_step + warmup + measure,
-                                                          "device_update_layers": k})
+                                                          "device_update_layers": k,
+                                                          "device_update_sets": sets})
                 runner.optimizer = HostAdamW(runner.state, runner.lr_at, job.weight_decay, job.grad_clip,
                                              split=runner.optimizer.split)
                 runner.engine = StreamingEngine(runner.config, runner.state, runner.optimizer, runner.device,
-                                                device_update_layers=k, compile_layers=runner.compile_layers)
+                                                device_update_layers=k, device_update_sets=sets,
+                                                compile_layers=runner.compile_layers)
             metrics, traces = [], []
             first = runner.start_step
             runner.run(on_step=metrics.append, trace_every_s=0, final_checkpoint=False,
                        on_trace=lambda step, ops, hidden: traces.append((step, ops, hidden)))
             result = summarize(runner, job, metrics, [t for t in traces if t[0] - first > warmup], warmup)
-            result = {"run": f"{base}:{k}" if k else base, "device_update_layers": k, **result,
+            label = f"{base}:{k}" + (f"s{sets}" if sets != 2 else "") if k else base
+            result = {"run": label, "device_update_layers": k, "device_update_sets": sets, **result,
                       "init_s": round(init_s, 1)}
             if (dump := os.environ.get("TANDEM_TIMELINE_DIR")) and traces:
                 ops = [op.model_dump() for op in traces[-1][1]]
-                Path(dump, f"{base}_{k}.json").write_text(json.dumps(ops))
+                Path(dump, f"{label.replace(':', '_')}.json").write_text(json.dumps(ops))
             results.append(result)
             print("RESULT " + json.dumps(result), flush=True)
     return results

@@ -323,6 +323,7 @@ class TrainJob(BaseModel):
     resume: bool = False  # continue from the latest checkpoint in output_dir
     gpu_memory_gib: float | None = Field(None, gt=0)  # cap through set_per_process_memory_fraction
     device_update_layers: int = Field(0, ge=0)  # first layers whose AdamW math runs on the GPU (0: all on the CPU)
+    device_update_sets: int = Field(2, ge=1, le=16)  # GPU buffer sets for those updates (state loads ahead)
     compile_layers: bool | None = None  # torch.compile the layer blocks; None: on CUDA only
     split_update: bool | None = None  # host AdamW as preview + commit (optimizer.py); None: on CUDA only
 

@@ -21,7 +21,7 @@ DEFAULT_JOB = dict(model="tiny", dataset="stdlib", steps=200, batch_size=16, seq
                    weight_decay=0.1, grad_clip=1.0)
 JOB_FLAGS = ("model", "dataset", "steps", "batch_size", "seq_len", "lr", "weight_decay", "grad_clip", "warmup_steps",
              "seed", "device", "checkpoint_every", "output_dir", "resume", "gpu_memory_gib", "device_update_layers",
-             "compile_layers", "split_update")
+             "device_update_sets", "compile_layers", "split_update")
 SAMPLE_PROMPT = "def "
 
 
@@ -48,6 +48,8 @@ def add_train_parser(sub: argparse._SubParsersAction, add_common) -> None:  # no
     p.add_argument("--gpu-memory-gib", type=float, help="cap this process's GPU memory")
     p.add_argument("--device-update-layers", type=int,
                    help="CUDA: the GPU computes the AdamW of this many first layers, the CPU the rest (default 0)")
+    p.add_argument("--device-update-sets", type=int,
+                   help="GPU buffer sets for those updates: more load state ahead, 1.8 GB each at 3B (default 2)")
     p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the layer blocks (default: on CUDA)")
     p.add_argument("--split-update", action=argparse.BooleanOptionalAction, default=None,

@@ -113,7 +113,7 @@ def test_losses_and_weights_match_plain_pytorch(name, device_layers, host):
     opt.start()
     # Small chunks so the chunked MLP and chunked loss paths both run.
     engine = StreamingEngine(cfg, state, opt, torch.device("cpu"), mlp_chunk=40, loss_chunk=50,
-                             device_update_layers=device_layers)
+                             device_update_layers=device_layers, device_update_sets=3)
     try:
         for step, (ids, targets) in enumerate(batches(steps, 2, 33, cfg.vocab_size), start=1):
             handle = engine.step(ids, targets)

@@ -8,7 +8,9 @@ right after the backward their fp32 master, moments and step come over, get the 
 host RAM with the new bf16 working copy. State still lives in host RAM between steps; only the
 arithmetic moves. Layers 0..k-1 are the ones taken because the next forward needs them first while
 the CPU starts on the extras and layer k. Extra lanes (update h2d, update compute, update d2h) keep
-these copies from queueing in front of the forward's own. On CPU it runs the same path in place.
+these copies from queueing in front of the forward's own. ``sets`` GPU buffer sets (1.8 GB each at
+3B) let that many layers' state load ahead, during the backward, before the gradients are ready. On
+CPU it runs the same path in place.
 """
 
 from __future__ import annotations
@@ -21,15 +23,16 @@ from tandem.shared.train.optimizer import HostAdamW
 
 
 class DeviceUpdater:
-    def __init__(self, state: HostState, opt: HostAdamW, lanes: Lanes, device: torch.device, layers: int) -> None:
+    def __init__(self, state: HostState, opt: HostAdamW, lanes: Lanes, device: torch.device, layers: int,
+                 sets: int = 2) -> None:
         self.state, self.opt, self.lanes, self.device = state, opt, lanes, device
         self.layers = min(layers, state.config.num_layers)
         n = state.units[1].layout.numel if self.layers else 0
         f32 = lambda: torch.zeros(n, dtype=torch.float32, device=device)  # noqa: E731
         self.grads = [torch.zeros(n, dtype=state.work_dtype, device=device) for _ in range(self.layers)]
         self.sets = [(f32(), f32(), f32(), f32(), torch.zeros(n, dtype=state.work_dtype, device=device))
-                     for _ in range(min(2, self.layers))]  # (master, exp_avg, exp_avg_sq, grad32, work)
-        self.set_free = [None, None]
+                     for _ in range(min(max(1, sets), self.layers))]  # (master, exp_avg, exp_avg_sq, grad32, work)
+        self.set_free = [None] * len(self.sets)
         self.done = [None] * self.layers  # d2h event: layer j's new state is back in host RAM
         self.read = [None] * self.layers  # update-compute event: layer j's gradient buffer was consumed
         self.steps = [state.units[j + 1].step.clone().to(device) for j in range(self.layers)]
@@ -56,7 +59,7 @@ class DeviceUpdater:
             coef = (opt.grad_clip / (total + 1e-6)).clamp(max=1.0) if opt.grad_clip > 0 else torch.ones_like(total)
             coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef)).float()
         for j in range(self.layers):
-            unit, s = self.state.units[j + 1], j % 2
+            unit, s = self.state.units[j + 1], j % len(self.sets)
             master, m, v, g32, work = self.sets[s]
             lanes.wait("xh2d", self.set_free[s])
             with lanes.on("xh2d"), trace.op("h2d", j, "opt", 3 * master.nbytes, "xh2d"):

@@ -57,7 +57,7 @@ class StepHandle:
 class StreamingEngine:
     def __init__(self, config: ModelConfig, state: HostState, optimizer: HostAdamW, device: torch.device,
                  mlp_chunk: int = 16384, loss_chunk: int | None = None, device_update_layers: int = 0,
-                 compile_layers: bool = False) -> None:
+                 compile_layers: bool = False, device_update_sets: int = 2) -> None:
         self.cfg, self.state, self.opt, self.device = config, state, optimizer, device
         self.lanes = Lanes(device)
         self.trace = StepTrace(self.lanes, False)
@@ -86,7 +86,8 @@ class StreamingEngine:
         self.version = min(optimizer.version)  # updates applied to the weights the next step uses
         self._pending: dict[int, tuple[torch.Tensor, object]] = {}  # checkpoints on their way back
         self._fwd = True
-        self.updater = DeviceUpdater(state, optimizer, self.lanes, device, device_update_layers)
+        self.updater = DeviceUpdater(state, optimizer, self.lanes, device, device_update_layers,
+                                     device_update_sets)
         self._sync()  # the slots were zeroed on the default stream
 
     # -- buffers per batch shape -------------------------------------------------------------------

@@ -106,6 +106,7 @@ class TrainRunner:
         self.compile_layers = job.compile_layers if job.compile_layers is not None else self.device.type == "cuda"
         self.engine = StreamingEngine(config, self.state, self.optimizer, self.device, mlp_chunk=mlp_chunk,
                                       device_update_layers=job.device_update_layers,
+                                      device_update_sets=job.device_update_sets,
                                       compile_layers=self.compile_layers)
         self.num_params = count_parameters(config)
         self.flops_per_token = flops_per_token(self.num_params, config.num_layers, config.hidden_size, job.seq_len)
