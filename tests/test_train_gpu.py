@@ -20,17 +20,24 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 CUDA = torch.device("cuda")
 
 
-def engine_for(cfg: ModelConfig, lr_at=lambda step: LR, **kw) -> tuple[HostState, HostAdamW, StreamingEngine]:  # noqa: ANN001
+def engine_for(cfg: ModelConfig, lr_at=lambda step: LR, split: bool = False,
+               **kw) -> tuple[HostState, HostAdamW, StreamingEngine]:  # noqa: ANN001
     state = HostState.random(cfg, seed=3, work_dtype=torch.bfloat16, pin=True)
-    opt = HostAdamW(state, lr_at, 0.1, CLIP)
+    opt = HostAdamW(state, lr_at, 0.1, CLIP, split=split)
     opt.start()
     return state, opt, StreamingEngine(cfg, state, opt, CUDA, **kw)
 
 
-def test_bf16_training_tracks_fp32_pytorch():
+@pytest.mark.parametrize("how", [
+    dict(),
+    dict(compile_layers=True, split=True),  # the benchmark's way: compiled blocks, preview + commit
+    dict(compile_layers=True, split=True, device_update_layers=2, device_update_sets=3),
+], ids=["eager", "compiled-split", "compiled-split-device2"])
+def test_bf16_training_tracks_fp32_pytorch(how):
     cfg, steps = ModelConfig.tiny().replace(tie_word_embeddings=False, num_layers=4), 6
     lr_at = lr_schedule(LR, 2, steps)
-    state, opt, engine = engine_for(cfg, lr_at, mlp_chunk=96, loss_chunk=128)
+    state, opt, engine = engine_for(cfg, lr_at, mlp_chunk=96, loss_chunk=128, **how)
+    assert opt.split == how.get("split", False), "the host AdamW kernel did not build"
     model = reference_model(state, "cuda")
     ref_opt = reference_optimizer(model)
     try:
