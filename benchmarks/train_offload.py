@@ -51,8 +51,8 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     base, _, ks = name.partition(":")
-    variants = [tuple(int(x) for x in v.split("s")) + (2,) for v in ks.split("/")] if ks else [(0, 2)]
-    variants = [v[:2] for v in variants]  # (layers, sets): "13" or "13s4"
+    parts = [v.partition("s") for v in ks.split("/")] if ks else [("0", "", "")]
+    variants = [(int(k), int(sets or 2)) for k, _, sets in parts]  # (layers, buffer sets): "13" or "13s4"
     spec = dict(RUNS[base], device_update_layers=variants[0][0], device_update_sets=variants[0][1])
     warmup, measure = spec.pop("warmup"), spec.pop("measure")
     measure = steps or measure
@@ -161,8 +161,10 @@ def run_adam(device: str) -> dict:
     if kernel.kernel is not None:
         out["kernel_threads"] = kernel.kernel.threads
         out["kernel_full_Gparams_per_s"] = rate(lambda: kernel.update_unit(unit, 1e-4, 0.5))
-        out["kernel_preview_Gparams_per_s"] = rate(lambda: kernel._kernel_pass(unit, unit.grad, 1e-4, 0.5, False))
-        out["kernel_commit_Gparams_per_s"] = rate(lambda: kernel._kernel_pass(unit, unit.grad, 1e-4, 0.5, True))
+        out["kernel_preview_Gparams_per_s"] = rate(lambda: kernel.kernel_pass(unit, unit.grad, 1e-4, 0.5,
+                                                                                   write_state=False, write_work=True))
+        out["kernel_commit_Gparams_per_s"] = rate(lambda: kernel.kernel_pass(unit, unit.grad, 1e-4, 0.5,
+                                                                                  write_state=True, write_work=False))
     return out
 
 

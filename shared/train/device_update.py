@@ -71,12 +71,10 @@ class DeviceUpdater:
             with lanes.on("opt"), trace.op("compute", j, "opt", 0, "opt"):
                 g32.copy_(self.grads[j]).mul_(coef)  # in fp32, as the host path scales
                 self.steps[j] += 1
-                decay_end = unit.layout.decay_end
-                for lo, hi, wd in ((0, decay_end, opt.weight_decay), (decay_end, g32.numel(), 0.0)):
-                    if lo < hi:
-                        torch._fused_adamw_([master[lo:hi]], [g32[lo:hi]], [m[lo:hi]], [v[lo:hi]], [], [self.steps[j]],
-                                            lr=lr, beta1=opt.betas[0], beta2=opt.betas[1], weight_decay=wd,
-                                            eps=opt.eps, amsgrad=False, maximize=False)
+                for lo, hi, wd in unit.layout.decay_ranges(opt.weight_decay):
+                    torch._fused_adamw_([master[lo:hi]], [g32[lo:hi]], [m[lo:hi]], [v[lo:hi]], [], [self.steps[j]],
+                                        lr=lr, beta1=opt.betas[0], beta2=opt.betas[1], weight_decay=wd,
+                                        eps=opt.eps, amsgrad=False, maximize=False)
                 work.copy_(master)
             self.read[j] = updated = lanes.record("opt")
             lanes.wait("xd2h", updated)

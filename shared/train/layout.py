@@ -48,6 +48,12 @@ class UnitLayout:
             raise ValueError(f"flat buffer of shape {tuple(flat.shape)} does not hold a unit of {self.numel}")
         return {p.name: flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.params}
 
+    def decay_ranges(self, weight_decay: float) -> list[tuple[int, int, float]]:
+        """``(start, end, weight_decay)`` of the matrices, then ``(start, end, 0.0)`` of the rest;
+        empty ranges left out."""
+        ranges = [(0, self.decay_end, weight_decay), (self.decay_end, self.numel, 0.0)]
+        return [r for r in ranges if r[0] < r[1]]
+
     def names(self) -> list[str]:
         return [p.name for p in self.params]
 

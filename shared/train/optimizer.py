@@ -107,17 +107,16 @@ class HostAdamW:
         self._jobs.put(job)
 
     def wait(self, unit: int, version: int) -> None:
-        """Block until unit ``unit`` has had ``version`` updates applied."""
-        with self._cond:
-            while self.version[unit] < version and self._error is None:
-                self._cond.wait(1.0)
-        if self._error is not None:
-            raise RuntimeError("the host optimizer failed") from self._error
+        """Block until unit ``unit``'s working copy has had ``version`` updates applied."""
+        self._wait_until(lambda: self.version[unit] >= version)
 
     def wait_all(self, version: int) -> None:
         """Block until every unit's masters and moments (not only its working copy) hold ``version``."""
+        self._wait_until(lambda: min(self.settled) >= version)
+
+    def _wait_until(self, reached: Callable[[], bool]) -> None:
         with self._cond:
-            while min(self.settled) < version and self._error is None:
+            while not reached() and self._error is None:
                 self._cond.wait(1.0)
         if self._error is not None:
             raise RuntimeError("the host optimizer failed") from self._error
@@ -152,7 +151,7 @@ class HostAdamW:
             if index not in self.skip:
                 grad = unit.grad_for(job.version)
                 if self.split:
-                    self._kernel_pass(unit, grad, job.lr, scale, write_state=False)
+                    self.kernel_pass(unit, grad, job.lr, scale, write_state=False, write_work=True)
                 else:
                     self.update_unit(unit, job.lr, scale, grad)
                 if job.record is not None:
@@ -162,7 +161,8 @@ class HostAdamW:
         if self.split:
             for index, unit in enumerate(self.state.units):
                 if index not in self.skip:
-                    self._kernel_pass(unit, unit.grad_for(job.version), job.lr, scale, write_state=True)
+                    self.kernel_pass(unit, unit.grad_for(job.version), job.lr, scale, write_state=True,
+                                      write_work=False)
                     unit.step += 1
                 self._publish(index, job.version, settled=True)
 
@@ -177,11 +177,11 @@ class HostAdamW:
         """A whole update of one unit: masters, moments, step and working copy."""
         grad = unit.grad if grad is None else grad
         if self.kernel is not None:
-            self._kernel_pass(unit, grad, lr, scale, write_state=True, write_work=True)
+            self.kernel_pass(unit, grad, lr, scale, write_state=True, write_work=True)
             unit.step += 1
             return
         unit.step += 1
-        decay_end, n = unit.layout.decay_end, unit.layout.numel
+        n = unit.layout.numel
         for start in range(0, n, CHUNK):
             end = min(start + CHUNK, n)
             g = grad[start:end]
@@ -189,7 +189,8 @@ class HostAdamW:
                 g = self._tmp[: end - start].copy_(g)
             if scale != 1.0:
                 g.mul_(scale)
-            for lo, hi, wd in ((start, min(end, decay_end), self.weight_decay), (max(start, decay_end), end, 0.0)):
+            for lo, hi, wd in unit.layout.decay_ranges(self.weight_decay):
+                lo, hi = max(lo, start), min(hi, end)
                 if lo < hi:
                     torch._fused_adamw_(
                         [unit.master[lo:hi]], [g[lo - start : hi - start]], [unit.exp_avg[lo:hi]],
@@ -198,17 +199,14 @@ class HostAdamW:
                     )
             unit.work[start:end].copy_(unit.master[start:end])
 
-    def _kernel_pass(self, unit: Unit, grad: torch.Tensor, lr: float, scale: float, write_state: bool,
-                     write_work: bool | None = None) -> None:
+    def kernel_pass(self, unit: Unit, grad: torch.Tensor, lr: float, scale: float, write_state: bool,
+                     write_work: bool) -> None:
         """One kernel pass with the unit's next step count (the caller bumps ``unit.step``)."""
         step = float(unit.step) + 1
         b1, b2 = self.betas
         step_size = lr / (1 - b1**step)
         bc2_sqrt = math.sqrt(1 - b2**step)
-        write_work = not write_state if write_work is None else write_work
-        decay_end = unit.layout.decay_end
-        for lo, hi, wd in ((0, decay_end, self.weight_decay), (decay_end, unit.layout.numel, 0.0)):
-            if lo < hi:
-                hyper = (scale, 1 - lr * wd, 1 - b1, b2, 1 - b2, self.eps, step_size, bc2_sqrt)
-                self.kernel.adamw(unit.master[lo:hi], unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi], grad[lo:hi],
-                                  unit.work[lo:hi], hyper, write_state=write_state, write_work=write_work)
+        for lo, hi, wd in unit.layout.decay_ranges(self.weight_decay):
+            hyper = (scale, 1 - lr * wd, 1 - b1, b2, 1 - b2, self.eps, step_size, bc2_sqrt)
+            self.kernel.adamw(unit.master[lo:hi], unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi], grad[lo:hi],
+                              unit.work[lo:hi], hyper, write_state=write_state, write_work=write_work)
