@@ -7,7 +7,7 @@ stateless template serves every layer. Memory stays bounded at long sequence len
 over token chunks (forward and backward), and the LM head + cross-entropy run chunked with their
 backward fused in, so full ``[tokens, vocab]`` logits never exist. On CUDA the two blocks can be
 ``torch.compile``d (:func:`compiled_blocks`): the norms, RoPE and SiLU-gating fuse into a few kernels,
-a quarter off a 3B layer's forward and backward; the math and parameter names stay the same.
+about a fifth off a 3B step's GPU compute (README); the math and parameter names stay the same.
 """
 
 from __future__ import annotations
