@@ -8,6 +8,8 @@ loss. Run: ``python -m pytest -q tests/test_train_parity.py``.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,9 +21,12 @@ from tandem.shared.train.engine import StreamingEngine
 from tandem.shared.train.host_state import HostState
 from tandem.shared.train.lanes import hidden_fraction
 from tandem.shared.train.layout import layer_layout
-from tandem.shared.train.optimizer import HostAdamW, lr_schedule
+from tandem.shared.train.optimizer import BETAS, EPS, HostAdamW, lr_schedule
 
 LR, WD, CLIP = 3e-3, 0.1, 0.5
+# The engine's and the reference's backward each carry rounding of the size gradient_rounding measures,
+# in different orders (chunked MLP and loss, slots); this many times that size bounds their difference.
+GRAD_ERROR_MARGIN = 4.0
 
 
 def reference_loss(model: LlamaForCausalLM, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -44,32 +49,53 @@ def reference_loss(model: LlamaForCausalLM, ids: torch.Tensor, targets: torch.Te
                                              is_causal=True)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    logits = model.lm_head(inner.norm(x)).float()
+    logits = model.lm_head(inner.norm(x))
     return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def reference_model(state: HostState, device: str = "cpu") -> LlamaForCausalLM:
+def reference_model(state: HostState) -> LlamaForCausalLM:
     model = LlamaForCausalLM(state.config)
     model.load_state_dict({k: v.clone() for k, v in state.state_dict().items()}, strict=False)
     model.tie_weights()
-    return model.to(device)
+    return model
 
 
 def reference_optimizer(model: LlamaForCausalLM) -> torch.optim.AdamW:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}],
-                             lr=LR, betas=(0.9, 0.95), eps=1e-8)
+                             lr=LR, betas=BETAS, eps=EPS)
 
 
-def reference_step(model, opt, lr: float, ids, targets) -> tuple[float, float]:  # noqa: ANN001
+def gradient_rounding(model: LlamaForCausalLM, ids: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """Per tensor, the largest difference between the fp32 gradients ``model`` holds and float64
+    gradients at the same weights: how much rounding an fp32 backward carries, in any order of operations."""
+    exact = copy.deepcopy(model).double()
+    exact.zero_grad(set_to_none=True)
+    reference_loss(exact, ids, targets).backward()
+    return {name: (p.grad.double() - p64.grad).abs().max().item()
+            for (name, p), p64 in zip(model.named_parameters(), exact.parameters())}
+
+
+def reference_step(model, opt, lr: float, ids, targets, slack: dict[str, torch.Tensor]) -> tuple[float, float]:  # noqa: ANN001
+    """One plain step. ``slack`` accumulates, per element, how far two fp32 runs may drift apart:
+    Adam divides by sqrt(v), so a gradient error e moves an element's update by up to about
+    lr * e / (sqrt(v_hat) + eps), which is large only where that element's gradients are near zero
+    (there a last-bit difference can flip the sign of a whole lr-sized step)."""
     opt.zero_grad()
     loss = reference_loss(model, ids, targets)
     loss.backward()
+    rounding = gradient_rounding(model, ids, targets)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    coef = min(1.0, CLIP / (norm.item() + 1e-6))
     for group in opt.param_groups:
         group["lr"] = lr
     opt.step()
+    for name, p in model.named_parameters():
+        state = opt.state[p]
+        denom = (state["exp_avg_sq"] / (1 - BETAS[1] ** int(state["step"]))).sqrt() + EPS
+        # An element whose gradient is exactly zero (an embedding row no token used) sums no terms: no slack.
+        slack[name] += GRAD_ERROR_MARGIN * lr * coef * rounding[name] / denom * (p.grad != 0)
     return loss.item(), norm.item()
 
 
@@ -114,11 +140,12 @@ def test_losses_and_weights_match_plain_pytorch(name, device_layers, host):
     # Small chunks so the chunked MLP and chunked loss paths both run.
     engine = StreamingEngine(cfg, state, opt, torch.device("cpu"), mlp_chunk=40, loss_chunk=50,
                              device_update_layers=device_layers, device_update_sets=3)
+    slack = {key: torch.zeros_like(p) for key, p in model.named_parameters()}
     try:
         for step, (ids, targets) in enumerate(batches(steps, 2, 33, cfg.vocab_size), start=1):
             handle = engine.step(ids, targets)
             loss = handle.loss()
-            ref_loss, ref_norm = reference_step(model, ref_opt, lr_at(step), ids, targets)
+            ref_loss, ref_norm = reference_step(model, ref_opt, lr_at(step), ids, targets, slack)
             handle.job.done.wait()
             assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-5), f"step {step} loss"
             assert handle.job.grad_norm == pytest.approx(ref_norm, rel=1e-4), f"step {step} grad norm"
@@ -128,14 +155,24 @@ def test_losses_and_weights_match_plain_pytorch(name, device_layers, host):
     finally:
         opt.close()
     ours = state.state_dict()
+    params = dict(model.named_parameters())
     for key, ref in model.state_dict().items():
-        if key in ours:
-            torch.testing.assert_close(ours[key], ref, rtol=1e-4, atol=2e-5, msg=lambda m: f"{key}: {m}")
+        if key not in ours:
+            continue
+        allowed = 2e-5 + 1e-4 * ref.abs() + slack[key] if key in params else 2e-5 + 1e-4 * ref.abs()
+        excess = (ours[key] - ref).abs() - allowed
+        worst = int(excess.argmax())
+        assert excess.max() <= 0, (
+            f"{key}: element {worst} is {ours[key].flatten()[worst].item():.8g}, the reference "
+            f"{ref.flatten()[worst].item():.8g}, allowed {allowed.flatten()[worst].item():.3g}")
+    for key, extra in slack.items():  # the slack widens a few ill-conditioned elements, not the whole check
+        widened = (extra > 2e-5).float().mean().item()
+        assert widened < 0.02, f"{key}: the rounding slack exceeds the tolerance on {widened:.1%} of elements"
     for layer in (0, cfg.num_layers - 1):  # optimizer moments agree too (a device-updated and a host one)
         ref_state = ref_opt.state[model.model.layers[layer].mlp.up_proj.weight]
         unit = state.units[layer + 1]
-        torch.testing.assert_close(unit.layout.views(unit.exp_avg)["mlp.up_proj.weight"], ref_state["exp_avg"],
-                                   rtol=1e-3, atol=1e-7)
+        torch.testing.assert_close(unit.layout.views(unit.exp_avg)["mlp.up_proj.weight"],
+                                   ref_state["exp_avg"], rtol=1e-3, atol=1e-7)
         assert int(unit.step) == steps
     for unit in state.units:  # the working copy the next forward reads is exactly the master
         assert torch.equal(unit.work, unit.master), f"{unit.name}: working copy differs from the master"
