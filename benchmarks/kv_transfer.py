@@ -35,10 +35,10 @@ import nats
 import numpy as np
 import torch
 
-from tandem.shared.frames import KVReceiver, block_checksums, send_kv
-from tandem.shared.messages import KVTransfer
-from tandem.shared.natsserver import NatsServer
-from tandem.shared.shmring import ShmRing, SlotDescriptor, host_id
+from tandem.shared.protocol.frames import KVReceiver, block_checksums, send_kv
+from tandem.shared.protocol.kv import KVTransfer
+from tandem.shared.infra.natsserver import NatsServer
+from tandem.shared.infra.shmring import ShmRing, SlotDescriptor, host_id
 
 MiB = 1 << 20
 

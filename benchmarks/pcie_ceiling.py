@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from tandem.shared.shmring import ShmRing
+from tandem.shared.infra.shmring import ShmRing
 
 MiB = 1 << 20
 

@@ -30,8 +30,9 @@ import nats
 from tandem.bench_data import meets, percentile, summarize
 from tandem.bench_serve import one, router_model
 from tandem.client import connect
-from tandem.shared import subjects
-from tandem.shared.messages import ScalingDecision, decode
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.codec import decode
+from tandem.shared.protocol.fleet import ScalingDecision
 
 
 def schedule(args: argparse.Namespace, vocab: int) -> list[tuple[float, str, list[int]]]:

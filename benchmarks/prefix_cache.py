@@ -20,8 +20,8 @@ import time
 
 from tandem.bench import percentile
 from tandem.client import connect
-from tandem.services.runtime import run_async
-from tandem.shared.config import load_settings
+from tandem.services.common.runtime import run_async
+from tandem.shared.infra.config import load_settings
 from tandem.supervisor import Supervisor
 
 

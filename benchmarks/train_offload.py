@@ -44,7 +44,7 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
 
     import torch
 
-    from tandem.shared.messages import TrainJob
+    from tandem.shared.protocol.training import TrainJob
     from tandem.shared.train import TrainRunner
     from tandem.shared.train.engine import StreamingEngine
     from tandem.shared.train.optimizer import HostAdamW

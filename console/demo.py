@@ -11,10 +11,9 @@ import math
 
 from tandem.console.state import ConsoleState, ServiceRow
 from tandem.console.widgets import hidden_fraction
-from tandem.shared.messages import (
-    BlockSnapshot, KVTransferEvent, RouteCandidate, RoutingDecision, ScalingDecision, SequenceBlocks, TimelineOp,
-    TrainStepMetrics, TrainTimeline,
-)
+from tandem.shared.protocol.fleet import RouteCandidate, RoutingDecision, ScalingDecision
+from tandem.shared.protocol.training import TimelineOp, TrainStepMetrics, TrainTimeline
+from tandem.shared.protocol.views import BlockSnapshot, KVTransferEvent, SequenceBlocks
 
 NOW = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC
 MIB = 1 << 20

@@ -26,11 +26,12 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
 from tandem.console.state import ConsoleState, service_row
 from tandem.discovery import gather_replies
-from tandem.shared import subjects
-from tandem.shared.messages import (
-    BlockSnapshot, DrainRequest, ErrorReply, KVTransferEvent, MetricsSnapshot, RoutingDecision, ScaleRequest,
-    ScalingDecision, TrainStepMetrics, TrainTimeline, decode, encode,
-)
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.base import ErrorReply
+from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.fleet import DrainRequest, MetricsSnapshot, RoutingDecision, ScaleRequest, ScalingDecision
+from tandem.shared.protocol.training import TrainStepMetrics, TrainTimeline
+from tandem.shared.protocol.views import BlockSnapshot, KVTransferEvent
 
 log = logging.getLogger("tandem.console")
 DISCOVERY_S = 2.0

@@ -11,16 +11,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from tandem.shared.messages import (
-    BlockSnapshot, HistogramSnapshot, KVTransferEvent, MetricsSnapshot, RoutingDecision, ScalingDecision,
-    TrainStepMetrics, TrainTimeline,
-)
-from tandem.shared.metrics import histogram_delta, histogram_merge, histogram_quantile
+from tandem.shared.protocol.fleet import HistogramSnapshot, MetricsSnapshot, RoutingDecision, ScalingDecision
+from tandem.shared.protocol.training import TrainStepMetrics, TrainTimeline
+from tandem.shared.protocol.views import BlockSnapshot, KVTransferEvent
+from tandem.shared.infra.metrics import histogram_delta, histogram_merge, histogram_quantile
 
 WORKER_SERVICES = ("decode", "prefill")
 CONSOLE_ENDPOINTS = {"blocks", "stats", "drain"}  # polled by the console itself: not counted as traffic
 LATENCY_KINDS = ("ttft", "tpot")
-# The services' histogram of each kind (tandem.services.service_metrics); other names that contain
+# The services' histogram of each kind (tandem.services.common.service_metrics); other names that contain
 # the kind ("ttft", "tpot") are taken too, for services that name theirs so.
 LATENCY_METRICS = {"ttft": "tandem:time_to_first_token_seconds",
                    "tpot": "tandem:request_time_per_output_token_seconds"}

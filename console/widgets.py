@@ -11,7 +11,8 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from tandem.shared.messages import BlockSnapshot, KVTransferEvent, TimelineOp
+from tandem.shared.protocol.training import TimelineOp
+from tandem.shared.protocol.views import BlockSnapshot, KVTransferEvent
 
 # state byte -> (glyph, style, label); see BlockSnapshot
 BLOCK_STYLES = {0: ("·", "grey42", "free"), 1: ("█", "green", "in use"), 2: ("▒", "dodger_blue2", "cached"),

@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from tandem.shared.config import Settings
+from tandem.shared.infra.config import Settings
 
 
 @dataclass
@@ -62,7 +62,7 @@ def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 def build_engine(settings: Settings):
     """The engine a decode worker with these settings would run, built in this process."""
-    from tandem.services.worker import resolve_device, size_kv_pool
+    from tandem.services.common.worker import resolve_device, size_kv_pool
     from tandem.shared.engine import EngineConfig, LLMEngine
     from tandem.shared.model import load_model, resolve_dtype
 
@@ -138,7 +138,7 @@ def run_bench(args: argparse.Namespace, settings: Settings, engine_argv: list[st
     machine the bus path splits the cores between a prefill and a decode worker)."""
     import torch
 
-    from tandem.services.runtime import run_async, setup_logging
+    from tandem.services.common.runtime import run_async, setup_logging
     from tandem.supervisor import Supervisor
 
     setup_logging("WARNING")

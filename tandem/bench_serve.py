@@ -24,7 +24,7 @@ import sys
 import time
 
 from tandem.bench_data import RequestResult, arrival_gaps, make_requests, parse_goodput, summarize
-from tandem.shared.config import Settings
+from tandem.shared.infra.config import Settings
 
 TTFT_METRIC = "tandem:time_to_first_token_seconds"
 
@@ -194,7 +194,7 @@ def strict_json(value):
 
 
 def run_bench_serve(args: argparse.Namespace, settings: Settings) -> int:
-    from tandem.services.runtime import run_async
+    from tandem.services.common.runtime import run_async
     from tandem.supervisor import find_running_url
 
     url = settings.nats_url or find_running_url(settings.data_dir)

@@ -10,7 +10,7 @@
     tandem bench compare [--concurrency 1 8 32 64] [--requests N] [--json-out FILE]   (also: plain `tandem bench`)
     tandem console [--nats-url URL]
 
-Every flag can also be set as a ``TANDEM_*`` environment variable (see tandem.shared.config).
+Every flag can also be set as a ``TANDEM_*`` environment variable (see tandem.shared.infra.config).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 
 from tandem.bench_serve import add_arguments as add_bench_serve
 from tandem.planner_flags import PLANNER_FLAGS, add_planner_flags
-from tandem.shared.config import load_settings
+from tandem.shared.infra.config import load_settings
 
 SERVICES = ("router", "prefill", "decode", "kvstore", "planner", "trainer")
 DEMO_PROMPT = "def fibonacci(n):"
@@ -144,7 +144,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tandem.services.runtime import setup_logging
+    from tandem.services.common.runtime import setup_logging
 
     settings = settings_from(args, *ENGINE_FLAGS, *KVSTORE_FLAGS, *PLANNER_FLAGS, "metrics_port")
     setup_logging(settings.log_level)
@@ -172,7 +172,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from tandem.client import TandemError, connect
-    from tandem.services.runtime import run_async
+    from tandem.services.common.runtime import run_async
     from tandem.supervisor import find_running_url
 
     settings = settings_from(args)
@@ -216,7 +216,7 @@ def cmd_console(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from tandem.services.runtime import setup_logging
+    from tandem.services.common.runtime import setup_logging
     from tandem.train_cli import cmd_train as run_train
 
     settings = settings_from(args)

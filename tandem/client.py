@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 import nats
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
-from tandem.shared import subjects
-from tandem.shared.messages import (
-    Cancel, ErrorCode, ErrorReply, GenerateAccepted, GenerateRequest, Probe, ProtocolError, SamplingParams,
-    StreamChunk, decode, encode,
-)
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError
+from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.serving import Cancel, GenerateAccepted, GenerateRequest, Probe, SamplingParams, StreamChunk
 
 
 class TandemError(Exception):

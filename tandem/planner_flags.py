@@ -1,6 +1,6 @@
 """Command-line flags of the planner, shared by ``tandem serve planner`` and ``tandem up --planner``.
 
-Each flag sets the :class:`~tandem.shared.config.Settings` field named in ``PLANNER_FLAGS`` (so
+Each flag sets the :class:`~tandem.shared.infra.config.Settings` field named in ``PLANNER_FLAGS`` (so
 ``TANDEM_PLANNER_TTFT_TARGET_MS=500`` works too). ``tandem up`` uses the minimum and maximum counts
 itself (it never runs fewer or more workers) and hands every other given flag on to the planner.
 """

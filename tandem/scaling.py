@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING
 import nats
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
-from tandem.shared import subjects
-from tandem.shared.messages import DrainRequest, ProtocolError, ScalingDecision, decode, encode
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.base import ProtocolError
+from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.fleet import DrainRequest, ScalingDecision
 
 if TYPE_CHECKING:
     from tandem.supervisor import Child, Supervisor

@@ -31,9 +31,9 @@ import nats
 
 from tandem.discovery import gather_replies
 from tandem.gpus import memory_share, pick_gpu, visible_gpus
-from tandem.shared import subjects
-from tandem.shared.config import Settings
-from tandem.shared.natsserver import NatsServer, die_with_parent
+from tandem.shared.protocol import subjects
+from tandem.shared.infra.config import Settings
+from tandem.shared.infra.natsserver import NatsServer, die_with_parent
 
 log = logging.getLogger("tandem.up")
 

@@ -60,7 +60,7 @@ def add_train_parser(sub: argparse._SubParsersAction, add_common) -> None:  # no
 
 
 def build_job(args: argparse.Namespace, data_dir: Path):  # noqa: ANN201 - TrainJob
-    from tandem.shared.messages import TrainJob
+    from tandem.shared.protocol.training import TrainJob
 
     fields = dict(DEFAULT_JOB) if args.default else {}
     if args.default:
@@ -77,11 +77,11 @@ def progress(step: int, steps: int, loss: float, tokens_per_s: float, tflops: fl
             f"{tflops:.2f} TFLOP/s  {elapsed:.0f}s elapsed, eta {eta:.0f}s")
 
 
-def cmd_train(args: argparse.Namespace, settings) -> int:  # noqa: ANN001 - tandem.shared.config.Settings
+def cmd_train(args: argparse.Namespace, settings) -> int:  # noqa: ANN001 - tandem.shared.infra.config.Settings
     import torch
     from pydantic import ValidationError
 
-    from tandem.shared.messages import ProtocolError
+    from tandem.shared.protocol.base import ProtocolError
     from tandem.shared.train import TrainRunner
 
     if args.threads:
@@ -148,8 +148,9 @@ class _Publisher:
         self.nc = self.loop.run_until_complete(nats.connect(url))
 
     def publish(self, path: Path, step: int) -> None:
-        from tandem.shared import subjects
-        from tandem.shared.messages import WeightsUpdated, encode
+        from tandem.shared.protocol import subjects
+        from tandem.shared.protocol.codec import encode
+        from tandem.shared.protocol.training import WeightsUpdated
 
         msg = WeightsUpdated(model=self.model, path=str(path), step=step, version=f"{self.job_id}.{step}")
         self.loop.run_until_complete(self.nc.publish(subjects.WEIGHTS_UPDATED, encode(msg)))

@@ -8,12 +8,12 @@ import signal
 import sys
 
 from tandem.planner_flags import planner_argv
-from tandem.shared.config import Settings
+from tandem.shared.infra.config import Settings
 
 
 def run_up(args: argparse.Namespace, settings: Settings, engine_argv: list[str]) -> int:
-    from tandem.services.runtime import run_async, setup_logging
-    from tandem.shared.natsserver import NatsServerError
+    from tandem.services.common.runtime import run_async, setup_logging
+    from tandem.shared.infra.natsserver import NatsServerError
     from tandem.supervisor import Supervisor
 
     setup_logging(settings.log_level)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.shared.natsserver import NatsServer
+from tandem.shared.infra.natsserver import NatsServer
 from tandem.supervisor import wait_until_ready
 
 

@@ -6,8 +6,9 @@ import asyncio
 
 import nats
 
-from tandem.shared import subjects
-from tandem.shared.messages import Heartbeat, decode
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.codec import decode
+from tandem.shared.protocol.fleet import Heartbeat
 
 # Prompt lengths (byte tokenizer: one token per byte) on and around block (16) and chunk (32) edges.
 PARITY_LENGTHS = [1, 5, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 95, 96, 97, 130, 200]

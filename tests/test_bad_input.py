@@ -9,12 +9,13 @@ import torch
 from support import prompt_of
 
 from tandem.client import connect
-from tandem.shared import subjects
-from tandem.shared.frames import pack_frame
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.frames import pack_frame
 from tandem.shared.kvcache.cache import kv_namespace
-from tandem.shared.messages import (
-    DecodeRequest, ErrorReply, GenerateRequest, KVTransfer, PrefillRequest, SamplingParams, decode, encode,
-)
+from tandem.shared.protocol.base import ErrorReply
+from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.kv import KVTransfer
+from tandem.shared.protocol.serving import DecodeRequest, GenerateRequest, PrefillRequest, SamplingParams
 
 MAX_MODEL_LEN = 256
 

@@ -26,8 +26,8 @@ import pytest
 import yaml
 
 from tandem.cli import parser
-from tandem.shared.config import Settings
-from tandem.shared.natsserver import MAX_PAYLOAD, MAX_PENDING, find_nats_server
+from tandem.shared.infra.config import Settings
+from tandem.shared.infra.natsserver import MAX_PAYLOAD, MAX_PENDING, find_nats_server
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose"
@@ -109,7 +109,7 @@ def test_environment_is_tandem_settings():
         if name != "nats":
             assert env["TANDEM_NATS_URL"] == "nats://nats:4222", name
         unknown = {k for k in env if k.startswith("TANDEM_") and k.removeprefix("TANDEM_").lower() not in fields}
-        assert not unknown, f"{name}: {unknown} are not settings (shared/config.py)"
+        assert not unknown, f"{name}: {unknown} are not settings (shared/infra/config.py)"
         settings = Settings(**{k.removeprefix("TANDEM_").lower(): v for k, v in env.items() if k.startswith("TANDEM_")})
         assert settings.model == "tiny"
 

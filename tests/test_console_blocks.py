@@ -1,4 +1,4 @@
-"""Block snapshots (services/block_snapshot.py) on a real engine: block states, block tables, and
+"""Block snapshots (services/common/block_snapshot.py) on a real engine: block states, block tables, and
 how many leading blocks came from the prefix cache or an import; taken on the engine thread.
 
 Run: ``python3 -m pytest -q tests/test_console_blocks.py``.
@@ -11,8 +11,8 @@ import asyncio
 import pytest
 import torch
 
-from tandem.services.block_snapshot import CACHED, FREE, IN_USE, SHARED, take_snapshot
-from tandem.services.engine_thread import EngineThread
+from tandem.services.common.block_snapshot import CACHED, FREE, IN_USE, SHARED, take_snapshot
+from tandem.services.common.engine_thread import EngineThread
 from tandem.shared.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
 from tandem.shared.model import load_model
 

@@ -22,11 +22,12 @@ from tandem.console.app import ConsoleApp
 from tandem.console.screens.modals import ConfirmScreen, HelpScreen, ScaleScreen
 from tandem.console.source import NatsSource
 from tandem.console.state import LATENCY_METRICS
-from tandem.services.service_metrics import ITL_BUCKETS, TTFT_BUCKETS
-from tandem.shared import subjects
-from tandem.shared.messages import (
-    Ack, HistogramSnapshot, MetricsSnapshot, ScaleRequest, ScalingDecision, TimelineOp, TrainTimeline, decode, encode,
-)
+from tandem.services.common.service_metrics import ITL_BUCKETS, TTFT_BUCKETS
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.base import Ack
+from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.fleet import HistogramSnapshot, MetricsSnapshot, ScaleRequest, ScalingDecision
+from tandem.shared.protocol.training import TimelineOp, TrainTimeline
 
 SIZE = (150, 45)
 PROMPT = "def walk(tree):\n    for child in tree.children:\n"  # 48 tokens: 3 full blocks

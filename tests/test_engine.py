@@ -13,7 +13,7 @@ import torch
 
 from tandem.shared.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
 from tandem.shared.model import load_model, reference_generate
-from tandem.shared.tokenizer import ByteTokenizer
+from tandem.shared.text.tokenizer import ByteTokenizer
 
 
 @pytest.fixture(scope="module")

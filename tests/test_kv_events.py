@@ -3,7 +3,7 @@ the first event clears; sequence numbers count events."""
 
 from __future__ import annotations
 
-from tandem.services.kv_event_publisher import KVEventPublisher
+from tandem.services.common.kv_event_publisher import KVEventPublisher
 
 
 def test_reports_coalesce_to_each_blocks_last_change():

@@ -13,7 +13,7 @@ import pytest
 from support import prompt_of
 
 from tandem.client import connect
-from tandem.shared import subjects
+from tandem.shared.protocol import subjects
 from tandem.shared.model import load_model, reference_generate
 
 PROMPT_TOKENS = 100  # six full blocks and a partial one

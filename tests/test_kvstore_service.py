@@ -24,14 +24,14 @@ import msgpack
 import nats
 import pytest
 
-from tandem.services.kvstore.client import KVStoreClient
+from tandem.services.common.kvstore_client import KVStoreClient
 from tandem.services.kvstore.store import namespace_digest
-from tandem.shared import natsserver, subjects
-from tandem.shared.frames import KVReceiver, block_checksums, pack_frame, send_kv
-from tandem.shared.messages import (
-    SCHEMA_VERSION, Ack, ErrorReply, KVEvent, KVGetReply, KVGetRequest, KVLookupReply, KVLookupRequest, KVPutReply,
-    KVPutRequest, KVTransfer, ProtocolError, decode, encode, error_reply,
-)
+from tandem.shared.infra import natsserver
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.frames import KVReceiver, block_checksums, pack_frame, send_kv
+from tandem.shared.protocol.base import SCHEMA_VERSION, Ack, ErrorReply, ProtocolError
+from tandem.shared.protocol.codec import decode, encode, error_reply
+from tandem.shared.protocol.kv import KVEvent, KVGetReply, KVGetRequest, KVLookupReply, KVLookupRequest, KVPutReply, KVPutRequest, KVTransfer
 
 NS = "tiny/float32/test"
 KIB, MIB = 1024, 1024 * 1024

@@ -12,8 +12,9 @@ from support import prompt_of
 
 from tandem.client import connect
 from tandem.discovery import scrape_services, service_infos
-from tandem.shared import subjects
-from tandem.shared.messages import MetricsSnapshot, decode
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.codec import decode
+from tandem.shared.protocol.fleet import MetricsSnapshot
 
 N, MAX_TOKENS = 4, 6
 

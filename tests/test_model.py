@@ -24,7 +24,7 @@ from tandem.shared.model import (
     save_hf_checkpoint,
 )
 from tandem.shared.model import llama as llama_module
-from tandem.shared.tokenizer import ByteTokenizer, HFTokenizer
+from tandem.shared.text.tokenizer import ByteTokenizer, HFTokenizer
 
 VOCAB = 96
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

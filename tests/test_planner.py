@@ -9,7 +9,7 @@ import pytest
 
 from tandem.services.planner.policy import Load, Planner, Targets, decode_demand, prefill_demand, step
 from tandem.services.planner.window import LoadWindow
-from tandem.shared.messages import Heartbeat, HistogramSnapshot, MetricsSnapshot
+from tandem.shared.protocol.fleet import Heartbeat, HistogramSnapshot, MetricsSnapshot
 
 TARGETS = Targets(ttft_s=0.5, tpot_s=0.05, kv_usage=0.8, scale_down_margin=0.6, cooldown_s=10.0,
                   min_prefill=1, max_prefill=4, min_decode=1, max_decode=4)

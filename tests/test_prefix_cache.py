@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tandem.shared.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
-from tandem.shared.kvcache.block_manager import hash_block, prefix_hashes
+from tandem.shared.protocol.block_hashes import hash_block, prefix_hashes
 from tandem.shared.model import load_model, reference_generate
 from test_engine import record_logits, run
 

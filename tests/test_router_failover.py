@@ -14,8 +14,9 @@ import pytest
 
 from conftest import launch, service_env
 from tandem.client import NoWorkersError, RequestTimeoutError, connect
-from tandem.shared import subjects
-from tandem.shared.messages import Heartbeat, encode
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.codec import encode
+from tandem.shared.protocol.fleet import Heartbeat
 
 SILENT = "decode-silent"
 

@@ -6,8 +6,9 @@ import pytest
 
 from tandem.services.router.kv_index import KVIndex
 from tandem.services.router.policy import prefill_locally, rank
-from tandem.shared.kvcache.block_manager import BlockManager, prefix_hashes
-from tandem.shared.messages import KVEvent
+from tandem.shared.kvcache.block_manager import BlockManager
+from tandem.shared.protocol.block_hashes import prefix_hashes
+from tandem.shared.protocol.kv import KVEvent
 
 NS = "tiny/float32/L4xH4xD32/bs16"
 

@@ -10,7 +10,7 @@ import torch
 from tandem.shared.engine.detokenizer import IncrementalDetokenizer, check_stop
 from tandem.shared.engine.sampling import mix_seed, sample
 from tandem.shared.engine.sequence import SamplingParams, Sequence
-from tandem.shared.tokenizer import ByteTokenizer
+from tandem.shared.text.tokenizer import ByteTokenizer
 
 VOCAB = 50
 

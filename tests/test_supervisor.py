@@ -17,8 +17,9 @@ from test_cli import TANDEM, tandem_env, wait_for
 
 from tandem.client import connect
 from tandem.gpus import memory_share, pick_gpu
-from tandem.shared import subjects
-from tandem.shared.messages import Heartbeat, ScalingDecision, decode
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.codec import decode
+from tandem.shared.protocol.fleet import Heartbeat, ScalingDecision
 
 SOURCE = "def walk(tree):\n    for child in tree.children:\n        yield from walk(child)\n" * 40
 

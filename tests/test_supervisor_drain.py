@@ -12,8 +12,10 @@ import pytest
 from support import prompt_of
 
 from tandem.client import connect
-from tandem.shared import subjects
-from tandem.shared.messages import Ack, DrainRequest, RoutingDecision, decode, encode
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.base import Ack
+from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.fleet import DrainRequest, RoutingDecision
 
 SOURCE_PROMPT = prompt_of(150)
 

@@ -1,4 +1,4 @@
-"""Tests for tandem.shared.tokenizer: byte-level round trips and the tokenizer.json wrapper."""
+"""Tests for tandem.shared.text.tokenizer: byte-level round trips and the tokenizer.json wrapper."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.shared.tokenizer import (
+from tandem.shared.text.tokenizer import (
     BYTE_BOS_ID,
     BYTE_EOS_ID,
     BYTE_PAD_ID,

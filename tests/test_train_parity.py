@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.shared.messages import TimelineOp
+from tandem.shared.protocol.training import TimelineOp
 from tandem.shared.model import LlamaForCausalLM, ModelConfig
 from tandem.shared.model.llama import apply_rope
 from tandem.shared.train.engine import StreamingEngine

@@ -15,8 +15,9 @@ import pytest
 from support import worker_beats
 
 from tandem.client import connect
-from tandem.shared import subjects
-from tandem.shared.messages import WeightsUpdated, encode
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.codec import encode
+from tandem.shared.protocol.training import WeightsUpdated
 from tandem.shared.model import ModelConfig, build_random_model, load_model, save_hf_checkpoint
 from tandem.shared.model.reference import reference_generate
 

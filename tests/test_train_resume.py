@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tandem.shared.messages import TrainJob
+from tandem.shared.protocol.training import TrainJob
 from tandem.shared.model import load_model, load_model_meta
 from tandem.shared.train import TrainRunner
 

@@ -14,11 +14,10 @@ import nats
 import pytest
 from conftest import launch, run_sync, service_env
 
-from tandem.shared import subjects
-from tandem.shared.messages import (
-    ErrorCode, ErrorReply, TrainJob, TrainStart, TrainStatusReply, TrainStatusRequest, TrainStepMetrics, TrainStop,
-    TrainTimeline, WeightsUpdated, decode, encode,
-)
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.base import ErrorCode, ErrorReply
+from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.training import TrainJob, TrainStart, TrainStatusReply, TrainStatusRequest, TrainStepMetrics, TrainStop, TrainTimeline, WeightsUpdated
 from tandem.shared.model import load_model
 from tandem.supervisor import ping_services
 

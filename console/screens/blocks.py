@@ -22,7 +22,7 @@ from textual.widgets.option_list import Option
 from tandem.console.screens.base import PaneScreen
 from tandem.console.state import WORKER_SERVICES, ConsoleState
 from tandem.console.widgets import BlockGrid, bar, human_bytes
-from tandem.shared.messages import BlockSnapshot, SequenceBlocks
+from tandem.shared.protocol.views import BlockSnapshot, SequenceBlocks
 
 ORIGINS = (("prefix cache", "dodger_blue2"), ("imported", "yellow"), ("computed here", "green"))
 

@@ -15,7 +15,7 @@ from textual.widgets import DataTable, Label, Static
 
 from tandem.console.screens.base import PaneScreen
 from tandem.console.state import ConsoleState
-from tandem.shared.messages import RoutingDecision
+from tandem.shared.protocol.fleet import RoutingDecision
 
 
 def decision_text(d: RoutingDecision) -> Text:

@@ -22,7 +22,7 @@ from textual.widgets import DataTable, Label, Sparkline, Static
 from tandem.console.screens.base import PaneScreen
 from tandem.console.screens.modals import ConfirmScreen, ScaleScreen
 from tandem.console.state import ConsoleState, LatencySeries
-from tandem.shared import subjects
+from tandem.shared.protocol import subjects
 
 SPARKS = (("ttft", "p50"), ("ttft", "p99"), ("tpot", "p50"), ("tpot", "p99"))
 

@@ -2,12 +2,12 @@
 
 ``tandem serve decode --nats-url URL``. Endpoints (per instance):
 
-- ``tandem.v1.decode.<id>.kv``: binary KV frames from prefill workers (see :mod:`tandem.shared.frames`);
+- ``tandem.v1.decode.<id>.kv``: binary KV frames from prefill workers (see :mod:`tandem.shared.protocol.frames`);
 - ``tandem.v1.decode.<id>.admit``: a :class:`DecodeRequest`, prefilled elsewhere (its KV arrived as
   frames and is verified here, or lies in this worker's shared-memory ring when the prefill worker
   is on the same host) or to prefill locally.
 
-The ring (:mod:`tandem.shared.shmring`, ``--kv-ring-mib``, 0 disables it) is created at start and
+The ring (:mod:`tandem.shared.infra.shmring`, ``--kv-ring-mib``, 0 disables it) is created at start and
 advertised in heartbeats with this host's id; the router passes both on to prefill workers.
 
 The scheduler (:mod:`tandem.shared.engine.scheduler`) queues sequences when blocks run out and
@@ -26,17 +26,18 @@ import torch
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 from nats.micro.request import Request
 
-from tandem.services.runtime import run_service
-from tandem.services.worker import EngineWorker, Stream
-from tandem.shared import subjects
-from tandem.shared.config import Settings
+from tandem.services.common.runtime import run_service
+from tandem.services.common.worker import EngineWorker, Stream
+from tandem.shared.protocol import subjects
+from tandem.shared.infra.config import Settings
 from tandem.shared.engine import EngineRequest, RequestOutput
 from tandem.shared.engine import SamplingParams as EngineSampling
-from tandem.shared.frames import KVReceiver
-from tandem.shared.messages import (
-    Ack, DecodeRequest, ErrorCode, Heartbeat, Probe, ProtocolError, decode, encode, error_reply,
-)
-from tandem.shared.shmring import RingError, ShmRing, SlotDescriptor, host_id
+from tandem.shared.protocol.frames import KVReceiver
+from tandem.shared.protocol.base import Ack, ErrorCode, ProtocolError
+from tandem.shared.protocol.codec import decode, encode, error_reply
+from tandem.shared.protocol.fleet import Heartbeat
+from tandem.shared.protocol.serving import DecodeRequest, Probe
+from tandem.shared.infra.shmring import RingError, ShmRing, SlotDescriptor, host_id
 
 RING_STALE_S = 120.0  # a READY slot whose admit never came: far beyond any admit timeout
 

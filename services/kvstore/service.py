@@ -9,7 +9,7 @@
 - ``tandem.v1.kvstore.<id>.get``: :class:`KVGetRequest` -> the blocks found go as KV frames to the
   request's ``inbox`` (the requester acks each frame with ``b"ok"``, as a decode worker does), then
   :class:`KVGetReply` lists the hashes sent and a :class:`KVTransfer` (block_bytes, crc32 per block);
-- ``tandem.v1.kvstore.<id>.kv``: KV frames of a put (:func:`tandem.shared.frames.send_kv`);
+- ``tandem.v1.kvstore.<id>.kv``: KV frames of a put (:func:`tandem.shared.protocol.frames.send_kv`);
 - ``tandem.v1.kvstore.<id>.put``: :class:`KVPutRequest` naming that transfer and one hash per block
   -> :class:`KVPutReply`; the blocks' checksums are verified before anything is stored;
 - ``tandem.v1.kvstore.<id>.stats``: any payload -> a msgpack map of tier usage and hit counters.
@@ -30,17 +30,17 @@ import msgpack
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 from nats.micro.request import Request
 
-from tandem.services.kv_event_publisher import KVEventPublisher
+from tandem.services.common.kv_event_publisher import KVEventPublisher
 from tandem.services.kvstore.store import KVBlockStore
-from tandem.services.runtime import ServiceRuntime, run_service
-from tandem.services.service_metrics import kvstore_metrics
-from tandem.shared import subjects
-from tandem.shared.config import Settings
-from tandem.shared.frames import KVReceiver, block_checksums, send_kv
-from tandem.shared.messages import (
-    ErrorCode, Heartbeat, KVGetReply, KVGetRequest, KVLookupReply, KVLookupRequest, KVPutReply,
-    KVPutRequest, KVTransfer, ProtocolError, decode, encode, error_reply,
-)
+from tandem.services.common.runtime import ServiceRuntime, run_service
+from tandem.services.common.service_metrics import kvstore_metrics
+from tandem.shared.protocol import subjects
+from tandem.shared.infra.config import Settings
+from tandem.shared.protocol.frames import KVReceiver, block_checksums, send_kv
+from tandem.shared.protocol.base import ErrorCode, ProtocolError
+from tandem.shared.protocol.codec import decode, encode, error_reply
+from tandem.shared.protocol.fleet import Heartbeat
+from tandem.shared.protocol.kv import KVGetReply, KVGetRequest, KVLookupReply, KVLookupRequest, KVPutReply, KVPutRequest, KVTransfer
 
 MIB = 1 << 20
 PUT_BYTES_IN_FLIGHT = 512 * MIB  # put transfers being reassembled at once

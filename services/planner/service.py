@@ -1,7 +1,7 @@
 """The planner service: decides how many prefill and decode workers to run; a supervisor acts on it.
 
 ``tandem serve planner --nats-url URL [--ttft-target-ms 1000] [--tpot-target-ms 100] ...``
-(every ``--planner-*`` setting in :mod:`tandem.shared.config`). It follows every service's
+(every ``--planner-*`` setting in :mod:`tandem.shared.infra.config`). It follows every service's
 :class:`MetricsSnapshot` (``tandem.v1.metrics.>``) and heartbeats, and every ``planner_interval_s``
 turns the last ``planner_window_s`` of them into a :class:`Load` (``window.py``) and a decision
 (``policy.py``: the formulas, hysteresis and cooldown). Its first wanted counts are the live
@@ -21,13 +21,13 @@ from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
 from tandem.services.planner.policy import Decision, Load, Planner, Targets
 from tandem.services.planner.window import LoadWindow
-from tandem.services.runtime import ServiceRuntime, run_service
-from tandem.shared import subjects
-from tandem.shared.config import Settings
-from tandem.shared.messages import (
-    Heartbeat, MetricsSnapshot, ProtocolError, ScaleRequest, ScalingDecision, decode, encode,
-)
-from tandem.shared.streams import ensure_stream
+from tandem.services.common.runtime import ServiceRuntime, run_service
+from tandem.shared.protocol import subjects
+from tandem.shared.infra.config import Settings
+from tandem.shared.protocol.base import ProtocolError
+from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.fleet import Heartbeat, MetricsSnapshot, ScaleRequest, ScalingDecision
+from tandem.shared.infra.streams import ensure_stream
 
 STREAM_MAX_MSGS = 10_000
 

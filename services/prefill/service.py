@@ -18,22 +18,23 @@ import uuid
 import torch
 from nats.micro.request import Request
 
-from tandem.services.block_snapshot import publish_transfer
+from tandem.services.common.block_snapshot import publish_transfer
 from tandem.services.decode.service import engine_sampling
-from tandem.services.kvstore.client import KVStoreClient
-from tandem.services.runtime import run_service
-from tandem.services.worker import EngineWorker, Stream
-from tandem.shared import subjects
-from tandem.shared.config import Settings
+from tandem.services.common.kvstore_client import KVStoreClient
+from tandem.services.common.runtime import run_service
+from tandem.services.common.worker import EngineWorker, Stream
+from tandem.shared.protocol import subjects
+from tandem.shared.infra.config import Settings
 from tandem.shared.engine import EngineRequest, RequestOutput
-from tandem.shared.frames import block_checksums, send_kv, tensor_bytes
-from tandem.shared.devcopy import to_host
-from tandem.shared.kvcache.block_manager import prefix_hashes
-from tandem.shared.messages import (
-    Ack, DecodeRequest, ErrorCode, ErrorReply, Heartbeat, KVTransfer, PrefillRequest, ProtocolError, RingSlots, decode,
-    encode, error_reply,
-)
-from tandem.shared.shmring import RingError, ShmRing, host_id
+from tandem.shared.protocol.frames import block_checksums, send_kv
+from tandem.shared.infra.devcopy import tensor_bytes, to_host
+from tandem.shared.protocol.block_hashes import prefix_hashes
+from tandem.shared.protocol.base import Ack, ErrorCode, ErrorReply, ProtocolError
+from tandem.shared.protocol.codec import decode, encode, error_reply
+from tandem.shared.protocol.fleet import Heartbeat
+from tandem.shared.protocol.kv import KVTransfer, RingSlots
+from tandem.shared.protocol.serving import DecodeRequest, PrefillRequest
+from tandem.shared.infra.shmring import RingError, ShmRing, host_id
 
 PREFILLED = "prefilled"  # the engine's finish reason for a prefill-only sequence it handed back
 

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tandem.shared.messages import KVEvent
+from tandem.shared.protocol.kv import KVEvent
 
 log = logging.getLogger("tandem.router.index")
 

@@ -26,16 +26,17 @@ from nats.micro.request import Request
 
 from tandem.services.router.kv_index import KVIndex
 from tandem.services.router.policy import Candidate, prefill_locally, rank
-from tandem.services.runtime import ServiceRuntime, run_service
-from tandem.services.service_metrics import RouterMetrics
-from tandem.shared import subjects
-from tandem.shared.config import Settings
-from tandem.shared.kvcache.block_manager import prefix_hashes
-from tandem.shared.kvevents import ensure_kv_events_stream
-from tandem.shared.messages import (
-    Ack, DecodeRequest, ErrorCode, ErrorReply, GenerateAccepted, GenerateRequest, Heartbeat, KVEvent, PrefillRequest,
-    ProtocolError, RouteCandidate, RoutingDecision, decode, encode, error_reply,
-)
+from tandem.services.common.runtime import ServiceRuntime, run_service
+from tandem.services.common.service_metrics import RouterMetrics
+from tandem.shared.protocol import subjects
+from tandem.shared.infra.config import Settings
+from tandem.shared.protocol.block_hashes import prefix_hashes
+from tandem.shared.infra.kvevents import ensure_kv_events_stream
+from tandem.shared.protocol.base import Ack, ErrorCode, ErrorReply, ProtocolError
+from tandem.shared.protocol.codec import decode, encode, error_reply
+from tandem.shared.protocol.fleet import Heartbeat, RouteCandidate, RoutingDecision
+from tandem.shared.protocol.kv import KVEvent
+from tandem.shared.protocol.serving import DecodeRequest, GenerateAccepted, GenerateRequest, PrefillRequest
 from tandem.shared.model import load_model_meta
 
 

@@ -1,2 +1,2 @@
-"""The trainer: ``service.py`` (jobs over NATS, ``tandem serve trainer``) and ``reload.py`` (hot weight
-reload in serving workers after a checkpoint). The training itself is in ``tandem.shared.train``."""
+"""The trainer service: jobs over NATS (``tandem serve trainer``). The training itself is in
+``tandem.shared.train``; serving workers' hot reload of its checkpoints is ``services/common/reload.py``."""

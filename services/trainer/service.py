@@ -22,13 +22,12 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem.services.runtime import ServiceRuntime, run_service
-from tandem.shared import subjects
-from tandem.shared.config import Settings
-from tandem.shared.messages import (
-    ErrorCode, ProtocolError, TimelineOp, TrainJob, TrainJobStatus, TrainStart, TrainStatusReply, TrainStatusRequest,
-    TrainStop, TrainTimeline, WeightsUpdated, decode, encode,
-)
+from tandem.services.common.runtime import ServiceRuntime, run_service
+from tandem.shared.protocol import subjects
+from tandem.shared.infra.config import Settings
+from tandem.shared.protocol.base import ErrorCode, ProtocolError
+from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.training import TimelineOp, TrainJob, TrainJobStatus, TrainStart, TrainStatusReply, TrainStatusRequest, TrainStop, TrainTimeline, WeightsUpdated
 from tandem.shared.model.config import ModelLoadError
 
 NOT_MINE_DELAY_S = 0.5
@@ -135,7 +134,7 @@ class TrainerService(ServiceRuntime):
 
     async def _late_unknown(self, request, job_id: str) -> None:  # noqa: ANN001
         await asyncio.sleep(NOT_MINE_DELAY_S)
-        from tandem.shared.messages import error_reply
+        from tandem.shared.protocol.codec import error_reply
 
         await request.respond(encode(error_reply(ProtocolError(ErrorCode.INVALID_REQUEST, f"no trainer has job {job_id!r}"))))
 

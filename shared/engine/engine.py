@@ -29,8 +29,9 @@ from tandem.shared.engine.model_runner import ModelRunner
 from tandem.shared.engine.overlap import InFlightStep, is_pure_decode, plan_ahead
 from tandem.shared.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.shared.engine.sequence import EngineRequest, RequestOutput, Sequence, SequenceStatus
-from tandem.shared.kvcache.block_manager import BlockManager, prefix_hashes
-from tandem.shared.tokenizer import Tokenizer
+from tandem.shared.kvcache.block_manager import BlockManager
+from tandem.shared.protocol.block_hashes import prefix_hashes
+from tandem.shared.text.tokenizer import Tokenizer
 
 
 @dataclass

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tandem.shared.devcopy import host_values_to
+from tandem.shared.infra.devcopy import host_values_to
 from tandem.shared.engine.sequence import SamplingParams
 
 _MASK64 = (1 << 64) - 1

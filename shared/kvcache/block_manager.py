@@ -32,11 +32,11 @@ Invariants (checked by the tests):
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from tandem.shared.protocol.block_hashes import hash_block
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -52,29 +52,6 @@ class Block:
     block_hash: int | None = None  # set only while the block is registered in hash_to_block
     token_ids: tuple[int, ...] | None = None  # the tokens the hash covers (checked on reuse)
     parent_hash: int | None = None  # hash of the previous block of the chain (checked on reuse)
-
-
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Chained hash of one block: blake2b (8 bytes) over the parent hash and int32 token bytes.
-
-    Stable across processes and machines (unlike ``hash()``), so prefill and decode workers agree.
-    The parent is its 8 little-endian bytes, or 8 zero bytes for the first block.
-    """
-    digest = hashlib.blake2b(digest_size=8)
-    digest.update(bytes(8) if parent_hash is None else parent_hash.to_bytes(8, "little"))
-    digest.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
-    return int.from_bytes(digest.digest(), "little")
-
-
-def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of every full block of ``token_ids``, as a block manager assigns them: what
-    routers, prefill workers and KV-stores use to name a prompt's blocks."""
-    hashes: list[int] = []
-    parent = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
 
 
 class BlockManager:

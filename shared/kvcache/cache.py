@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tandem.shared.devcopy import host_values_to
+from tandem.shared.infra.devcopy import host_values_to
 
 
 def allocate_kv_cache(

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from tandem.shared.model.config import ModelConfig, ModelLoadError, normalize_token_ids
 from tandem.shared.model.llama import LlamaForCausalLM
 from tandem.shared.model.presets import SyntheticTokenizer, build_preset_model, is_random_spec, preset_config
-from tandem.shared.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from tandem.shared.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 TINY_SEED = 1234
 INIT_STD = 0.02

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.shared.messages import ErrorCode, ProtocolError
-from tandem.shared.tokenizer import ByteTokenizer, Tokenizer
+from tandem.shared.protocol.base import ErrorCode, ProtocolError
+from tandem.shared.text.tokenizer import ByteTokenizer, Tokenizer
 
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".toml", ".cfg", ".c", ".h", ".js", ".html", ".css"}
 SEPARATOR = "\n\n"

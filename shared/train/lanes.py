@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from tandem.shared.messages import TimelineOp
+from tandem.shared.protocol.training import TimelineOp
 
 LANES = ("compute", "h2d", "d2h", "opt", "xh2d", "xd2h")  # the last three: device-side optimizer updates
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tandem.shared.model.config import ModelConfig, ModelLoadError
 from tandem.shared.model.loader import read_hf_config
-from tandem.shared.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_PAD_ID
+from tandem.shared.text.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_PAD_ID
 
 _SHAPES = {
     "1b": dict(hidden_size=2048, num_layers=16, intermediate_size=8192, num_heads=32, num_kv_heads=8),

@@ -1,13 +1,13 @@
 """Prometheus metrics of one tandem process: a private registry, its /metrics HTTP server, and
 the same figures published on NATS as :class:`MetricsSnapshot` messages.
 
-Every service gets one through :class:`~tandem.services.runtime.ServiceRuntime` (``self.prom``):
+Every service gets one through :class:`~tandem.services.common.runtime.ServiceRuntime` (``self.prom``):
 the HTTP server listens on ``--metrics-port`` (0: a free port; its URL is logged and put in the
 service's micro metadata as ``metrics_url``) and a :class:`MetricsPublisher` sends a snapshot on
 ``tandem.v1.metrics.<service>.<id>`` every ``--metrics-interval-s``. A service only declares its
 metrics. Anything else (the trainer, a script) can use the same pieces on its own::
 
-    from tandem.shared.metrics import MetricsRegistry, MetricsPublisher
+    from tandem.shared.infra.metrics import MetricsRegistry, MetricsPublisher
 
     prom = MetricsRegistry()
     steps = prom.counter("tandem:train_steps", "optimizer steps")        # exposed as ..._total
@@ -38,8 +38,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.shared import subjects
-from tandem.shared.messages import HistogramSnapshot, MetricsSnapshot, encode
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.codec import encode
+from tandem.shared.protocol.fleet import HistogramSnapshot, MetricsSnapshot
 
 prometheus_client.disable_created_metrics()  # no *_created samples: they only double every page
 log = logging.getLogger("tandem.metrics")

@@ -65,7 +65,7 @@ class Settings(BaseSettings):
     router_load_weight: float = Field(1.0, ge=0)  # blocks of recompute one queued sequence is worth
     local_prefill_max_tokens: int = Field(0, ge=0)  # uncached prompt tokens a decode worker prefills itself
 
-    # metrics (tandem.shared.metrics): Prometheus text over HTTP, MetricsSnapshot on NATS
+    # metrics (tandem.shared.infra.metrics): Prometheus text over HTTP, MetricsSnapshot on NATS
     metrics_port: int = Field(0, ge=-1)  # /metrics on this port; 0: a free one, -1: no HTTP server
     metrics_host: str = "127.0.0.1"  # the address /metrics binds ("0.0.0.0" in containers)
     metrics_interval_s: float = Field(2.0, gt=0)  # MetricsSnapshot period

@@ -1,4 +1,4 @@
-"""The JetStream stream of KV events (:class:`~tandem.shared.messages.KVEvent`), and publishing into it.
+"""The JetStream stream of KV events (:class:`~tandem.shared.protocol.KVEvent`), and publishing into it.
 
 Whoever publishes first creates the stream: every publisher calls :func:`ensure_kv_events_stream`
 once at start (idempotent, safe when several race), then :func:`publish_kv_event` per event, which
@@ -15,9 +15,10 @@ from __future__ import annotations
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
-from tandem.shared import subjects
-from tandem.shared.messages import KVEvent, encode
-from tandem.shared.streams import ensure_stream
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.codec import encode
+from tandem.shared.protocol.kv import KVEvent
+from tandem.shared.infra.streams import ensure_stream
 
 STREAM_MAX_BYTES = 1 << 30  # oldest events go first beyond this
 

@@ -56,3 +56,8 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
         host.copy_(tensor, non_blocking=True)
     stream.synchronize()  # the caller holds ``tensor`` until this returns: no record_stream needed
     return host
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy (any dtype, bf16 included)."""
+    return memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()).cast("B")

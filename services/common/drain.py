@@ -18,11 +18,13 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from tandem.shared import subjects
-from tandem.shared.messages import Ack, DrainRequest, Heartbeat, ProtocolError, decode, encode
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.base import Ack, ProtocolError
+from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.fleet import DrainRequest, Heartbeat
 
 if TYPE_CHECKING:
-    from tandem.services.worker import EngineWorker
+    from tandem.services.common.worker import EngineWorker
 
 POLL_S = 0.05
 

@@ -34,10 +34,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tandem.shared.metrics import MetricsRegistry
+from tandem.shared.infra.metrics import MetricsRegistry
 
 if TYPE_CHECKING:
-    from tandem.services.worker import Stream
+    from tandem.services.common.worker import Stream
     from tandem.shared.engine import RequestOutput
 
 # vLLM's buckets, with finer ones below 10 ms for small models on CPU.

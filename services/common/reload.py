@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tandem.shared import subjects
+from tandem.shared.protocol import subjects
 from tandem.shared.kvcache.cache import kv_namespace
-from tandem.shared.messages import ProtocolError, WeightsUpdated, decode
+from tandem.shared.protocol.base import ProtocolError
+from tandem.shared.protocol.codec import decode
+from tandem.shared.protocol.training import WeightsUpdated
 from tandem.shared.model import load_model
 from tandem.shared.model.config import ModelConfig
 

@@ -14,23 +14,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.services.block_snapshot import publish_transfer, register_blocks_endpoint
-from tandem.services.drain import Drainer
-from tandem.services.engine_thread import EngineThread
-from tandem.services.kvstore.client import KVStoreClient
-from tandem.services.kv_event_publisher import KVEventPublisher
-from tandem.services.runtime import ServiceRuntime
-from tandem.services.trainer.reload import subscribe_weight_updates
-from tandem.services.service_metrics import WorkerMetrics
-from tandem.shared import subjects
-from tandem.shared.config import Settings
+from tandem.services.common.block_snapshot import publish_transfer, register_blocks_endpoint
+from tandem.services.common.drain import Drainer
+from tandem.services.common.engine_thread import EngineThread
+from tandem.services.common.kvstore_client import KVStoreClient
+from tandem.services.common.kv_event_publisher import KVEventPublisher
+from tandem.services.common.runtime import ServiceRuntime
+from tandem.services.common.reload import subscribe_weight_updates
+from tandem.services.common.service_metrics import WorkerMetrics
+from tandem.shared.protocol import subjects
+from tandem.shared.infra.config import Settings
 from tandem.shared.engine import EngineConfig, LLMEngine, RequestOutput
-from tandem.shared.frames import tensor_bytes
-from tandem.shared.devcopy import to_host
+from tandem.shared.infra.devcopy import tensor_bytes, to_host
 from tandem.shared.kvcache.cache import kv_cache_bytes_per_block, kv_namespace
-from tandem.shared.messages import (
-    Cancel, ErrorCode, ErrorReply, Heartbeat, ProtocolError, StreamChunk, decode, encode,
-)
+from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError
+from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.fleet import Heartbeat
+from tandem.shared.protocol.serving import Cancel, StreamChunk
 from tandem.shared.model import LoadedModel, load_model, resolve_dtype
 
 

@@ -20,11 +20,12 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from tandem.shared import subjects
-from tandem.shared.messages import BlockSnapshot, KVTransferEvent, SequenceBlocks, encode
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.codec import encode
+from tandem.shared.protocol.views import BlockSnapshot, KVTransferEvent, SequenceBlocks
 
 if TYPE_CHECKING:
-    from tandem.services.worker import EngineWorker
+    from tandem.services.common.worker import EngineWorker
     from tandem.shared.engine import LLMEngine
 
 log = logging.getLogger("tandem.blocks")

@@ -22,10 +22,11 @@ from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, ServiceConfig
 
 from tandem import __version__
-from tandem.shared import subjects
-from tandem.shared.config import Settings
-from tandem.shared.messages import Heartbeat, encode, error_reply
-from tandem.shared.metrics import MetricsPublisher, MetricsRegistry
+from tandem.shared.protocol import subjects
+from tandem.shared.infra.config import Settings
+from tandem.shared.protocol.codec import encode, error_reply
+from tandem.shared.protocol.fleet import Heartbeat
+from tandem.shared.infra.metrics import MetricsPublisher, MetricsRegistry
 
 Handler = Callable[[Request], Awaitable[None]]
 SHUTDOWN_TIMEOUT_S = 5.0

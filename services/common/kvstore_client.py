@@ -5,7 +5,7 @@
     found, blob, block_bytes = await store.get(namespace, hashes[:leading], prefix_only=True)
     await store.put(namespace, new_hashes, blob, block_bytes)
 
-Bytes move as acknowledged binary frames (:mod:`tandem.shared.frames`) and are verified block by
+Bytes move as acknowledged binary frames (:mod:`tandem.shared.protocol.frames`) and are verified block by
 block (crc32) on arrival; every refusal comes back as :class:`ProtocolError` with its typed code.
 """
 
@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import uuid
 
-from tandem.shared import subjects
-from tandem.shared.frames import KVReceiver, block_checksums, send_kv
-from tandem.shared.messages import (
-    ErrorReply, KVGetReply, KVGetRequest, KVLookupReply, KVLookupRequest, KVPutReply, KVPutRequest, KVTransfer,
-    ProtocolError, decode, encode, error_reply,
-)
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.frames import KVReceiver, block_checksums, send_kv
+from tandem.shared.protocol.base import ErrorReply, ProtocolError
+from tandem.shared.protocol.codec import decode, encode, error_reply
+from tandem.shared.protocol.kv import KVGetReply, KVGetRequest, KVLookupReply, KVLookupRequest, KVPutReply, KVPutRequest, KVTransfer
 
 MIB = 1024 * 1024
 

@@ -19,9 +19,10 @@ import zlib
 from dataclasses import dataclass, field
 
 import msgpack
-import torch
 
-from tandem.shared.messages import SCHEMA_VERSION, ErrorCode, ErrorReply, KVTransfer, ProtocolError, decode
+from tandem.shared.protocol.base import SCHEMA_VERSION, ErrorCode, ErrorReply, ProtocolError
+from tandem.shared.protocol.codec import decode
+from tandem.shared.protocol.kv import KVTransfer
 
 _LEN = struct.Struct(">I")
 FRAME_OVERHEAD = 512  # room for the header and NATS's own framing under max_payload
@@ -49,10 +50,6 @@ def unpack_frame(data: bytes) -> tuple[dict, memoryview]:
         raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"frame schema version {header.get('v')!r}")
     return header, memoryview(data)[_LEN.size + head_len :]
 
-
-def tensor_bytes(tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without a copy (any dtype, bf16 included)."""
-    return memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def block_checksums(blob: bytes | memoryview, block_bytes: int) -> list[int]:

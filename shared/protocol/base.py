@@ -1,0 +1,54 @@
+"""What every bus message shares: the schema version, the error codes and the error reply.
+
+Every message is a frozen pydantic model with a ``kind`` discriminator and a schema version ``v``;
+:mod:`tandem.shared.protocol.codec` encodes and decodes them. A service replies to a message it cannot
+accept with :class:`ErrorReply` and keeps running.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+SCHEMA_VERSION = 1
+
+
+class ErrorCode(str, Enum):
+    BAD_FRAME = "bad_frame"  # not msgpack, or not a map
+    UNSUPPORTED_VERSION = "unsupported_version"
+    BAD_SCHEMA = "bad_schema"  # unknown kind or wrong fields
+    INVALID_REQUEST = "invalid_request"  # well-formed but not servable as asked
+    PROMPT_TOO_LONG = "prompt_too_long"
+    UNKNOWN_MODEL = "unknown_model"
+    NO_WORKERS = "no_workers"
+    TIMEOUT = "timeout"
+    WORKER_FAILURE = "worker_failure"
+
+
+class ProtocolError(Exception):
+    """A message could not be accepted; ``code`` says why in a form clients can branch on."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+        self.message = message
+
+
+class WireMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    v: Literal[1] = SCHEMA_VERSION
+
+
+class ErrorReply(WireMessage):
+    kind: Literal["error"] = "error"
+    code: ErrorCode
+    message: str
+    request_id: str | None = None
+
+
+class Ack(WireMessage):
+    kind: Literal["ack"] = "ack"
+    request_id: str | None = None

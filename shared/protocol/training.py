@@ -1,0 +1,114 @@
+"""The trainer on the bus: jobs, per-step metrics, the stream timeline, and hot reload of new weights."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tandem.shared.protocol.base import WireMessage
+
+
+class TrainJob(BaseModel):
+    """One training run: what to train, on what, for how long, and how."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    model: str = "tiny"  # "tiny", a preset name (see tandem.shared.train), or a Hugging Face directory
+    dataset: str = "stdlib"  # "stdlib" (the Python standard library's sources) or a text file/folder
+    steps: int = Field(100, ge=1)
+    batch_size: int = Field(8, ge=1)
+    seq_len: int = Field(256, ge=2)
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float = Field(1.0, ge=0)  # global-norm clipping; 0 turns it off
+    warmup_steps: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0)
+    device: str = "auto"
+    checkpoint_every: int = Field(0, ge=0)  # steps between checkpoints; 0: only at the end
+    output_dir: str | None = None  # default: <data_dir>/train/<job_id>
+    resume: bool = False  # continue from the latest checkpoint in output_dir
+    gpu_memory_gib: float | None = Field(None, gt=0)  # cap through set_per_process_memory_fraction
+    device_update_layers: int = Field(0, ge=0)  # first layers whose AdamW math runs on the GPU (0: all on the CPU)
+    device_update_sets: int = Field(2, ge=1, le=16)  # GPU buffer sets for those updates (state loads ahead)
+    compile_layers: bool | None = None  # torch.compile the layer blocks; None: on CUDA only
+    split_update: bool | None = None  # host AdamW as preview + commit (optimizer.py); None: on CUDA only
+
+
+class TrainStart(WireMessage):
+    kind: Literal["train_start"] = "train_start"
+    job_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")
+    job: TrainJob = Field(default_factory=TrainJob)
+
+
+class TrainStop(WireMessage):
+    kind: Literal["train_stop"] = "train_stop"
+    job_id: str
+
+
+class TrainStatusRequest(WireMessage):
+    kind: Literal["train_status"] = "train_status"
+    job_id: str | None = None  # None: every job this trainer knows
+
+
+class TrainJobStatus(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    job_id: str
+    state: Literal["queued", "running", "stopping", "stopped", "finished", "failed"]
+    step: int
+    steps: int
+    loss: float | None = None
+    message: str = ""
+
+
+class TrainStatusReply(WireMessage):
+    kind: Literal["train_status_reply"] = "train_status_reply"
+    trainer: str  # instance id
+    jobs: list[TrainJobStatus]
+
+
+class TrainStepMetrics(WireMessage):
+    """Published after every optimizer step of a job."""
+
+    kind: Literal["train_step"] = "train_step"
+    job_id: str
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens_per_s: float
+    model_tflops: float  # (6N + 6 L d seq) * tokens / step time, as in DESIGN.md
+    step_time_s: float
+    gpu_memory_bytes: int = 0  # allocated now
+    gpu_memory_peak_bytes: int = 0
+
+
+class TimelineOp(BaseModel):
+    """One operation of a training step on one lane, times in seconds from the step's start."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    lane: Literal["h2d", "compute", "d2h", "optimizer"]
+    layer: int  # -1: not a decoder layer (embedding, head, loss)
+    phase: Literal["fwd", "bwd", "opt", "recompute"]
+    start_s: float
+    end_s: float
+    bytes: int = 0
+
+
+class TrainTimeline(WireMessage):
+    """The per-layer timeline of one step, at a bounded rate, for the console's stream-overlap view."""
+
+    kind: Literal["train_timeline"] = "train_timeline"
+    job_id: str
+    step: int
+    ops: list[TimelineOp]
+    hidden_fraction: float  # of host<->device transfer time, the part under compute
+
+
+class WeightsUpdated(WireMessage):
+    """A trainer saved new weights for ``model``: workers serving it reload from ``path``."""
+
+    kind: Literal["weights_updated"] = "weights_updated"
+    model: str  # the served model name ("tiny" or the directory's name)
+    path: str
+    step: int
+    version: str  # changes with every checkpoint; part of the KV namespace after a reload
