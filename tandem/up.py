@@ -6,21 +6,22 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from typing import Any
 
-from tandem.planner_flags import planner_argv
 from tandem.shared.infra.config import Settings
 
 
-def run_up(args: argparse.Namespace, settings: Settings, engine_argv: list[str]) -> int:
+def run_up(args: argparse.Namespace, settings: Settings, overrides: dict[str, Any]) -> int:
+    """``overrides``: the settings flags given (flat name -> value), handed on to the children."""
     from tandem.services.common.runtime import run_async, setup_logging
     from tandem.shared.infra.natsserver import NatsServerError
     from tandem.supervisor import Supervisor
 
     setup_logging(settings.log_level)
     sup = Supervisor(settings, num_prefill=args.prefill, num_decode=args.decode, num_kvstore=args.kvstore,
-                     extra_args=engine_argv, planner=args.planner, planner_args=planner_argv(args),
-                     min_prefill=args.planner_min_prefill, max_prefill=args.planner_max_prefill,
-                     min_decode=args.planner_min_decode, max_decode=args.planner_max_decode)
+                     overrides=overrides, planner=args.planner,
+                     min_prefill=overrides.get("planner_min_prefill"), max_prefill=overrides.get("planner_max_prefill"),
+                     min_decode=overrides.get("planner_min_decode"), max_decode=overrides.get("planner_max_decode"))
     def on_signal(_signum, _frame):
         raise KeyboardInterrupt  # SIGTERM stops as cleanly as Ctrl-C
 
@@ -37,7 +38,7 @@ def run_up(args: argparse.Namespace, settings: Settings, engine_argv: list[str])
               flush=True)
         if args.demo:
             run_async(demo(sup.url, args.demo))
-            untrained_hint(sup.settings)
+            weights_note(sup.settings)
             if args.exit_after_demo:
                 return 0
         run_async(sup.supervise())  # restarts crashed children, carries out the planner's decisions
@@ -63,13 +64,26 @@ async def demo(url: str, prompt: str) -> None:
           f"{result.ttft_s * 1e3:.0f} ms, then {result.tpot_s * 1e3:.1f} ms per token", flush=True)
 
 
-def untrained_hint(settings) -> None:
-    """Say why the demo reads as noise when the built-in model has never been trained here."""
-    from tandem.shared.model import load_model_meta
+def weights_note(settings) -> None:
+    """Say which weights the built-in model's demo came from, and how to train your own."""
+    from tandem.shared.model.meta import load_model_meta
 
-    if settings.model == "tiny" and load_model_meta("tiny", settings.data_dir).checkpoint is None:
-        print("--- the tiny model has random weights; `tandem train --default` trains it on the Python "
-              "standard library in a few minutes, and `tandem up` then serves the trained one", flush=True)
+    if settings.model not in ("tiny", "tiny-random"):
+        return
+    meta = load_model_meta(settings.model, settings.data_dir)
+    if meta.source == "data-dir":
+        note = f"the tiny model is your checkpoint in {meta.checkpoint}"
+    elif meta.source == "shipped":
+        note = ("the tiny model is the checkpoint shipped with tandem, made by `tandem train --default` (200 steps "
+                "on the Python standard library: Python-shaped, not fluent); that command saves your own run to "
+                f"{settings.data_dir}/models/tiny, which `tandem up` then serves instead")
+    elif settings.model == "tiny-random":
+        note = "tiny-random is the tiny model with seeded random weights: noise, by design"
+    else:
+        note = ("the tiny model has random weights (no checkpoint in the data dir, none shipped in the package); "
+                "`tandem train --default` trains it on the Python standard library in a few minutes, and "
+                "`tandem up` then serves the trained one")
+    print(f"--- {note}", flush=True)
 
 
 def visible(text: str) -> str:

@@ -57,7 +57,7 @@ class ModelConfig:
             raise ModelLoadError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
 
     @classmethod
-    def tiny(cls) -> "ModelConfig":
+    def tiny(cls) -> ModelConfig:
         """The built-in byte-level model used by tests, demos and the trainer's smoke runs."""
         return cls(
             architecture="LlamaForCausalLM",
@@ -79,7 +79,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face config.json dictionary; raises ModelLoadError when unsupported."""
         architectures = d.get("architectures") or []
         architecture = architectures[0] if architectures else None
@@ -152,7 +152,7 @@ class ModelConfig:
             d["tandem_tokenizer"] = "byte"
         return d
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
 

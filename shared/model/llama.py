@@ -10,7 +10,8 @@ Python loops and no host syncs in the forward, so it runs unchanged on CPU and o
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -136,7 +137,8 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         if getattr(self, "qkv_proj", None) is not None:
             q, k, v = self.qkv_proj(hidden).split(
-                [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1)
+                [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                 self.num_kv_heads * self.head_dim], -1)
         else:
             q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -150,8 +152,8 @@ class LlamaAttention(nn.Module):
         """The fused CUDA path covers a fused qkv projection without Qwen3's q/k norms."""
         return getattr(self, "qkv_proj", None) is not None and self.q_norm is None
 
-    def forward_fused(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: "RotaryEmbedding",
-                      kv_cache: torch.Tensor, meta: "AttentionMetadata") -> torch.Tensor:
+    def forward_fused(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                      kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """CUDA: one projection, one RoPE + cache-write kernel, attention over the cache, o_proj."""
         from tandem.shared.kvcache.attention import triton_attend
         from tandem.shared.model.triton_ops import rope_and_cache
@@ -167,7 +169,7 @@ class LlamaAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: "AttentionMetadata",
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.project_qkv(hidden, cos, sin)
         out = _paged_attention()(q, k, v, kv_cache, self.layer_idx, meta, self.scaling)
@@ -262,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: "AttentionMetadata",
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids/positions [T] -> final-normed hidden states [T, hidden]."""
         if self._can_fuse(input_ids):
@@ -281,7 +283,7 @@ class LlamaForCausalLM(nn.Module):
                 and all(layer.self_attn.can_fuse() for layer in layers))
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                       meta: "AttentionMetadata") -> torch.Tensor:
+                       meta: AttentionMetadata) -> torch.Tensor:
         """The CUDA forward with fused kernels (see triton_ops): ten launches per layer, the residual
         stream carried beside the normed activations as in vLLM."""
         from tandem.shared.model.triton_ops import add_rms_norm, silu_and_mul

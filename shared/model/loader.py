@@ -1,12 +1,10 @@
-"""Loading models for serving: the built-in tiny model or a Hugging Face checkpoint directory.
+"""Loading a model's weights for serving; :mod:`tandem.shared.model.meta` says what a spec names.
 
-`load_model("random:<preset>")` builds a random model of a real shape (see presets.py).
-`load_model("tiny")` gives deterministic random weights (same in every process, since they are
-drawn on CPU from one seeded generator in parameter order), unless the trainer has saved a tiny
-checkpoint under `<data_dir>/models/tiny/`. Any other spec is a Hugging Face directory holding
-config.json, model.safetensors (or model.safetensors.index.json + shards) and tokenizer.json.
-Large models are built on the meta device and take their tensors straight from safetensors, so
-no float32 copy of the whole model is ever made.
+`load_model("random:<preset>")` builds a random model of a real shape (see presets.py). The tiny
+model's random weights (``tiny-random``, or ``tiny`` with no checkpoint) are the same in every
+process, since they are drawn on CPU from one seeded generator in parameter order. Checkpoints are
+built on the meta device and take their tensors straight from safetensors, so no float32 copy of the
+whole model is ever made.
 """
 
 from __future__ import annotations
@@ -15,16 +13,16 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tandem.shared.model.config import ModelConfig, ModelLoadError, normalize_token_ids
+from tandem.shared.model.config import ModelConfig, ModelLoadError
 from tandem.shared.model.llama import LlamaForCausalLM
-from tandem.shared.model.presets import SyntheticTokenizer, build_preset_model, is_random_spec, preset_config
-from tandem.shared.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from tandem.shared.model.meta import is_random_spec, load_model_meta, read_json
+from tandem.shared.model.presets import build_preset_model
+from tandem.shared.text.tokenizer import Tokenizer
 
 TINY_SEED = 1234
 INIT_STD = 0.02
@@ -37,33 +35,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     config: ModelConfig
     name: str  # stable model name for APIs and logs: "tiny" or the checkpoint directory's name
-
-
-@dataclass
-class ModelMeta:
-    """What a model is without its weights: enough for a router to tokenize and validate."""
-
-    config: ModelConfig
-    tokenizer: Tokenizer
-    name: str
-    checkpoint: Path | None  # None: the built-in tiny model's seeded random weights
-
-
-def load_model_meta(spec: str | os.PathLike, data_dir: str | os.PathLike | None = None) -> ModelMeta:
-    """Config, tokenizer and name of "tiny" or a Hugging Face directory, reading no weights."""
-    if is_random_spec(spec):
-        config = preset_config(str(spec))
-        return ModelMeta(config, SyntheticTokenizer(config), str(spec), None)
-    if str(spec) == "tiny":
-        saved = Path(data_dir) / "models" / "tiny" if data_dir is not None else None
-        if saved is not None and (saved / "config.json").is_file() and _has_weights(saved):
-            return ModelMeta(read_hf_config(saved), ByteTokenizer(), "tiny", saved)
-        return ModelMeta(ModelConfig.tiny(), ByteTokenizer(), "tiny", None)
-    path = Path(spec)
-    if not path.is_dir():
-        raise ModelLoadError(f"model spec {str(spec)!r} is neither 'tiny' nor an existing directory")
-    config = read_hf_config(path)
-    return ModelMeta(config, _checkpoint_tokenizer(path, config), path.resolve().name, path)
+    weights_id: str = "seeded"  # which weights: ModelMeta.weights_id (part of the KV namespace)
 
 
 def load_model(
@@ -72,7 +44,7 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     data_dir: str | os.PathLike | None = None,
 ) -> LoadedModel:
-    """Load "tiny" or a Hugging Face directory, ready for serving (eval mode, no grads)."""
+    """Load "tiny", "tiny-random" or a Hugging Face directory, ready for serving (eval mode, no grads)."""
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     meta = load_model_meta(spec, data_dir)
@@ -82,7 +54,7 @@ def load_model(
         model = build_random_model(meta.config).to(device=device, dtype=dtype)
     else:
         model = _load_checkpoint(meta.checkpoint, meta.config, device, dtype)
-    loaded = LoadedModel(model, meta.tokenizer, meta.config, meta.name)
+    loaded = LoadedModel(model, meta.tokenizer, meta.config, meta.name, meta.weights_id())
     loaded.model.eval()
     loaded.model.requires_grad_(False)
     return loaded
@@ -98,19 +70,6 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
     if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
         raise ModelLoadError(f"unknown dtype {dtype!r}; use e.g. 'float32', 'bfloat16' or 'float16'")
     return resolved
-
-
-def read_hf_config(path: Path) -> ModelConfig:
-    """config.json -> ModelConfig, adding EOS ids from generation_config.json when present."""
-    config_dict = _read_json(path / "config.json")
-    config = ModelConfig.from_hf_dict(config_dict)
-    generation_file = path / "generation_config.json"
-    if generation_file.is_file():
-        generation = _read_json(generation_file)
-        extra = [i for i in normalize_token_ids(generation.get("eos_token_id")) if i not in config.eos_token_ids]
-        bos = config.bos_token_id if config.bos_token_id is not None else generation.get("bos_token_id")
-        config = config.replace(eos_token_ids=config.eos_token_ids + extra, bos_token_id=bos)
-    return config
 
 
 def build_random_model(config: ModelConfig, seed: int = TINY_SEED, std: float = INIT_STD) -> LlamaForCausalLM:
@@ -148,26 +107,13 @@ def save_hf_checkpoint(model: LlamaForCausalLM, config: ModelConfig, path: str |
     return path
 
 
-def _read_json(file: Path) -> dict[str, Any]:
-    if not file.is_file():
-        raise ModelLoadError(f"missing {file.name} in {file.parent}")
-    try:
-        return json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ModelLoadError(f"{file} is not valid JSON: {error}") from None
-
-
-def _has_weights(path: Path) -> bool:
-    return (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
-
-
 def _weight_files(path: Path) -> list[Path]:
     if (path / "model.safetensors").is_file():
         return [path / "model.safetensors"]
     index_file = path / "model.safetensors.index.json"
     if not index_file.is_file():
         raise ModelLoadError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-    weight_map = _read_json(index_file).get("weight_map")
+    weight_map = read_json(index_file).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise ModelLoadError(f"{index_file} has no weight_map")
     shards = sorted(set(weight_map.values()))
@@ -204,10 +150,3 @@ def _load_checkpoint(path: Path, config: ModelConfig, device: torch.device, dtyp
     return model.to(device=device, dtype=dtype)
 
 
-def _checkpoint_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:
-    if config.byte_tokenizer:
-        return ByteTokenizer()
-    tokenizer_file = path / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise ModelLoadError(f"missing tokenizer.json in {path}")
-    return HFTokenizer(tokenizer_file, eos_token_ids=config.eos_token_ids, bos_token_id=config.bos_token_id)

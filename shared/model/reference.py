@@ -8,7 +8,7 @@ with the engine checks the whole paged KV path. Simplicity over speed: it is for
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

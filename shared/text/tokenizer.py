@@ -1,5 +1,5 @@
-"""Tokenizers: the `Tokenizer` protocol, the byte-level tokenizer of the tiny model, and a
-Hugging Face `tokenizer.json` wrapper.
+"""Tokenizers: the `Tokenizer` protocol, the byte-level tokenizer of the tiny model, a Hugging Face
+`tokenizer.json` wrapper, and the synthetic tokenizer of random preset models.
 
 Tokenizers only encode and decode whole id lists. Streaming text is produced by the engine,
 which decodes the growing id list and emits only the stable suffix (text not ending in U+FFFD),
@@ -8,8 +8,9 @@ so neither tokenizer keeps any incremental state.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 BYTE_BOS_ID = 256
 BYTE_EOS_ID = 257
@@ -81,6 +82,34 @@ class HFTokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
+
+
+class SyntheticTokenizer:
+    """For random models of real shapes (``random:<preset>``), whose benchmarks send token ids: ids
+    0..255 are UTF-8 bytes (so any text encodes); every other id decodes to `` t<id>``."""
+
+    def __init__(self, vocab_size: int, bos_token_id: int | None, eos_token_ids: Sequence[int]) -> None:
+        self.vocab_size = vocab_size
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = list(eos_token_ids)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out, pending = [], bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                pending.append(i)
+                continue
+            if pending:
+                out.append(pending.decode("utf-8", errors="replace"))
+                pending.clear()
+            if i != self.bos_token_id and i not in self.eos_token_ids:
+                out.append(f" t{i}")
+        if pending:
+            out.append(pending.decode("utf-8", errors="replace"))
+        return "".join(out)
 
 
 def load_tokenizer(
