@@ -17,10 +17,11 @@ import pstats
 import time
 
 import torch
-
 from serving_gpu import make_engine, random_prompts, sync
-from tandem.shared.engine import EngineRequest, SamplingParams
-from tandem.shared.model import load_model
+
+from tandem.shared.engine.sequence import EngineRequest
+from tandem.shared.model.loader import load_model
+from tandem.shared.protocol.serving import SamplingParams
 
 
 def main() -> None:

@@ -35,10 +35,10 @@ import nats
 import numpy as np
 import torch
 
-from tandem.shared.protocol.frames import KVReceiver, block_checksums, send_kv
-from tandem.shared.protocol.kv import KVTransfer
 from tandem.shared.infra.natsserver import NatsServer
 from tandem.shared.infra.shmring import ShmRing, SlotDescriptor, host_id
+from tandem.shared.protocol.frames import KVReceiver, block_checksums, send_kv
+from tandem.shared.protocol.kv import KVTransfer
 
 MiB = 1 << 20
 
@@ -111,7 +111,8 @@ async def consumer(args: argparse.Namespace) -> None:
     async def on_info(msg) -> None:
         await msg.respond(msgpack.packb({"ring": ring.name, "host_id": host_id()}))
 
-    for subject, cb in (("bench.kv", on_frame), ("bench.admit", on_admit), ("bench.ring", on_ring), ("bench.info", on_info)):
+    for subject, cb in (("bench.kv", on_frame), ("bench.admit", on_admit), ("bench.ring", on_ring),
+                        ("bench.info", on_info)):
         # Room for every frame in flight (transfers x window x frame size): a receiver that can hold
         # less than that is a slow consumer, and the server cuts it off.
         await nc.subscribe(subject, cb=cb, pending_bytes_limit=2048 * MiB)
@@ -137,7 +138,8 @@ async def producer(args: argparse.Namespace, url: str) -> dict[str, list[float]]
     info = msgpack.unpackb((await nc.request("bench.info", b"", timeout=10)).data)
     assert info["host_id"] == host_id(), "consumer is on another host"
     ring = ShmRing.attach(info["ring"], pin=args.device == "cuda")
-    print(f"{label} consumer pid {proc.pid} ready, ring {ring.name}: {ring.num_slots} x {ring.slot_bytes} B", flush=True)
+    print(f"{label} consumer pid {proc.pid} ready, ring {ring.name}: {ring.num_slots} x {ring.slot_bytes} B",
+          flush=True)
     dev = torch.device("cuda", args.producer_gpu) if args.device == "cuda" else torch.device("cpu")
     src = torch.from_numpy(np.random.default_rng(0).integers(0, 256, count * per, dtype=np.uint8)).to(dev)
     sem, fallbacks = asyncio.Semaphore(args.concurrency), 0
@@ -198,7 +200,8 @@ async def main(args: argparse.Namespace) -> None:
     finally:
         if server:
             server.stop()
-    print(f"\n{'block':>9} | {'nats MB/s':>10} | {'ring MB/s':>10} | ring / nats   ({route(args)}, median of {args.repeat})")
+    print(f"\n{'block':>9} | {'nats MB/s':>10} | {'ring MB/s':>10} | ring / nats   "
+          f"({route(args)}, median of {args.repeat})")
     for kib, n, r in rows:
         print(f"{kib:>5} KiB | {n:>10,.0f} | {r:>10,.0f} | {r / n:.1f}x")
 

@@ -70,10 +70,10 @@ def main() -> None:
             dst = torch.empty_like(src)
             out_stream, in_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
             for name, (host_out, host_in) in hosts.items():
-                def d2h() -> None:
+                def d2h(host_out=host_out, src=src, out_stream=out_stream) -> None:
                     chunked_copy(host_out, src, out_stream, chunk)
 
-                def h2d() -> None:
+                def h2d(dst=dst, host_in=host_in, in_stream=in_stream) -> None:
                     chunked_copy(dst, host_in, in_stream, chunk)
 
                 def both() -> None:

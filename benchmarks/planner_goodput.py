@@ -144,7 +144,8 @@ def main() -> int:
                 proc.wait(60)
         out[name] = report(name, results, decisions, duration, slos)
     on, fixed = (out[name]["summary"]["request_goodput"] for name, _ in configs)
-    print(f"\ngoodput, planner on / fixed 1P+1D: {on:.2f} / {fixed:.2f} req/s = {on / fixed if fixed else float('inf'):.2f}x "
+    print(f"\ngoodput, planner on / fixed 1P+1D: {on:.2f} / {fixed:.2f} req/s = "
+          f"{on / fixed if fixed else float('inf'):.2f}x "
           f"(SLOs TTFT <= {args.ttft_slo_ms:.0f} ms, TPOT <= {args.tpot_slo_ms:.0f} ms)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(out, indent=2, default=str))

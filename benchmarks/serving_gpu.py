@@ -28,9 +28,11 @@ import time
 
 import torch
 
-from tandem.shared.engine import EngineConfig, EngineRequest, LLMEngine, SamplingParams
+from tandem.shared.engine.engine import EngineConfig, LLMEngine
+from tandem.shared.engine.sequence import EngineRequest
 from tandem.shared.kvcache.cache import kv_cache_bytes_per_block
-from tandem.shared.model import load_model
+from tandem.shared.model.loader import load_model
+from tandem.shared.protocol.serving import SamplingParams
 
 
 def emit(record: dict, sink: list[dict]) -> None:

@@ -57,7 +57,7 @@ def main() -> None:
     if cuda:
         gpus = torch.cuda.device_count()
         tflops = matmul_tflops()
-        from tandem.shared.model import load_model_meta
+        from tandem.shared.model.meta import load_model_meta
         from tandem.shared.train.layout import count_parameters
 
         cfg = load_model_meta(model).config

@@ -45,9 +45,9 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
     import torch
 
     from tandem.shared.protocol.training import TrainJob
-    from tandem.shared.train import TrainRunner
     from tandem.shared.train.engine import StreamingEngine
     from tandem.shared.train.optimizer import HostAdamW
+    from tandem.shared.train.runner import TrainRunner
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     base, _, ks = name.partition(":")
@@ -82,7 +82,7 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
             metrics, traces = [], []
             first = runner.start_step
             runner.run(on_step=metrics.append, trace_every_s=0, final_checkpoint=False,
-                       on_trace=lambda step, ops, hidden: traces.append((step, ops, hidden)))
+                       on_trace=lambda step, ops, hidden, traces=traces: traces.append((step, ops, hidden)))
             result = summarize(runner, job, metrics, [t for t in traces if t[0] - first > warmup], warmup)
             label = f"{base}:{k}" + (f"s{sets}" if sets != 2 else "") if k else base
             result = {"run": label, "device_update_layers": k, "device_update_sets": sets, **result,

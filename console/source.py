@@ -22,7 +22,8 @@ import time
 
 import msgpack
 import nats
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from tandem.console.state import ConsoleState, service_row
 from tandem.discovery import gather_replies

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
+from tandem.shared.infra.metrics import histogram_delta, histogram_merge, histogram_quantile
 from tandem.shared.protocol.fleet import HistogramSnapshot, MetricsSnapshot, RoutingDecision, ScalingDecision
 from tandem.shared.protocol.training import TrainStepMetrics, TrainTimeline
 from tandem.shared.protocol.views import BlockSnapshot, KVTransferEvent
-from tandem.shared.infra.metrics import histogram_delta, histogram_merge, histogram_quantile
 
 WORKER_SERVICES = ("decode", "prefill")
 CONSOLE_ENDPOINTS = {"blocks", "stats", "drain"}  # polled by the console itself: not counted as traffic
@@ -50,7 +50,7 @@ def service_row(stats: dict, now: float) -> ServiceRow:
     """A row from one ``$SRV.STATS`` reply (JSON already parsed); the console's own polls are left out."""
     meta = stats.get("metadata") or {}
     try:
-        started = datetime.strptime(stats["started"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
+        started = datetime.strptime(stats["started"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
     except (KeyError, ValueError):
         started = now
     traffic = [e for e in stats.get("endpoints") or [] if e.get("name") not in CONSOLE_ENDPOINTS]
@@ -59,9 +59,11 @@ def service_row(stats: dict, now: float) -> ServiceRow:
     errors = [e for e in traffic if e.get("last_error")]
     data = next((e.get("data") for e in stats.get("endpoints") or [] if isinstance(e.get("data"), dict)), {}) or {}
     return ServiceRow(
-        service=str(stats.get("name", "?")).removeprefix("tandem-"), instance_id=meta.get("instance_id", stats.get("id", "?")),
+        service=str(stats.get("name", "?")).removeprefix("tandem-"),
+        instance_id=meta.get("instance_id", stats.get("id", "?")),
         host=meta.get("host", "?"), started=started, requests=requests,
-        errors=sum(int(e.get("num_errors", 0)) for e in traffic), mean_latency_s=busy_ns / requests / 1e9 if requests else 0.0,
+        errors=sum(int(e.get("num_errors", 0)) for e in traffic),
+        mean_latency_s=busy_ns / requests / 1e9 if requests else 0.0,
         last_error=errors[-1]["last_error"] if errors else "", version=str(stats.get("version", "")), data=data,
     )
 

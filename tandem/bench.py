@@ -18,10 +18,10 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from tandem.shared.infra.config import Settings
 
@@ -62,22 +62,20 @@ def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 def build_engine(settings: Settings):
     """The engine a decode worker with these settings would run, built in this process."""
-    from tandem.services.common.worker import resolve_device, size_kv_pool
-    from tandem.shared.engine import EngineConfig, LLMEngine
-    from tandem.shared.model import load_model, resolve_dtype
+    from tandem.services.common.worker import engine_config, resolve_device
+    from tandem.shared.engine.engine import LLMEngine
+    from tandem.shared.model.loader import load_model, resolve_dtype
 
-    device = resolve_device(settings.device)
-    dtype = resolve_dtype(settings.dtype, device)
+    device = resolve_device(settings.engine.device)
+    dtype = resolve_dtype(settings.engine.dtype, device)
     loaded = load_model(settings.model, device=device, dtype=dtype, data_dir=settings.data_dir)
-    config = EngineConfig(block_size=settings.block_size, num_blocks=size_kv_pool(settings, loaded, device, dtype),
-                          max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
-                          max_model_len=min(settings.max_model_len, loaded.config.max_position_embeddings))
-    return LLMEngine(loaded.model, loaded.tokenizer, config, device, dtype)
+    return LLMEngine(loaded.model, loaded.tokenizer, engine_config(settings, loaded, device, dtype), device, dtype)
 
 
 def run_in_process(engine, prompts: list[list[int]], concurrency: int, output_len: int) -> Result:
     """No bus: keep ``concurrency`` requests in the engine, step until all finish."""
-    from tandem.shared.engine import EngineRequest, SamplingParams
+    from tandem.shared.engine.sequence import EngineRequest
+    from tandem.shared.protocol.serving import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     waiting = [(f"r{i}", p) for i, p in enumerate(prompts)]
@@ -120,7 +118,8 @@ async def run_bus(url: str, prompts: list[list[int]], concurrency: int, output_l
 
 def print_table(levels: list[list[Result]]) -> None:
     """One block per concurrency level: the in-process baselines, the bus path, and its ratios."""
-    head = f"{'conc':>5} {'path':>28} {'reqs':>5} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}"
+    head = (f"{'conc':>5} {'path':>28} {'reqs':>5} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+            f"{'TPOT p50':>9} {'TPOT p99':>9}")
     print(head)
     print("-" * len(head))
     for results in levels:
@@ -132,7 +131,7 @@ def print_table(levels: list[list[Result]]) -> None:
             print(f"{'':>5} {'bus / ' + r.path:>28} {'':>5} {bus.tokens_per_s / r.tokens_per_s:>9.2f}x")
 
 
-def run_bench(args: argparse.Namespace, settings: Settings, engine_argv: list[str]) -> int:
+def run_bench(args: argparse.Namespace, settings: Settings, overrides: dict[str, Any]) -> int:
     """Bus path against two in-process baselines: the engine with every core this process has
     (torch's default), and with the threads each worker gets under ``tandem up`` (on a small
     machine the bus path splits the cores between a prefill and a decode worker)."""
@@ -143,8 +142,8 @@ def run_bench(args: argparse.Namespace, settings: Settings, engine_argv: list[st
 
     setup_logging("WARNING")
     # On a GPU the in-process engine and the system's workers hold their KV pools at once: half each.
-    settings = settings.model_copy(update={"gpu_memory_utilization": settings.gpu_memory_utilization / 2})
-    sup = Supervisor(settings.model_copy(update={"log_level": "WARNING"}), extra_args=engine_argv)
+    settings = settings.updated(gpu_memory_utilization=settings.engine.gpu_memory_utilization / 2)
+    sup = Supervisor(settings.updated(log_level="WARNING"), overrides=overrides)
     all_threads, worker_threads = torch.get_num_threads(), sup.worker_threads()
     thread_counts = sorted({all_threads, worker_threads}, reverse=True)
     engine = build_engine(settings)

@@ -197,7 +197,7 @@ def run_bench_serve(args: argparse.Namespace, settings: Settings) -> int:
     from tandem.services.common.runtime import run_async
     from tandem.supervisor import find_running_url
 
-    url = settings.nats_url or find_running_url(settings.data_dir)
+    url = settings.bus.nats_url or find_running_url(settings.data_dir)
     if url is None:
         print("tandem bench serve: no running tandem found; start one with `tandem up` or pass --nats-url",
               file=sys.stderr)

@@ -2,7 +2,7 @@
 
     tandem up [--nats-url URL] [--model tiny|DIR] [--prefill N] [--decode N] [--demo [PROMPT]]
               [--planner] [--min-prefill N] [--max-prefill N] [--min-decode N] [--max-decode N]
-    tandem serve router|prefill|decode|kvstore|planner|trainer --nats-url URL [engine flags] [kvstore flags]
+    tandem serve router|prefill|decode|kvstore|planner|trainer --nats-url URL [its settings flags]
     tandem train [--default] [--model tiny|1b|3b|7b|DIR] [--steps N] [--batch-size B] [--seq-len S] ...
     tandem generate PROMPT [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
                            [--stop S ...] [--json] [--nats-url URL]
@@ -10,85 +10,67 @@
     tandem bench compare [--concurrency 1 8 32 64] [--requests N] [--json-out FILE]   (also: plain `tandem bench`)
     tandem console [--nats-url URL]
 
-Every flag can also be set as a ``TANDEM_*`` environment variable (see tandem.shared.infra.config).
+The settings flags are generated from :mod:`tandem.shared.infra.config` (:mod:`tandem.flags`): every
+one is also a ``TANDEM_*`` environment variable, and ``tandem serve <service> --help`` lists each
+with its default.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import sys
 
 from tandem.bench_serve import add_arguments as add_bench_serve
-from tandem.planner_flags import PLANNER_FLAGS, add_planner_flags
-from tandem.shared.infra.config import load_settings
+from tandem.flags import CLIENT, SERVICE_SETTINGS, UP_SETTINGS, add_settings, given, settings_from
 
-SERVICES = ("router", "prefill", "decode", "kvstore", "planner", "trainer")
+SERVICES = tuple(SERVICE_SETTINGS)
+SERVICE_HELP = {
+    "router": "place requests on prefill and decode workers",
+    "prefill": "a prefill worker: prompts in, KV and the first token out to a decode worker",
+    "decode": "a decode worker: takes hand-offs (or prefills itself) and streams tokens",
+    "kvstore": "KV blocks by prefix hash in host RAM and on local disk",
+    "planner": "decides worker counts from TTFT/TPOT targets and the live load",
+    "trainer": "training jobs over NATS",
+}
 DEMO_PROMPT = "def fibonacci(n):"
+SETTINGS_NOTE = ("Each flag is also a TANDEM_ environment variable (shown after its default); "
+                 "a flag wins over its variable. The settings: shared/infra/config.py.")
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nats-url", help="NATS server URL (default: embedded server / the running `tandem up`)")
-    p.add_argument("--data-dir", help="where models, checkpoints and run state live")
-    p.add_argument("--log-level", help="DEBUG, INFO, WARNING")
-
-
-def add_engine(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="'tiny' (built in) or a Hugging Face model directory")
-    p.add_argument("--device", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--dtype", help="auto, float32, bfloat16, float16")
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--num-blocks", type=int, help="KV pool size in blocks (0: from memory)")
-    p.add_argument("--kv-cache-mib", type=int, help="KV pool budget on CPU")
-    p.add_argument("--gpu-memory-utilization", type=float,
-                   help="share of the GPU's memory for this worker, weights included (up: for all workers)")
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step; the prefill chunk size")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--torch-threads", type=int, help="CPU threads per worker for model math (0: torch default)")
-    p.add_argument("--kv-ring-mib", type=int,
-                   help="shared-memory ring for same-host KV hand-offs (decode: its size; 0 turns the fast path off)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="reuse cached KV blocks of shared prompt prefixes (default: on)")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA: no decode CUDA graphs (default: graphs for batch sizes up to --max-num-seqs)")
-    p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
-                   help="with decode graphs: queue decode step N+1 before step N's tokens reach the host (default: on)")
-
-
-ENGINE_FLAGS = ("device", "dtype", "block_size", "num_blocks", "kv_cache_mib", "gpu_memory_utilization", "max_num_seqs",
-                "max_num_batched_tokens", "max_model_len", "torch_threads", "enable_prefix_caching", "kv_ring_mib",
-                "enforce_eager", "overlap_steps")
-KVSTORE_FLAGS = ("kvstore_ram_mib", "kvstore_disk_mib", "kvstore_dir")
+    """--nats-url, --data-dir, --log-level: for commands that talk to a running tandem."""
+    add_settings(p, *CLIENT)
 
 
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n\n")[0])
     sub = root.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="run the whole system on this machine")
-    add_common(up)
-    add_engine(up)
-    up.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    up.add_argument("--decode", type=int, default=1, help="decode workers")
-    up.add_argument("--kvstore", type=int, default=1, help="KV-stores (RAM, then disk under <data-dir>/kvstore)")
+    up = sub.add_parser("up", help="run the whole system on this machine", epilog=SETTINGS_NOTE,
+                        description="The whole system on this machine: an embedded nats-server (unless --nats-url), "
+                                    "KV-stores, decode and prefill workers and a router as child processes. Settings "
+                                    "flags given here are handed on to the children whose service uses them.")
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers (default: 1)")
+    up.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
+    up.add_argument("--kvstore", type=int, default=1,
+                    help="KV-stores (RAM, then disk under <data-dir>/kvstore; default: 1)")
     up.add_argument("--demo", nargs="?", const=DEMO_PROMPT, metavar="PROMPT",
                     help="once up, generate from PROMPT and print it")
     up.add_argument("--exit-after-demo", action="store_true", help="stop everything after the demo")
-    add_planner_flags(up, switch=True)
+    up.add_argument("--planner", action=argparse.BooleanOptionalAction, default=False,
+                    help="run the planner and carry out its scaling decisions (default: off, counts stay as given)")
+    add_settings(up, *UP_SETTINGS)
 
-    serve = sub.add_parser("serve", help="run one service against an existing NATS server")
-    serve.add_argument("service", choices=SERVICES)
-    add_common(serve)
-    add_engine(serve)
-    serve.add_argument("--instance-id", help="this instance's id (default: service-host-random)")
-    serve.add_argument("--kvstore-ram-mib", type=float, help="kvstore: host-RAM tier size")
-    serve.add_argument("--kvstore-disk-mib", type=float, help="kvstore: disk tier size (0: RAM only)")
-    serve.add_argument("--kvstore-dir", help="kvstore: disk tier folder (default: <data-dir>/kvstore)")
-    serve.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: a free one, -1: none)")
-    add_planner_flags(serve)
+    serve = sub.add_parser("serve", help="run one service against an existing NATS server",
+                           description="One service against an existing NATS server. "
+                                       "`tandem serve SERVICE --help` lists its flags with their defaults.")
+    services = serve.add_subparsers(dest="service", required=True, metavar="SERVICE")
+    for name, specs in SERVICE_SETTINGS.items():
+        one = services.add_parser(name, help=SERVICE_HELP[name], epilog=SETTINGS_NOTE,
+                                  description=f"tandem serve {name}: {SERVICE_HELP[name]}.")
+        add_settings(one, *specs)
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("prompt")
@@ -115,9 +97,8 @@ def parser() -> argparse.ArgumentParser:
     serve_bench = bench.add_parser("serve", help="load a running tandem, report latency and goodput (vllm bench serve)")
     add_common(serve_bench)
     add_bench_serve(serve_bench)
-    compare = bench.add_parser("compare", help="bus path versus in-process engine, same run")
-    add_common(compare)
-    add_engine(compare)
+    compare = bench.add_parser("compare", help="bus path versus in-process engine, same run", epilog=SETTINGS_NOTE)
+    add_settings(compare, "model", *CLIENT, "engine", "kv_ring")
     compare.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     compare.add_argument("--requests", type=int, default=0, help="requests per level (default: 4x concurrency, >= 32)")
     compare.add_argument("--input-len", type=int, default=64)
@@ -126,27 +107,10 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
-def settings_from(args: argparse.Namespace, *names: str):
-    flags = {n: getattr(args, n, None) for n in ("nats_url", "data_dir", "log_level", "model", "instance_id", *names)}
-    return load_settings(**flags)
-
-
-def engine_argv(args: argparse.Namespace) -> list[str]:
-    """Engine flags given to ``up``/``bench``, passed on to the workers it starts."""
-    argv = []
-    for name in ENGINE_FLAGS:
-        value, flag = getattr(args, name, None), name.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(f"--{flag}" if value else f"--no-{flag}")
-        elif value is not None:
-            argv += [f"--{flag}", str(value)]
-    return argv
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from tandem.services.common.runtime import setup_logging
 
-    settings = settings_from(args, *ENGINE_FLAGS, *KVSTORE_FLAGS, *PLANNER_FLAGS, "metrics_port")
+    settings = settings_from(args)
     setup_logging(settings.log_level)
     if args.service == "planner":
         from tandem.services.planner.service import main
@@ -167,7 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from tandem.up import run_up
 
-    return run_up(args, settings_from(args, *ENGINE_FLAGS), engine_argv(args))
+    return run_up(args, settings_from(args), given(args))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -176,7 +140,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from tandem.supervisor import find_running_url
 
     settings = settings_from(args)
-    url = settings.nats_url or find_running_url(settings.data_dir)
+    url = settings.bus.nats_url or find_running_url(settings.data_dir)
     if url is None:
         print("tandem generate: no running tandem found; start one with `tandem up` or pass --nats-url",
               file=sys.stderr)
@@ -212,7 +176,7 @@ def cmd_console(args: argparse.Namespace) -> int:
     from tandem.supervisor import find_running_url
 
     settings = settings_from(args)
-    return run_console(settings.nats_url or find_running_url(settings.data_dir))
+    return run_console(settings.bus.nats_url or find_running_url(settings.data_dir))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -231,7 +195,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return run_bench_serve(args, settings_from(args))
     from tandem.bench import run_bench
 
-    return run_bench(args, settings_from(args, *ENGINE_FLAGS), engine_argv(args))
+    return run_bench(args, settings_from(args), given(args))
 
 
 def main(argv: list[str] | None = None) -> int:

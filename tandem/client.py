@@ -24,7 +24,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import nats
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from pydantic import ValidationError
 
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError
@@ -77,6 +79,14 @@ _BY_CODE: dict[ErrorCode, type[TandemError]] = {
     ErrorCode.UNSUPPORTED_VERSION: InvalidRequestError,
     ErrorCode.WORKER_FAILURE: WorkerFailureError,
 }
+
+
+def _first_error(exc: Exception) -> str:
+    """``field: what is wrong`` for a pydantic error (its first one), else the exception's text."""
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        return f"{'.'.join(str(part) for part in first['loc'])}: {first['msg']}"
+    return str(exc)
 
 
 def error_from_reply(reply: ErrorReply) -> TandemError:
@@ -145,7 +155,7 @@ class Client:
         """Run one request to the end and return the whole output with its timings."""
         start = time.perf_counter()
         text, ids, times, reason, accepted = [], [], [], None, None
-        async for chunk, accepted in self._stream(prompt, model, request_id, timeout_s, params):
+        async for chunk, accepted in self._stream(prompt, model, request_id, timeout_s, params):  # noqa: B007
             now = time.perf_counter()
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
@@ -157,14 +167,27 @@ class Client:
                           accepted.request_id if accepted else "", accepted.decode_worker if accepted else "",
                           accepted.prefill_worker if accepted else None, times)
 
-    async def _stream(self, prompt, model, request_id, timeout_s, params):
+    def _request(self, prompt, model, request_id: str, inbox: str, params: dict) -> GenerateRequest:
+        """The request to send, or :class:`InvalidRequestError` naming the first field out of its
+        bounds (checked before anything is sent: no value msgpack cannot carry reaches ``encode``)."""
         try:
             sampling = SamplingParams(**params)
-        except Exception as exc:
-            raise InvalidRequestError(f"invalid sampling parameters: {exc}") from None
+        except (ValidationError, TypeError) as exc:
+            raise InvalidRequestError(f"invalid sampling parameters: {_first_error(exc)}", request_id) from None
+        try:
+            return GenerateRequest(
+                request_id=request_id, params=sampling, model=model, stream_subject=inbox,
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
+            )
+        except (ValidationError, TypeError) as exc:
+            raise InvalidRequestError(f"invalid request: {_first_error(exc)}", request_id) from None
+
+    async def _stream(self, prompt, model, request_id, timeout_s, params):
         timeout = timeout_s or self.request_timeout_s
         request_id = request_id or uuid.uuid4().hex
         inbox = subjects.stream_inbox(self.client_id, request_id)
+        request = self._request(prompt, model, request_id, inbox, params)
         queue: asyncio.Queue = asyncio.Queue()
 
         async def on_message(msg) -> None:
@@ -176,11 +199,6 @@ class Client:
         sub = await self.nc.subscribe(inbox, cb=on_message)
         finished = False
         try:
-            request = GenerateRequest(
-                request_id=request_id, params=sampling, model=model, stream_subject=inbox,
-                prompt=prompt if isinstance(prompt, str) else None,
-                prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
-            )
             await self._watch_workers()
             accepted = await self._place(request, timeout)
             placed = last_output = time.monotonic()
@@ -189,7 +207,7 @@ class Client:
             while not finished:
                 try:
                     data = await asyncio.wait_for(queue.get(), min(timeout, self.worker_timeout_s / 4))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if time.monotonic() - last_output > timeout:
                         raise RequestTimeoutError(f"no output for {timeout:.0f}s", request_id) from None
                     # The prefill worker holds the request until the decode worker streams from it.

@@ -17,8 +17,8 @@ import urllib.request
 
 import nats
 
-from tandem.shared.protocol.fleet import HistogramSnapshot
 from tandem.shared.infra.metrics import parse_text
+from tandem.shared.protocol.fleet import HistogramSnapshot
 
 
 async def gather_replies(nc: nats.NATS, subject: str, wait_s: float = 0.3) -> list[dict]:

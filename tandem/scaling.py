@@ -22,7 +22,8 @@ import time
 from typing import TYPE_CHECKING
 
 import nats
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ProtocolError
@@ -118,7 +119,7 @@ class Scaler:
                 log.warning("%s %s ignored SIGTERM; killing it", child.service, child.instance_id)
                 child.process.kill()
             return
-        if child.draining_since is not None and now - child.draining_since > self.sup.settings.drain_timeout_s:
+        if child.draining_since is not None and now - child.draining_since > self.sup.settings.bus.drain_timeout_s:
             log.warning("%s %s still busy %.0fs into its drain; stopping it", child.service, child.instance_id,
                         now - child.draining_since)
             self.terminate(child)

@@ -3,12 +3,13 @@
 Starts an embedded nats-server (unless given a URL), then KV-stores, decode and prefill workers and
 a router as child processes, waits until every one answers ``$SRV.PING``, writes a state file so
 ``tandem generate`` finds the server, prints one line with the NATS URL, and runs until Ctrl-C or
-SIGTERM (``--planner`` starts the planner then, once it can count the workers). While it runs, :mod:`tandem.scaling` keeps the wanted
-number of each service alive: it restarts a child that crashed, and with the planner on it carries
-out the planner's decisions within ``--min/--max-prefill`` and ``--min/--max-decode``, draining a
-worker before it goes. At the end it stops the planner, the router, the workers and the server in
-that order and removes the state file and the server's folder. Children die with it even if it is
-killed with SIGKILL (Linux PDEATHSIG), so nothing is left behind. GPUs: see :mod:`tandem.gpus`.
+SIGTERM (``--planner`` starts the planner then, once it can count the workers). While it runs,
+:mod:`tandem.scaling` keeps the wanted number of each service alive: it restarts a child that
+crashed, and with the planner on it carries out the planner's decisions within
+``--min/--max-prefill`` and ``--min/--max-decode``, draining a worker before it goes. At the end it
+stops the planner, the router, the workers and the server in that order and removes the state file
+and the server's folder. Children die with it even if it is killed with SIGKILL (Linux PDEATHSIG),
+so nothing is left behind. GPUs: see :mod:`tandem.gpus`.
 """
 
 from __future__ import annotations
@@ -26,20 +27,26 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import nats
 
 from tandem.discovery import gather_replies
+from tandem.flags import SERVICE_SETTINGS, argv
 from tandem.gpus import memory_share, pick_gpu, visible_gpus
-from tandem.shared.protocol import subjects
 from tandem.shared.infra.config import Settings
 from tandem.shared.infra.natsserver import NatsServer, die_with_parent
+from tandem.shared.protocol import subjects
 
 log = logging.getLogger("tandem.up")
 
 SERVICE_ORDER = ("planner", "router", "prefill", "decode", "kvstore")  # stop order
 START_ORDER = ("kvstore", "decode", "prefill", "router", "planner")
 ENGINE_SERVICES = ("prefill", "decode")
+# Settings the supervisor decides for each child itself (so a value given to `up` is not handed on as is).
+DECIDED_HERE = ("nats_url", "nats_binary", "model", "log_level", "instance_id", "data_dir", "torch_threads",
+                "gpu_memory_utilization", "metrics_port", "planner_min_prefill", "planner_max_prefill",
+                "planner_min_decode", "planner_max_decode")
 
 
 def state_file(data_dir: Path) -> Path:
@@ -77,9 +84,10 @@ class Supervisor:
     num_prefill: int = 1
     num_decode: int = 1
     num_kvstore: int = 0
-    extra_args: list[str] = field(default_factory=list)
+    # Settings given as flags to `up` (flat name -> value): each child gets those of its service's sections.
+    overrides: dict[str, Any] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)  # more flags for the engine workers
     planner: bool = False
-    planner_args: list[str] = field(default_factory=list)
     min_prefill: int | None = None  # limits for the planner's decisions (default: see limits())
     max_prefill: int | None = None
     min_decode: int | None = None
@@ -100,13 +108,13 @@ class Supervisor:
         return lo, max(lo, hi)
 
     def start(self) -> None:
-        if self.settings.nats_url:
-            self.url = self.settings.nats_url
+        if self.settings.bus.nats_url:
+            self.url = self.settings.bus.nats_url
         else:
-            self.server = NatsServer.start(binary=self.settings.nats_binary)
+            self.server = NatsServer.start(binary=self.settings.bus.nats_binary)
             self.url = self.server.url
         if self.gpus is None:
-            self.gpus = visible_gpus(self.settings.device)
+            self.gpus = visible_gpus(self.settings.engine.device)
         self.wanted = {"kvstore": self.num_kvstore, "decode": self.num_decode, "prefill": self.num_prefill,
                        "router": 1, "planner": int(self.planner)}
         for service in START_ORDER:
@@ -117,36 +125,44 @@ class Supervisor:
     def worker_threads(self) -> int:
         """CPU threads per engine worker: the machine's cores shared out, so workers on one host do
         not oversubscribe the cores (torch's default gives every process all of them)."""
-        if self.settings.torch_threads:
-            return self.settings.torch_threads
+        if self.settings.engine.torch_threads:
+            return self.settings.engine.torch_threads
         return max(1, (os.cpu_count() or 1) // max(1, self.num_prefill + self.num_decode))
 
     def most_workers(self, service: str) -> int:
         count = self.num_prefill if service == "prefill" else self.num_decode
         return self.limits(service)[1] if self.planner else count
 
+    def command(self, service: str, instance_id: str) -> list[str]:
+        """The command line of a ``service`` child: the flags given to `up` that its service takes,
+        and what the supervisor decides per child (URL, id, threads, GPU share, metrics port, limits)."""
+        specs = SERVICE_SETTINGS[service]
+        # One fixed metrics port cannot serve several children: each takes a free one (or none, with -1).
+        decided = {"nats_url": self.url, "model": self.settings.model, "log_level": self.settings.log_level,
+                   "instance_id": instance_id, "metrics_port": -1 if self.settings.metrics.port == -1 else 0}
+        cmd = [sys.executable, "-m", "tandem.cli", "serve", service, *argv(decided, *specs)]
+        cmd += argv(self.overrides, *specs, skip=DECIDED_HERE)
+        if service == "planner":
+            limits = {}
+            for kind in ENGINE_SERVICES:
+                limits[f"planner_min_{kind}"], limits[f"planner_max_{kind}"] = self.limits(kind)
+            cmd += argv(limits, "planner")
+        elif service in ENGINE_SERVICES:
+            share = memory_share(self.settings.engine.gpu_memory_utilization, service, len(self.gpus or []),
+                                 self.most_workers("prefill"), self.most_workers("decode"))
+            cmd += argv({"torch_threads": self.worker_threads()}, "engine") + self.extra_args
+            cmd += argv({"gpu_memory_utilization": f"{share:.4f}"}, "engine")
+        return cmd
+
     def spawn(self, service: str) -> Child:
         host = socket.gethostname().split(".")[0].replace("_", "-")[:24] or "host"
         instance_id = f"{service}-{host}-{uuid.uuid4().hex[:6]}"
-        cmd = [sys.executable, "-m", "tandem.cli", "serve", service, "--nats-url", self.url,
-               "--model", self.settings.model, "--log-level", self.settings.log_level, "--instance-id", instance_id]
-        if service == "planner":
-            cmd += self.planner_args
-            for kind in ENGINE_SERVICES:
-                lo, hi = self.limits(kind)
-                cmd += [f"--min-{kind}", str(lo), f"--max-{kind}", str(hi)]
-        else:
-            cmd += ["--torch-threads", str(self.worker_threads()), *self.extra_args]
+        cmd = self.command(service, instance_id)
         env = dict(os.environ, TANDEM_DATA_DIR=str(self.settings.data_dir), PYTHONUNBUFFERED="1")
         env.pop("TANDEM_INSTANCE_ID", None)
-        if env.get("TANDEM_METRICS_PORT", "0").strip() not in ("0", "-1", ""):
-            env["TANDEM_METRICS_PORT"] = "0"  # one fixed port cannot serve several children
         gpu = None
         if service in ENGINE_SERVICES:
             gpus = self.gpus or []
-            share = memory_share(self.settings.gpu_memory_utilization, service, len(gpus),
-                                 self.most_workers("prefill"), self.most_workers("decode"))
-            cmd += ["--gpu-memory-utilization", f"{share:.4f}"]
             if len(gpus) >= 2:
                 occupancy = [sum(c.gpu == g for c in self.children) for g in range(len(gpus))]
                 gpu = pick_gpu(len(gpus), occupancy, service)

@@ -82,7 +82,7 @@ def cmd_train(args: argparse.Namespace, settings) -> int:  # noqa: ANN001 - tand
     from pydantic import ValidationError
 
     from tandem.shared.protocol.base import ProtocolError
-    from tandem.shared.train import TrainRunner
+    from tandem.shared.train.runner import TrainRunner
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -97,7 +97,7 @@ def cmd_train(args: argparse.Namespace, settings) -> int:  # noqa: ANN001 - tand
     print(f"tandem train: {runner.model_name} ({runner.num_params / 1e6:.1f}M parameters) on {runner.device}, "
           f"{runner.data.description}; batch {job.batch_size} x {job.seq_len}, {job.steps} steps, "
           f"checkpoints in {runner.output_dir}", flush=True)
-    publisher = _Publisher(settings.nats_url, runner.model_name, job_id) if settings.nats_url else None
+    publisher = _Publisher(settings.bus.nats_url, runner.model_name, job_id) if settings.bus.nats_url else None
     recent: list = []
 
     def on_step(m) -> None:  # noqa: ANN001
@@ -123,7 +123,8 @@ def sample(path: Path, prompt: str, max_new_tokens: int = 160, seed: int = 0) ->
     """A sampled continuation from the checkpoint at ``path`` (a quick look at what it learned)."""
     import torch
 
-    from tandem.shared.model import load_model, reference_logits
+    from tandem.shared.model.loader import load_model
+    from tandem.shared.model.reference import reference_logits
 
     loaded = load_model(str(path))
     ids = loaded.tokenizer.encode(prompt)

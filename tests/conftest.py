@@ -1,25 +1,57 @@
-"""Fixtures: one real nats-server per session, real service processes per module.
+"""Fixtures: the tiny model once per session; one real nats-server per session, real service
+processes per module.
 
-``nats_server`` starts the embedded server on a free port once. ``start_system`` launches
-``tandem serve`` processes (router, prefill, decode) against it and waits until each answers
-``$SRV.PING``; module-scoped fixtures in the test files use it so every module gets fresh services.
+``tiny`` is the built-in tiny model on CPU in float32, loaded once for every test that asks for it
+(treat it as read-only: engines and services share its weights). ``nats_server`` starts the
+embedded server on a free port once. ``start_system`` launches ``tandem serve`` processes (router,
+prefill, decode) against it and waits until each answers ``$SRV.PING``; module-scoped fixtures in
+the test files use it so every module gets fresh services.
+
+Helpers live in modules beside this file, never in test files: ``support`` (e2e prompts, bad
+inputs, heartbeats), ``factories`` (engine, scheduler, block manager and request builders, engine
+drivers), ``fakebus`` (an in-process NATS connection), ``cli_support`` (the ``tandem`` command in
+child processes), ``model_support`` (small Hugging Face checkpoints), ``train_support`` (the
+plain-PyTorch training reference).
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
 import signal
 import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+from cli_support import launch, run_sync, service_env
 
 from tandem.shared.infra.natsserver import NatsServer
 from tandem.supervisor import wait_until_ready
+
+if TYPE_CHECKING:
+    from tandem.shared.model.loader import LoadedModel
+
+
+def pytest_collection_modifyitems(config, items):
+    """The folder says what a test costs: tests/e2e/ boot processes, tests/gpu/ need CUDA."""
+    for item in items:
+        parts = item.path.relative_to(config.rootpath / "tests").parts
+        if parts[0] in ("e2e", "gpu"):
+            item.add_marker(parts[0])
+
+
+@pytest.fixture(scope="session")
+def tiny() -> LoadedModel:
+    """The ``tiny`` spec as ``tandem serve`` loads it from an empty data dir (the checkpoint shipped
+    in the package; its seeded random weights where the package lacks one), on CPU in float32.
+    Never a checkpoint trained into this machine's data dir. The e2e tests compare the services'
+    output with it, so it must be what the services load; a test that needs the random weights
+    whatever is shipped loads ``load_model("tiny-random", ...)`` itself."""
+    import torch  # here, not at the top: collecting the tests that never load a model needs no torch
+
+    from tandem.shared.model.loader import load_model
+
+    return load_model("tiny", device="cpu", dtype=torch.float32)
 
 
 @pytest.fixture(scope="session")
@@ -75,27 +107,6 @@ class System:
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.logdir.glob("*.log")))
-
-
-def service_env(data_dir: Path) -> dict[str, str]:
-    # CPU unless a test passes --device; one thread each, as `tandem up` would share out 2 cores.
-    return dict(os.environ, TANDEM_DATA_DIR=str(data_dir), TANDEM_PROBE_INTERVAL_S="0.5",
-                TANDEM_HEARTBEAT_INTERVAL_S="0.2", TANDEM_DEVICE="cpu", TANDEM_TORCH_THREADS="1",
-                PYTHONUNBUFFERED="1")
-
-
-def launch(url: str, service: str, instance_id: str, logdir: Path, env: dict[str, str], args: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", service, "--nats-url", url,
-           "--instance-id", instance_id, *args]
-    log = open(logdir / f"{instance_id}.log", "wb")
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-
-def run_sync(coro):
-    """Run a coroutine to the end on a private loop in another thread: callers may be sync fixtures
-    or async tests whose own loop is running."""
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
 
 
 @pytest.fixture(scope="module")

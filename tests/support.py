@@ -9,6 +9,7 @@ import nats
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import decode
 from tandem.shared.protocol.fleet import Heartbeat
+from tandem.shared.protocol.serving import MAX_STOP_TOKEN_IDS
 
 # Prompt lengths (byte tokenizer: one token per byte) on and around block (16) and chunk (32) edges.
 PARITY_LENGTHS = [1, 5, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 95, 96, 97, 130, 200]
@@ -18,6 +19,42 @@ SOURCE = (
     "class Tree:\n    def __init__(self, value, children=()):\n        self.value = value\n"
     "        self.children = list(children)\n\n    def walk(self):\n        yield self.value\n"
 )
+
+
+# Sampling parameters out of their bounds, each one msgpack can carry (a raw bus message can hold it):
+# the client, the router, the workers and the engine all refuse every one of them.
+BAD_SAMPLING: list[tuple[str, object]] = [
+    ("top_k", 2**63),  # once passed every check and failed the whole engine step (host_values_to)
+    ("top_k", 2**31),
+    ("top_k", -2),
+    ("max_tokens", 0),
+    ("max_tokens", -3),
+    ("max_tokens", 2**31),
+    ("seed", 2**63),
+    ("seed", -1),
+    ("temperature", float("nan")),
+    ("temperature", float("inf")),
+    ("temperature", -1.0),
+    ("temperature", 100.5),
+    ("top_p", float("nan")),
+    ("top_p", float("inf")),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("stop_token_ids", [2**31]),
+    ("stop_token_ids", [2**64 - 1]),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", list(range(MAX_STOP_TOKEN_IDS + 1))),
+    ("stop", [""]),
+]
+# Prompt token ids out of [0, 2**31), each one msgpack can carry.
+BAD_PROMPT_TOKEN_IDS: list[list[int]] = [[2**31], [2**64 - 1], [-1]]
+
+
+def value_id(value: object) -> str:
+    """A short pytest id for a parameter value (long lists by their length)."""
+    if isinstance(value, list) and len(value) > 4:
+        return f"{len(value)}-ids"
+    return repr(value).replace(" ", "")
 
 
 def prompt_of(length: int, salt: int = 0) -> str:

@@ -31,10 +31,12 @@ def summary_text(state: ConsoleState) -> Text:
         mine = hidden_fraction(timeline.ops)
         text.append(f"  (from the ops: {mine:.0%})" if mine is not None else "", "grey50")
         moved = sum(op.bytes for op in timeline.ops)
-        text.append(f"   job {timeline.job_id} step {timeline.step}, {len(timeline.ops)} ops, {human_bytes(moved)} moved")
+        text.append(f"   job {timeline.job_id} step {timeline.step}, {len(timeline.ops)} ops, "
+                    f"{human_bytes(moved)} moved")
     if step is not None:
         text.append(f"\nstep {step.step}: loss {step.loss:.3f}  {step.tokens_per_s:,.0f} tok/s  "
-                    f"{step.model_tflops:.1f} TFLOP/s  {step.step_time_s * 1e3:.0f} ms/step  grad norm {step.grad_norm:.2f}")
+                    f"{step.model_tflops:.1f} TFLOP/s  {step.step_time_s * 1e3:.0f} ms/step  "
+                    f"grad norm {step.grad_norm:.2f}")
     if state.transfers:
         kv = list(state.transfers)
         busy = sum(e.end - e.start for e in kv)

@@ -21,7 +21,8 @@ from tandem.shared.protocol.fleet import RoutingDecision
 def decision_text(d: RoutingDecision) -> Text:
     return Text.assemble(
         ("request ", "grey50"), (d.request_id, "bold"), ("  prompt ", "grey50"),
-        f"{d.prompt_tokens} tokens / {d.prompt_blocks} blocks", ("  decode ", "grey50"), (d.decode_worker, "bold green"),
+        f"{d.prompt_tokens} tokens / {d.prompt_blocks} blocks", ("  decode ", "grey50"),
+        (d.decode_worker, "bold green"),
         ("  prefill ", "grey50"), (d.prefill_worker or "local (decode prefills)", "bold"), "\n",
         ("reason ", "grey50"), d.reason,
     )
@@ -62,8 +63,8 @@ class RoutingScreen(PaneScreen):
         if latest is not None:
             for c in sorted(latest.candidates, key=lambda c: c.cost):
                 chosen = c.instance_id == latest.decode_worker
-                candidates.add_row(Text(c.instance_id, "bold green" if chosen else ""), str(c.cached_blocks), str(c.load),
-                                   f"{c.cost:.1f}", "✔" if chosen else "")
+                candidates.add_row(Text(c.instance_id, "bold green" if chosen else ""), str(c.cached_blocks),
+                                   str(c.load), f"{c.cost:.1f}", "✔" if chosen else "")
         recent = self.query_one("#recent", DataTable)
         recent.clear()
         for d in reversed(state.routing):

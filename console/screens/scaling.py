@@ -10,7 +10,7 @@ planner for other counts, after a confirmation.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from rich.text import Text
 from textual import work
@@ -95,7 +95,7 @@ class ScalingScreen(PaneScreen):
         for d in reversed(state.decisions):
             if self.filter_text and self.filter_text.lower() not in d.reason.lower():
                 continue
-            when = datetime.fromtimestamp(d.time, timezone.utc).strftime("%H:%M:%S")
+            when = datetime.fromtimestamp(d.time, UTC).strftime("%H:%M:%S")
             changed = (d.prefill_wanted, d.decode_wanted) != (d.prefill_current, d.decode_current)
             table.add_row(when, f"{d.prefill_current} → {d.prefill_wanted}", f"{d.decode_current} → {d.decode_wanted}",
                           Text(d.reason, "bold" if changed else ""))

@@ -26,7 +26,7 @@ from tandem.shared.protocol.views import BlockSnapshot, KVTransferEvent, Sequenc
 
 if TYPE_CHECKING:
     from tandem.services.common.worker import EngineWorker
-    from tandem.shared.engine import LLMEngine
+    from tandem.shared.engine.engine import LLMEngine
 
 log = logging.getLogger("tandem.blocks")
 

@@ -55,7 +55,7 @@ class Drainer:
 
     async def drain(self, exit_after: bool) -> None:
         w = self.worker
-        grace = max(1.0, 2 * w.settings.heartbeat_interval_s)
+        grace = max(1.0, 2 * w.settings.bus.heartbeat_interval_s)
         if w.name == "decode":
             self._sub = await w.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_beat)
         await asyncio.sleep(grace)  # requests placed before the routers saw the flag arrive meanwhile
@@ -76,7 +76,7 @@ class Drainer:
             w.request_stop()
 
     def busy(self, now: float) -> bool:
-        timeout = self.worker.settings.worker_timeout_s
+        timeout = self.worker.settings.bus.worker_timeout_s
         owed = any(now - seen < timeout for seen in self.owed.values())
         return owed or self.worker.busy()
 

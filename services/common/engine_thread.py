@@ -18,7 +18,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from tandem.shared.engine import EngineRequest, LLMEngine, RequestOutput
+from tandem.shared.engine.engine import LLMEngine
+from tandem.shared.engine.sequence import EngineRequest, RequestOutput
 
 log = logging.getLogger("tandem.engine")
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from tandem.shared.protocol import subjects
 from tandem.shared.infra.kvevents import ensure_kv_events_stream, publish_kv_event
+from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import encode
 from tandem.shared.protocol.kv import KVEvent
 

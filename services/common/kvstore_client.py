@@ -14,10 +14,18 @@ from __future__ import annotations
 import uuid
 
 from tandem.shared.protocol import subjects
-from tandem.shared.protocol.frames import KVReceiver, block_checksums, send_kv
 from tandem.shared.protocol.base import ErrorReply, ProtocolError
 from tandem.shared.protocol.codec import decode, encode, error_reply
-from tandem.shared.protocol.kv import KVGetReply, KVGetRequest, KVLookupReply, KVLookupRequest, KVPutReply, KVPutRequest, KVTransfer
+from tandem.shared.protocol.frames import KVReceiver, block_checksums, send_kv
+from tandem.shared.protocol.kv import (
+    KVGetReply,
+    KVGetRequest,
+    KVLookupReply,
+    KVLookupRequest,
+    KVPutReply,
+    KVPutRequest,
+    KVTransfer,
+)
 
 MIB = 1024 * 1024
 
@@ -29,7 +37,8 @@ class KVStoreClient:
         self.nc, self.store_id, self.timeout_s, self.window = nc, store_id, timeout_s, window
 
     async def _ask(self, subject: str, message, expect):
-        reply = decode((await self.nc.request(subject, encode(message), timeout=self.timeout_s)).data, (expect, ErrorReply))
+        reply = decode((await self.nc.request(subject, encode(message), timeout=self.timeout_s)).data,
+                       (expect, ErrorReply))
         if isinstance(reply, ErrorReply):
             raise ProtocolError(reply.code, f"kvstore {self.store_id}: {reply.message}")
         return reply

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tandem.shared.protocol import subjects
 from tandem.shared.kvcache.cache import kv_namespace
+from tandem.shared.model.config import ModelConfig
+from tandem.shared.model.loader import load_model
+from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ProtocolError
 from tandem.shared.protocol.codec import decode
 from tandem.shared.protocol.training import WeightsUpdated
-from tandem.shared.model import load_model
-from tandem.shared.model.config import ModelConfig
 
 _SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                  "head_dim", "tie_word_embeddings", "attention_bias", "o_proj_bias", "qk_norm")
@@ -63,7 +63,7 @@ async def reload_weights(worker, update: WeightsUpdated, lock: asyncio.Lock) -> 
         state = loaded.model.state_dict()
         await worker.thread.call_when_idle(lambda engine: engine.load_weights(state))
         worker.kv_namespace = kv_namespace(f"{worker.model_name}@{update.version}", worker.dtype, cfg.num_layers,
-                                           cfg.num_kv_heads, cfg.head_dim, worker.settings.block_size)
+                                           cfg.num_kv_heads, cfg.head_dim, worker.settings.engine.block_size)
         worker.weights_version = update.version
         worker.log.info("weights %s (step %d) loaded from %s in %.2fs; KV namespace %s", update.version, update.step,
                         update.path, time.perf_counter() - started, worker.kv_namespace)

@@ -22,11 +22,11 @@ from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, ServiceConfig
 
 from tandem import __version__
-from tandem.shared.protocol import subjects
 from tandem.shared.infra.config import Settings
+from tandem.shared.infra.metrics import MetricsPublisher, MetricsRegistry
+from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import encode, error_reply
 from tandem.shared.protocol.fleet import Heartbeat
-from tandem.shared.infra.metrics import MetricsPublisher, MetricsRegistry
 
 Handler = Callable[[Request], Awaitable[None]]
 SHUTDOWN_TIMEOUT_S = 5.0
@@ -100,7 +100,8 @@ class ServiceRuntime:
                     self.log.exception("%s: could not send error reply", name)
 
         if bulk:  # nats.aio.msg.Msg offers the same .data and .respond as a micro Request
-            await self.nc.subscribe(subject, queue=queue_group or "", cb=guarded, pending_bytes_limit=BULK_PENDING_BYTES)
+            await self.nc.subscribe(subject, queue=queue_group or "", cb=guarded,
+                                    pending_bytes_limit=BULK_PENDING_BYTES)
             return
         await self._service.add_endpoint(
             EndpointConfig(name=name, subject=subject, handler=guarded, queue_group=queue_group)
@@ -132,17 +133,17 @@ class ServiceRuntime:
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def run(self) -> None:
-        if not self.settings.nats_url:
+        if not self.settings.bus.nats_url:
             raise SystemExit(f"tandem serve {self.name}: --nats-url (or TANDEM_NATS_URL) is required")
         self.nc = await nats.connect(
-            self.settings.nats_url,
+            self.settings.bus.nats_url,
             name=f"tandem-{self.name}-{self.instance_id}",
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             pending_size=256 * 1024 * 1024,
         )
-        if self.settings.metrics_port >= 0:  # before registering: the URL goes into the micro metadata
-            self.log.info("metrics at %s", self.prom.serve(self.settings.metrics_port, self.settings.metrics_host))
+        if self.settings.metrics.port >= 0:  # before registering: the URL goes into the micro metadata
+            self.log.info("metrics at %s", self.prom.serve(self.settings.metrics.port, self.settings.metrics.host))
         self._service = await add_service(
             self.nc,
             ServiceConfig(
@@ -156,9 +157,10 @@ class ServiceRuntime:
         await self.setup()
         beat = self.spawn(self._heartbeat_loop(), "heartbeat")
         self.metrics_publisher = MetricsPublisher(self.nc, self.prom, self.name, self.instance_id, self.host,
-                                                  self.settings.metrics_interval_s)
+                                                  self.settings.metrics.interval_s)
         self.spawn(self.metrics_publisher.run(), "metrics publisher")
-        self.log.info("%s %s ready on %s (pid %d)", self.name, self.instance_id, self.settings.nats_url, os.getpid())
+        self.log.info("%s %s ready on %s (pid %d)", self.name, self.instance_id, self.settings.bus.nats_url,
+                      os.getpid())
         await self._stop.wait()
         self.log.info("%s %s stopping", self.name, self.instance_id)
         beat.cancel()
@@ -190,7 +192,7 @@ class ServiceRuntime:
             beat = self.heartbeat()
             if beat is not None:
                 await self.nc.publish(subject, encode(beat))
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            await asyncio.sleep(self.settings.bus.heartbeat_interval_s)
 
 
 def run_async(coro):

@@ -2,11 +2,12 @@
 
 Workers (:class:`WorkerMetrics`, fed from each engine step's outputs in ``EngineWorker.on_outputs``):
 
-- ``tandem:time_to_first_token_seconds``: from the router's accept time (``arrival_time`` in the
-  prefill/decode request; the worker's own arrival time when absent) to the first token handed to
-  the publisher, recorded by whichever worker samples it (the prefill worker, or a decode worker
-  prefilling locally). Router and workers on one host share a clock; across hosts it includes
-  their clock offset. A client sees this plus two bus hops (client to router, worker to client).
+- ``tandem:time_to_first_token_seconds``: from the router's accept time (``arrival_time`` of the
+  request's spec, which prefill and decode requests carry; the worker's own arrival time when 0)
+  to the first token handed to the publisher, recorded by whichever worker samples it (the prefill
+  worker, or a decode worker prefilling locally). Router and workers on one host share a clock;
+  across hosts it includes their clock offset. A client sees this plus two bus hops (client to
+  router, worker to client).
 - ``tandem:inter_token_latency_seconds``: between consecutive outputs of a request; the decode
   worker's first one is measured from the prefill worker's first token (``first_token_time``), so
   it includes the KV hand-off, as the client sees it.
@@ -38,7 +39,7 @@ from tandem.shared.infra.metrics import MetricsRegistry
 
 if TYPE_CHECKING:
     from tandem.services.common.worker import Stream
-    from tandem.shared.engine import RequestOutput
+    from tandem.shared.engine.sequence import RequestOutput
 
 # vLLM's buckets, with finer ones below 10 ms for small models on CPU.
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

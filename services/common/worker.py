@@ -8,8 +8,10 @@ streams each step's tokens to the requesting client, one message per request per
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -17,21 +19,22 @@ import torch
 from tandem.services.common.block_snapshot import publish_transfer, register_blocks_endpoint
 from tandem.services.common.drain import Drainer
 from tandem.services.common.engine_thread import EngineThread
-from tandem.services.common.kvstore_client import KVStoreClient
 from tandem.services.common.kv_event_publisher import KVEventPublisher
-from tandem.services.common.runtime import ServiceRuntime
+from tandem.services.common.kvstore_client import KVStoreClient
 from tandem.services.common.reload import subscribe_weight_updates
+from tandem.services.common.runtime import ServiceRuntime
 from tandem.services.common.service_metrics import WorkerMetrics
-from tandem.shared.protocol import subjects
+from tandem.shared.engine.engine import EngineConfig, LLMEngine
+from tandem.shared.engine.sequence import EngineRequest, RequestOutput
 from tandem.shared.infra.config import Settings
-from tandem.shared.engine import EngineConfig, LLMEngine, RequestOutput
 from tandem.shared.infra.devcopy import tensor_bytes, to_host
 from tandem.shared.kvcache.cache import kv_cache_bytes_per_block, kv_namespace
+from tandem.shared.model.loader import LoadedModel, load_model, resolve_dtype
+from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.fleet import Heartbeat
-from tandem.shared.protocol.serving import Cancel, StreamChunk
-from tandem.shared.model import LoadedModel, load_model, resolve_dtype
+from tandem.shared.protocol.serving import Cancel, RequestSpec, StreamChunk
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -44,8 +47,8 @@ MAX_OFFERS_IN_FLIGHT = 2  # KV-store offers a worker has under way at once; more
 ACTIVATION_HEADROOM = 1 << 30  # GPU bytes left free for activations and the allocator's slack
 
 
-def size_kv_pool(settings: Settings, loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> int:
-    """Blocks for the KV pool: as configured, else from a memory budget.
+def size_kv_pool(settings: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> int:
+    """Blocks for the KV pool (``settings`` is the engine section): as configured, else from a memory budget.
 
     On CUDA ``gpu_memory_utilization`` is this worker's share of the device's total memory, weights
     included (as in vLLM), so workers sharing a GPU each take their own share and never race for
@@ -70,6 +73,27 @@ def size_kv_pool(settings: Settings, loaded: LoadedModel, device: torch.device, 
     return budget // per_block
 
 
+def engine_config(settings: Settings, loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> EngineConfig:
+    """The engine section as the engine gets it: every field as configured, with what is resolved at
+    start set explicitly (the KV pool's size, the context capped by the model, device and dtype)."""
+    engine = settings.engine
+    return dataclasses.replace(
+        engine, num_blocks=size_kv_pool(engine, loaded, device, dtype),
+        max_model_len=min(engine.max_model_len, loaded.config.max_position_embeddings),
+        device=str(device), dtype=str(dtype).removeprefix("torch."),
+    )
+
+
+def engine_request(spec: RequestSpec, *, kv: torch.Tensor | None = None, output_token_ids: Sequence[int] = (),
+                   prefill_only: bool = False, export_on_finish: bool = False) -> EngineRequest:
+    """The engine's request for ``spec``, the one place a worker builds it; the keywords are what
+    the hop adds (KV that came along, tokens sampled upstream, what to return at the end)."""
+    return EngineRequest(
+        request_id=spec.request_id, prompt_token_ids=list(spec.prompt_token_ids), params=spec.params, kv=kv,
+        output_token_ids=list(output_token_ids), prefill_only=prefill_only, export_on_finish=export_on_finish,
+    )
+
+
 @dataclass
 class Stream:
     """Where one request's tokens go and how many output tokens it has emitted so far."""
@@ -88,24 +112,15 @@ class Stream:
 class EngineWorker(ServiceRuntime):
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
-        if settings.torch_threads:
-            torch.set_num_threads(settings.torch_threads)
-        self.device = resolve_device(settings.device)
-        self.dtype = resolve_dtype(settings.dtype, self.device)
+        if settings.engine.torch_threads:
+            torch.set_num_threads(settings.engine.torch_threads)
+        self.device = resolve_device(settings.engine.device)
+        self.dtype = resolve_dtype(settings.engine.dtype, self.device)
         self.log.info("loading model %s on %s (%s)", settings.model, self.device, self.dtype)
         self.loaded = load_model(settings.model, device=self.device, dtype=self.dtype, data_dir=settings.data_dir)
         self.model_name = self.loaded.name
-        self.max_model_len = min(settings.max_model_len, self.loaded.config.max_position_embeddings)
-        self.engine_config = EngineConfig(
-            block_size=settings.block_size,
-            num_blocks=size_kv_pool(settings, self.loaded, self.device, self.dtype),
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_prefix_caching=settings.enable_prefix_caching,
-            enforce_eager=settings.enforce_eager,
-            overlap_steps=None if settings.overlap_steps else False,  # None: wherever decode graphs run
-        )
+        self.engine_config = engine_config(settings, self.loaded, self.device, self.dtype)
+        self.max_model_len = self.engine_config.max_model_len
         self.engine = LLMEngine(self.loaded.model, self.loaded.tokenizer, self.engine_config, self.device, self.dtype)
         self.streams: dict[str, Stream] = {}
         self.offers_in_flight = 0
@@ -118,11 +133,11 @@ class EngineWorker(ServiceRuntime):
         self.thread: EngineThread | None = None
         self._outbox: list[tuple[str, bytes]] = []
         cfg = self.loaded.config
-        self.kv_namespace = kv_namespace(self.model_name, self.dtype, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                         settings.block_size)
+        self.kv_namespace = kv_namespace(f"{self.model_name}@{self.loaded.weights_id}", self.dtype, cfg.num_layers,
+                                         cfg.num_kv_heads, cfg.head_dim, settings.engine.block_size)
         self.log.info(
             "model %s ready: %d KV blocks of %d tokens, max_model_len %d",
-            self.model_name, self.engine_config.num_blocks, settings.block_size, self.max_model_len,
+            self.model_name, self.engine_config.num_blocks, settings.engine.block_size, self.max_model_len,
         )
 
     def metadata(self) -> dict[str, str]:
@@ -150,8 +165,9 @@ class EngineWorker(ServiceRuntime):
             service=self.name, instance_id=self.instance_id, host=self.host, pid=os.getpid(),
             model=self.model_name, running=stats["running"], waiting=stats["waiting"],
             free_blocks=stats["free_blocks"], num_blocks=stats["num_blocks"],
-            block_size=self.settings.block_size, max_model_len=self.max_model_len, kv_namespace=self.kv_namespace,
-            prefix_cache_queries=stats.get("prefix_cache_queries", 0), prefix_cache_hits=stats.get("prefix_cache_hits", 0),
+            block_size=self.engine_config.block_size, max_model_len=self.max_model_len, kv_namespace=self.kv_namespace,
+            prefix_cache_queries=stats.get("prefix_cache_queries", 0),
+            prefix_cache_hits=stats.get("prefix_cache_hits", 0),
             draining=self.draining,
         )
 
@@ -200,8 +216,9 @@ class EngineWorker(ServiceRuntime):
     def on_kv_events(self, stored: list[int], removed: list[int]) -> None:
         self.kv_events.add(self.kv_namespace, stored, removed)
 
-    def check_request(self, model: str, prompt_token_ids: list[int]) -> None:
+    def check_request(self, spec: RequestSpec) -> None:
         """Refuse what the engine cannot serve, with the code a client can act on."""
+        model, prompt_token_ids = spec.model, spec.prompt_token_ids
         if model != self.model_name:
             raise ProtocolError(ErrorCode.UNKNOWN_MODEL, f"this worker serves {self.model_name!r}, not {model!r}")
         if not prompt_token_ids:
@@ -210,7 +227,8 @@ class EngineWorker(ServiceRuntime):
             raise ProtocolError(ErrorCode.PROMPT_TOO_LONG,
                                 f"prompt has {len(prompt_token_ids)} tokens; the context holds {self.max_model_len}")
         if max(prompt_token_ids) >= self.loaded.config.vocab_size:
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"token id {max(prompt_token_ids)} is outside the vocabulary")
+            raise ProtocolError(ErrorCode.INVALID_REQUEST,
+                                f"token id {max(prompt_token_ids)} is outside the vocabulary")
 
     async def _on_cancel(self, msg) -> None:
         try:
@@ -234,7 +252,8 @@ class EngineWorker(ServiceRuntime):
                 del self.streams[out.request_id]
             if self.handle_output(out, stream):
                 continue
-            self.send_chunk(stream, out.request_id, out.new_token_ids, out.text_delta, out.finish_reason if out.finished else None)
+            self.send_chunk(stream, out.request_id, out.new_token_ids, out.text_delta,
+                            out.finish_reason if out.finished else None)
             if out.finished:
                 self.log.info("%s finished: %s after %d tokens", out.request_id, out.finish_reason, stream.next_index)
 

@@ -23,31 +23,26 @@ import re
 import threading
 
 import torch
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.micro.request import Request
 
 from tandem.services.common.runtime import run_service
-from tandem.services.common.worker import EngineWorker, Stream
-from tandem.shared.protocol import subjects
+from tandem.services.common.worker import EngineWorker, Stream, engine_request
+from tandem.shared.engine.sequence import RequestOutput
 from tandem.shared.infra.config import Settings
-from tandem.shared.engine import EngineRequest, RequestOutput
-from tandem.shared.engine import SamplingParams as EngineSampling
-from tandem.shared.protocol.frames import KVReceiver
+from tandem.shared.infra.shmring import RingError, ShmRing, SlotDescriptor, host_id
+from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import Ack, ErrorCode, ProtocolError
 from tandem.shared.protocol.codec import decode, encode, error_reply
 from tandem.shared.protocol.fleet import Heartbeat
+from tandem.shared.protocol.frames import KVReceiver
 from tandem.shared.protocol.serving import DecodeRequest, Probe
-from tandem.shared.infra.shmring import RingError, ShmRing, SlotDescriptor, host_id
 
 RING_STALE_S = 120.0  # a READY slot whose admit never came: far beyond any admit timeout
 
 
 RING_AUTO_MAX_BYTES = 4 << 30  # the largest ring a CUDA decode worker sizes for itself (pinned host memory)
-
-
-def engine_sampling(params) -> EngineSampling:
-    """Bus-level sampling parameters as the engine's dataclass."""
-    return EngineSampling(**params.model_dump())
 
 
 class DecodeService(EngineWorker):
@@ -57,28 +52,28 @@ class DecodeService(EngineWorker):
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         cfg = self.loaded.config
-        self.kv_shape = (cfg.num_layers, 2, settings.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_shape = (cfg.num_layers, 2, settings.engine.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.block_bytes = torch.Size(self.kv_shape).numel() * torch.empty((), dtype=self.dtype).element_size()
         # Room for prompts in flight: a quarter of the pool, at least one full-length prompt.
-        blocks_for_one = -(-self.max_model_len // settings.block_size)
+        blocks_for_one = -(-self.max_model_len // settings.engine.block_size)
         budget = max(self.engine_config.num_blocks // 4, blocks_for_one) * self.block_bytes
         self.receiver = KVReceiver(max_bytes_in_flight=budget)
         self.ring: ShmRing | None = None
-        self.ring_copies = threading.Semaphore(settings.kv_ring_copies)
+        self.ring_copies = threading.Semaphore(settings.kv_ring.copies)
         self.transfers = {"ring": 0, "nats": 0}
         self.offers: dict[str, tuple[str, int]] = {}  # request -> (kvstore, leading blocks it holds)
-        if settings.kv_ring_mib:
-            slot = settings.kv_ring_slot_kib * 1024
-            ring_bytes = settings.kv_ring_mib << 20
+        if settings.kv_ring.mib:
+            slot = settings.kv_ring.slot_kib * 1024
+            ring_bytes = settings.kv_ring.mib << 20
             if self.device.type == "cuda":
                 # Room for two full prefill steps of hand-offs: an 8B model's 1k-token prompt is 134 MB,
                 # and a hand-off that finds the ring full waits, then falls back to NATS frames.
-                step_bytes = -(-settings.max_num_batched_tokens // settings.block_size) * self.block_bytes
+                step_bytes = -(-settings.engine.max_num_batched_tokens // settings.engine.block_size) * self.block_bytes
                 ring_bytes = max(ring_bytes, min(RING_AUTO_MAX_BYTES, 2 * step_bytes))
             label = re.sub(r"[^A-Za-z0-9_.]", "_", self.instance_id)[:64]  # ring labels allow fewer characters
             self.ring = ShmRing.create(label, slot_bytes=slot, num_slots=max(1, ring_bytes // slot))
             self.log.info("KV ring %s: %d MiB in %d KiB slots", self.ring.name, ring_bytes >> 20,
-                          settings.kv_ring_slot_kib)
+                          settings.kv_ring.slot_kib)
 
     def heartbeat(self) -> Heartbeat:
         return super().heartbeat().model_copy(update={
@@ -120,38 +115,32 @@ class DecodeService(EngineWorker):
 
     async def admit(self, request: Request) -> None:
         msg: DecodeRequest = decode(request.data, DecodeRequest)
-        self.check_request(msg.model, msg.prompt_token_ids)
+        spec = msg.spec
+        self.check_request(spec)
         # A 1k-token prompt of an 8B model is 134 MB: the ring is read on a thread, or every admit
         # and token stream of this worker waits behind the copy (frames stay on the loop, which
         # owns their reassembly buffers).
         kv = await asyncio.to_thread(self.received_kv, msg) if msg.ring is not None else self.received_kv(msg)
-        engine_request = EngineRequest(
-            request_id=msg.request_id,
-            prompt_token_ids=list(msg.prompt_token_ids),
-            params=engine_sampling(msg.params),
-            kv=kv,
-            output_token_ids=list(msg.output_token_ids),
-            export_on_finish=bool(msg.kvstore),
-        )
-        if msg.request_id in self.streams:
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"request {msg.request_id} is already running here")
-        self.streams[msg.request_id] = Stream(msg.stream_subject, next_index=len(msg.output_token_ids),
-                                              arrival=msg.arrival_time, first_token=msg.first_token_time,
-                                              last_token=msg.first_token_time)
+        work = engine_request(spec, kv=kv, output_token_ids=msg.output_token_ids, export_on_finish=bool(msg.kvstore))
+        if spec.request_id in self.streams:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"request {spec.request_id} is already running here")
+        self.streams[spec.request_id] = Stream(spec.stream_subject, next_index=len(msg.output_token_ids),
+                                               arrival=spec.arrival_time, first_token=msg.first_token_time,
+                                               last_token=msg.first_token_time)
         if msg.kvstore:
-            self.offers[msg.request_id] = (msg.kvstore, msg.kvstore_held_blocks)
+            self.offers[spec.request_id] = (msg.kvstore, msg.kvstore_held_blocks)
         try:
-            await self.thread.add(engine_request)
+            await self.thread.add(work)
         except ValueError as exc:
-            del self.streams[msg.request_id]
-            self.offers.pop(msg.request_id, None)
+            del self.streams[spec.request_id]
+            self.offers.pop(spec.request_id, None)
             raise ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) from None
         received = "through the ring" if msg.ring else "as NATS frames"
         self.log.info(
-            "admit %s: %d prompt tokens, %s", msg.request_id, len(msg.prompt_token_ids),
+            "admit %s: %d prompt tokens, %s", spec.request_id, len(spec.prompt_token_ids),
             f"{kv.shape[0]} KV blocks received {received}" if kv is not None else "prefilling locally",
         )
-        await request.respond(encode(Ack(request_id=msg.request_id)))
+        await request.respond(encode(Ack(request_id=spec.request_id)))
 
     def handle_output(self, out: RequestOutput, stream: Stream) -> bool:
         offer = self.offers.pop(out.request_id, None) if out.finished else None
@@ -197,7 +186,7 @@ class DecodeService(EngineWorker):
     async def probe_loop(self) -> None:
         """Abort sequences whose client stopped listening (closed, crashed, or cancelled silently)."""
         while True:
-            await asyncio.sleep(self.settings.probe_interval_s)
+            await asyncio.sleep(self.settings.bus.probe_interval_s)
             if self.ring is not None:
                 self.ring.reclaim(stale_after_s=RING_STALE_S)
             streams = list(self.streams.items())

@@ -27,20 +27,29 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.micro.request import Request
 
 from tandem.services.common.kv_event_publisher import KVEventPublisher
-from tandem.services.kvstore.store import KVBlockStore
 from tandem.services.common.runtime import ServiceRuntime, run_service
 from tandem.services.common.service_metrics import kvstore_metrics
-from tandem.shared.protocol import subjects
+from tandem.services.kvstore.store import KVBlockStore
 from tandem.shared.infra.config import Settings
-from tandem.shared.protocol.frames import KVReceiver, block_checksums, send_kv
+from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ProtocolError
 from tandem.shared.protocol.codec import decode, encode, error_reply
 from tandem.shared.protocol.fleet import Heartbeat
-from tandem.shared.protocol.kv import KVGetReply, KVGetRequest, KVLookupReply, KVLookupRequest, KVPutReply, KVPutRequest, KVTransfer
+from tandem.shared.protocol.frames import KVReceiver, block_checksums, send_kv
+from tandem.shared.protocol.kv import (
+    KVGetReply,
+    KVGetRequest,
+    KVLookupReply,
+    KVLookupRequest,
+    KVPutReply,
+    KVPutRequest,
+    KVTransfer,
+)
 
 MIB = 1 << 20
 PUT_BYTES_IN_FLIGHT = 512 * MIB  # put transfers being reassembled at once
@@ -54,9 +63,9 @@ class KVStoreService(ServiceRuntime):
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
-        disk_bytes = int(settings.kvstore_disk_mib * MIB)
-        disk_dir = (settings.kvstore_dir or settings.data_dir / "kvstore") if disk_bytes else None
-        self.store = KVBlockStore(int(settings.kvstore_ram_mib * MIB), disk_bytes, disk_dir)
+        disk_bytes = int(settings.kvstore.disk_mib * MIB)
+        disk_dir = (settings.kvstore.dir or settings.data_dir / "kvstore") if disk_bytes else None
+        self.store = KVBlockStore(int(settings.kvstore.ram_mib * MIB), disk_bytes, disk_dir)
         self.receiver = KVReceiver(max_bytes_in_flight=PUT_BYTES_IN_FLIGHT)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstore")
         self.tier_stats: dict = self.store.stats()  # refreshed after every store operation
@@ -128,8 +137,8 @@ class KVStoreService(ServiceRuntime):
         transfer = KVTransfer(transfer_id=f"{self.instance_id}-{uuid.uuid4().hex[:12]}", num_blocks=len(found),
                               block_bytes=block_bytes, checksums=block_checksums(blob, block_bytes))
         try:
-            await send_kv(self.nc, msg.inbox, transfer.transfer_id, blob, window=self.settings.kv_window,
-                          timeout_s=self.settings.request_timeout_s)
+            await send_kv(self.nc, msg.inbox, transfer.transfer_id, blob, window=self.settings.bus.kv_window,
+                          timeout_s=self.settings.bus.request_timeout_s)
         except NoRespondersError:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"nobody listens on inbox {msg.inbox}") from None
         except NatsTimeoutError:

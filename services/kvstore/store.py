@@ -224,7 +224,8 @@ class KVBlockStore:
             for entry in os.scandir(ns_dir):
                 if entry.name.endswith(".tmp"):
                     os.unlink(entry.path)
-                elif entry.name.endswith(".blk") and namespace is not None and namespace_digest(namespace) == ns_dir.name:
+                elif (entry.name.endswith(".blk") and namespace is not None
+                      and namespace_digest(namespace) == ns_dir.name):
                     try:
                         h, st = int(entry.name[:-4], 16), entry.stat()
                     except (ValueError, OSError):

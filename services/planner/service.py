@@ -19,26 +19,28 @@ import time
 
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
+from tandem.services.common.runtime import ServiceRuntime, run_service
 from tandem.services.planner.policy import Decision, Load, Planner, Targets
 from tandem.services.planner.window import LoadWindow
-from tandem.services.common.runtime import ServiceRuntime, run_service
-from tandem.shared.protocol import subjects
 from tandem.shared.infra.config import Settings
+from tandem.shared.infra.streams import ensure_stream
+from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ProtocolError
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.fleet import Heartbeat, MetricsSnapshot, ScaleRequest, ScalingDecision
-from tandem.shared.infra.streams import ensure_stream
 
 STREAM_MAX_MSGS = 10_000
 
 
 def targets_from(settings: Settings) -> Targets:
     return Targets(
-        ttft_s=settings.planner_ttft_target_ms / 1e3, tpot_s=settings.planner_tpot_target_ms / 1e3,
-        kv_usage=settings.planner_kv_usage_target, scale_down_margin=settings.planner_scale_down_margin,
-        cooldown_s=settings.planner_cooldown_s, prefill_tokens_per_s=settings.planner_prefill_tokens_per_s,
-        min_prefill=settings.planner_min_prefill, max_prefill=max(settings.planner_max_prefill, settings.planner_min_prefill),
-        min_decode=settings.planner_min_decode, max_decode=max(settings.planner_max_decode, settings.planner_min_decode),
+        ttft_s=settings.planner.ttft_target_ms / 1e3, tpot_s=settings.planner.tpot_target_ms / 1e3,
+        kv_usage=settings.planner.kv_usage_target, scale_down_margin=settings.planner.scale_down_margin,
+        cooldown_s=settings.planner.cooldown_s, prefill_tokens_per_s=settings.planner.prefill_tokens_per_s,
+        min_prefill=settings.planner.min_prefill,
+        max_prefill=max(settings.planner.max_prefill, settings.planner.min_prefill),
+        min_decode=settings.planner.min_decode,
+        max_decode=max(settings.planner.max_decode, settings.planner.min_decode),
     )
 
 
@@ -56,7 +58,7 @@ class PlannerService(ServiceRuntime):
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
-        self.window = LoadWindow(settings.planner_window_s, stale_s=settings.worker_timeout_s)
+        self.window = LoadWindow(settings.planner.window_s, stale_s=settings.bus.worker_timeout_s)
         self.planner = Planner(targets_from(settings))
         self.js = None
         self.decisions = 0
@@ -97,7 +99,7 @@ class PlannerService(ServiceRuntime):
             pass
 
     async def loop(self) -> None:
-        interval = self.settings.planner_interval_s
+        interval = self.settings.planner.interval_s
         await asyncio.sleep(interval)  # snapshots and heartbeats arrive meanwhile
         while True:
             now = time.monotonic()

@@ -13,8 +13,8 @@ import time
 from collections import deque
 
 from tandem.services.planner.policy import Load
-from tandem.shared.protocol.fleet import Heartbeat, HistogramSnapshot, MetricsSnapshot
 from tandem.shared.infra.metrics import histogram_delta, histogram_merge, histogram_quantile
+from tandem.shared.protocol.fleet import Heartbeat, HistogramSnapshot, MetricsSnapshot
 
 MIN_BUSY_S = 0.05  # less busy time than this in a window measures nothing
 

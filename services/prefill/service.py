@@ -19,24 +19,34 @@ import torch
 from nats.micro.request import Request
 
 from tandem.services.common.block_snapshot import publish_transfer
-from tandem.services.decode.service import engine_sampling
 from tandem.services.common.kvstore_client import KVStoreClient
 from tandem.services.common.runtime import run_service
-from tandem.services.common.worker import EngineWorker, Stream
-from tandem.shared.protocol import subjects
+from tandem.services.common.worker import EngineWorker, Stream, engine_request
+from tandem.shared.engine.sequence import RequestOutput
 from tandem.shared.infra.config import Settings
-from tandem.shared.engine import EngineRequest, RequestOutput
-from tandem.shared.protocol.frames import block_checksums, send_kv
 from tandem.shared.infra.devcopy import tensor_bytes, to_host
-from tandem.shared.protocol.block_hashes import prefix_hashes
+from tandem.shared.infra.shmring import RingError, ShmRing, host_id
+from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import Ack, ErrorCode, ErrorReply, ProtocolError
+from tandem.shared.protocol.block_hashes import prefix_hashes
 from tandem.shared.protocol.codec import decode, encode, error_reply
 from tandem.shared.protocol.fleet import Heartbeat
+from tandem.shared.protocol.frames import block_checksums, send_kv
 from tandem.shared.protocol.kv import KVTransfer, RingSlots
 from tandem.shared.protocol.serving import DecodeRequest, PrefillRequest
-from tandem.shared.infra.shmring import RingError, ShmRing, host_id
 
 PREFILLED = "prefilled"  # the engine's finish reason for a prefill-only sequence it handed back
+
+
+def handoff_request(msg: PrefillRequest, output_token_ids: list[int], kv_namespace: str, block_size: int,
+                    first_token_time: float) -> DecodeRequest:
+    """What admits ``msg``'s sequence at its decode worker once prefilled here: the same spec,
+    the tokens sampled here, and the hop's own fields (the KV's transfer or ring slots go in later)."""
+    return DecodeRequest(
+        spec=msg.spec, output_token_ids=list(output_token_ids), kv_namespace=kv_namespace, kvstore=msg.kvstore,
+        # The full prompt blocks go to the store from here; decode offers the blocks after them.
+        kvstore_held_blocks=len(msg.spec.prompt_token_ids) // block_size, first_token_time=first_token_time,
+    )
 
 
 class PrefillService(EngineWorker):
@@ -56,49 +66,50 @@ class PrefillService(EngineWorker):
 
     async def on_prefill(self, request: Request) -> None:
         msg: PrefillRequest = decode(request.data, PrefillRequest)
-        self.check_request(msg.model, msg.prompt_token_ids)
-        if msg.request_id in self.streams:
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"request {msg.request_id} is already running here")
-        self.streams[msg.request_id] = Stream(msg.stream_subject, arrival=msg.arrival_time)
-        self.pending[msg.request_id] = msg
+        spec = msg.spec
+        self.check_request(spec)
+        if spec.request_id in self.streams:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"request {spec.request_id} is already running here")
+        self.streams[spec.request_id] = Stream(spec.stream_subject, arrival=spec.arrival_time)
+        self.pending[spec.request_id] = msg
         # Admission waits for the engine thread (up to a step) and maybe a store round trip: from a
         # task, or every request behind this one in the subscription waits too.
-        self.spawn(self.admit(msg, request), f"admit {msg.request_id}")
+        self.spawn(self.admit(msg, request), f"admit {spec.request_id}")
 
     async def admit(self, msg: PrefillRequest, request: Request) -> None:
+        spec = msg.spec
         prefix = await self.fetch_prefix(msg) if msg.kvstore and msg.kvstore_fetch_blocks else None
         try:
-            await self.thread.add(EngineRequest(
-                request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids),
-                params=engine_sampling(msg.params), prefill_only=True, kv=prefix,
-            ))
+            await self.thread.add(engine_request(spec, kv=prefix, prefill_only=True))
         except Exception as exc:  # refused by the engine (ValueError) or failed: the router hears why
-            self.streams.pop(msg.request_id, None)
-            self.pending.pop(msg.request_id, None)
+            self.streams.pop(spec.request_id, None)
+            self.pending.pop(spec.request_id, None)
             error = ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) if isinstance(exc, ValueError) else exc
-            await request.respond(encode(error_reply(error, msg.request_id)))
+            await request.respond(encode(error_reply(error, spec.request_id)))
             return
-        self.log.info("prefill %s: %d tokens (%d from kvstore) for decode %s", msg.request_id,
-                      len(msg.prompt_token_ids), 0 if prefix is None else prefix.shape[0] * self.settings.block_size,
+        self.log.info("prefill %s: %d tokens (%d from kvstore) for decode %s", spec.request_id,
+                      len(spec.prompt_token_ids),
+                      0 if prefix is None else prefix.shape[0] * self.settings.engine.block_size,
                       msg.decode_worker)
-        await request.respond(encode(Ack(request_id=msg.request_id)))
+        await request.respond(encode(Ack(request_id=spec.request_id)))
 
     async def fetch_prefix(self, msg: PrefillRequest) -> torch.Tensor | None:
         """The prompt's leading blocks from the KV-store, or None (a miss or a failure: compute them)."""
-        bs = self.settings.block_size
-        want = min(msg.kvstore_fetch_blocks, (len(msg.prompt_token_ids) - 1) // bs)  # the last token is computed
+        bs, spec = self.settings.engine.block_size, msg.spec
+        want = min(msg.kvstore_fetch_blocks, (len(spec.prompt_token_ids) - 1) // bs)  # the last token is computed
         if want <= 0:
             return None
-        hashes = prefix_hashes(msg.prompt_token_ids, bs)[:want]
+        hashes = prefix_hashes(spec.prompt_token_ids, bs)[:want]
         start = time.time()
         try:
             found, blob, block_bytes = await KVStoreClient(self.nc, msg.kvstore).get(self.kv_namespace, hashes,
                                                                                    prefix_only=True)
         except Exception as exc:
-            self.log.warning("kvstore %s fetch for %s failed (%s); computing the prefix", msg.kvstore, msg.request_id, exc)
+            self.log.warning("kvstore %s fetch for %s failed (%s); computing the prefix", msg.kvstore, spec.request_id,
+                             exc)
             return None
         if found:
-            await publish_transfer(self.nc, msg.request_id, msg.kvstore, self.instance_id, "store", len(found),
+            await publish_transfer(self.nc, spec.request_id, msg.kvstore, self.instance_id, "store", len(found),
                                    len(blob), start, time.time())
         layout = self.engine.runner.kv_cache.shape[1:]
         if not found or block_bytes != layout.numel() * self.dtype.itemsize:
@@ -111,7 +122,7 @@ class PrefillService(EngineWorker):
             return False
         # The first token goes to the client now; the hand-off happens in the background.
         self.send_chunk(stream, out.request_id, out.new_token_ids, out.text_delta, None)
-        self.handoffs[msg.request_id] = msg.decode_worker  # a drain waits for it
+        self.handoffs[out.request_id] = msg.decode_worker  # a drain waits for it
         self.spawn(self.tracked_hand_off(msg, out, stream), f"hand-off of {out.request_id}")
         return True
 
@@ -119,7 +130,7 @@ class PrefillService(EngineWorker):
         try:
             await self.hand_off(msg, out, stream)
         finally:
-            self.handoffs.pop(msg.request_id, None)
+            self.handoffs.pop(msg.spec.request_id, None)
 
     def busy(self) -> bool:
         return super().busy() or bool(self.handoffs)
@@ -132,46 +143,42 @@ class PrefillService(EngineWorker):
         """Move the prompt's KV to the decode worker (its ring on this host, else NATS frames),
         then admit the sequence there."""
         start = time.time()
+        request_id, prompt = msg.spec.request_id, msg.spec.prompt_token_ids
         kv: torch.Tensor = out.kv.contiguous()
-        admit = DecodeRequest(
-            request_id=msg.request_id, prompt_token_ids=msg.prompt_token_ids,
-            output_token_ids=list(out.new_token_ids), params=msg.params,
-            stream_subject=msg.stream_subject, model=msg.model, kv_namespace=self.kv_namespace,
-            # The full prompt blocks go to the store from here; decode offers the blocks after them.
-            kvstore=msg.kvstore, kvstore_held_blocks=len(msg.prompt_token_ids) // self.settings.block_size,
-            arrival_time=stream.arrival, first_token_time=stream.first_token,
-        )
-        timeout = self.settings.request_timeout_s
+        admit = handoff_request(msg, out.new_token_ids, self.kv_namespace, self.settings.engine.block_size,
+                                stream.first_token)
+        timeout = self.settings.bus.request_timeout_s
         try:
             slots = await self.write_to_ring(msg, kv)
             if slots is not None:
                 admit = admit.model_copy(update={"ring": slots})
             else:
                 admit = admit.model_copy(update={"transfer": await self.send_frames(msg, kv, timeout)})
-            reply = decode((await self.nc.request(subjects.decode_admit(msg.decode_worker), encode(admit), timeout=timeout)).data)
+            reply = decode((await self.nc.request(subjects.decode_admit(msg.decode_worker), encode(admit),
+                                                  timeout=timeout)).data)
         except Exception as exc:
-            self.log.warning("hand-off of %s to %s failed: %s", msg.request_id, msg.decode_worker, exc)
-            self.fail(msg.request_id, stream, exc)
+            self.log.warning("hand-off of %s to %s failed: %s", request_id, msg.decode_worker, exc)
+            self.fail(request_id, stream, exc)
             return
         if isinstance(reply, ErrorReply):
-            self.log.warning("decode %s refused %s: %s", msg.decode_worker, msg.request_id, reply.message)
-            self.send_chunk(stream, msg.request_id, [], "", "error", reply)
+            self.log.warning("decode %s refused %s: %s", msg.decode_worker, request_id, reply.message)
+            self.send_chunk(stream, request_id, [], "", "error", reply)
             return
-        self.log.info("handed %s to decode %s: %d blocks, %d bytes, %s", msg.request_id, msg.decode_worker,
+        self.log.info("handed %s to decode %s: %d blocks, %d bytes, %s", request_id, msg.decode_worker,
                       kv.shape[0], kv.numel() * kv.element_size(), "shared memory" if admit.ring else "NATS frames")
-        await publish_transfer(self.nc, msg.request_id, self.instance_id, msg.decode_worker,
+        await publish_transfer(self.nc, request_id, self.instance_id, msg.decode_worker,
                                "ring" if admit.ring else "nats", kv.shape[0], kv.numel() * kv.element_size(),
                                start, time.time())
         if msg.kvstore:  # the prompt's full blocks the store does not hold yet
-            held, full = msg.kvstore_held_blocks, len(msg.prompt_token_ids) // self.settings.block_size
-            hashes = prefix_hashes(msg.prompt_token_ids, self.settings.block_size)
-            await self.offer_blocks(msg.kvstore, msg.request_id, hashes[held:full], kv[held:full])
+            held, full = msg.kvstore_held_blocks, len(prompt) // self.settings.engine.block_size
+            hashes = prefix_hashes(prompt, self.settings.engine.block_size)
+            await self.offer_blocks(msg.kvstore, request_id, hashes[held:full], kv[held:full])
 
     async def write_to_ring(self, msg: PrefillRequest, kv: torch.Tensor) -> RingSlots | None:
         """The KV written into the decode worker's ring, or None: another host, fast path off
         (``--kv-ring-mib 0``), ring gone, too small, or still full after ``kv_ring_wait_s``. None
         means NATS frames, two orders of magnitude slower on one host, hence the wait for room."""
-        if not (self.settings.kv_ring_mib and msg.decode_ring and msg.decode_host == host_id()):
+        if not (self.settings.kv_ring.mib and msg.decode_ring and msg.decode_host == host_id()):
             return None
         ring = self.rings.get(msg.decode_ring)
         if ring is None:
@@ -184,8 +191,8 @@ class PrefillService(EngineWorker):
         if data.numel() > ring.capacity:
             return None
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.kv_ring_wait_s
-        copies = self.ring_copies.setdefault(msg.decode_ring, asyncio.Semaphore(self.settings.kv_ring_copies))
+        deadline = loop.time() + self.settings.kv_ring.wait_s
+        copies = self.ring_copies.setdefault(msg.decode_ring, asyncio.Semaphore(self.settings.kv_ring.copies))
         while True:
             async with copies:  # at most kv_ring_copies into one ring at once
                 # From GPU memory straight into pinned slots, on a thread: the loop keeps serving.
@@ -194,7 +201,7 @@ class PrefillService(EngineWorker):
                 return RingSlots(**desc.to_wire())
             if loop.time() >= deadline:
                 self.log.warning("KV ring %s still full after %.1f s; %s goes as NATS frames", msg.decode_ring,
-                                 self.settings.kv_ring_wait_s, msg.request_id)
+                                 self.settings.kv_ring.wait_s, msg.spec.request_id)
                 return None
             await asyncio.sleep(0.002)
 
@@ -207,7 +214,7 @@ class PrefillService(EngineWorker):
         transfer = KVTransfer(transfer_id=uuid.uuid4().hex, num_blocks=kv.shape[0],
                               block_bytes=len(blob) // kv.shape[0], checksums=checksums)
         await send_kv(self.nc, subjects.decode_kv(msg.decode_worker), transfer.transfer_id, blob,
-                      window=self.settings.kv_window, timeout_s=timeout)
+                      window=self.settings.bus.kv_window, timeout_s=timeout)
         return transfer
 
     async def teardown(self) -> None:

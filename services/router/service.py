@@ -21,24 +21,43 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.micro.request import Request
 
-from tandem.services.router.kv_index import KVIndex
-from tandem.services.router.policy import Candidate, prefill_locally, rank
 from tandem.services.common.runtime import ServiceRuntime, run_service
 from tandem.services.common.service_metrics import RouterMetrics
-from tandem.shared.protocol import subjects
+from tandem.services.router.kv_index import KVIndex
+from tandem.services.router.policy import Candidate, prefill_locally, rank
 from tandem.shared.infra.config import Settings
-from tandem.shared.protocol.block_hashes import prefix_hashes
 from tandem.shared.infra.kvevents import ensure_kv_events_stream
+from tandem.shared.model.meta import load_model_meta
+from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import Ack, ErrorCode, ErrorReply, ProtocolError
+from tandem.shared.protocol.block_hashes import prefix_hashes
 from tandem.shared.protocol.codec import decode, encode, error_reply
 from tandem.shared.protocol.fleet import Heartbeat, RouteCandidate, RoutingDecision
 from tandem.shared.protocol.kv import KVEvent
-from tandem.shared.protocol.serving import DecodeRequest, GenerateAccepted, GenerateRequest, PrefillRequest
-from tandem.shared.model import load_model_meta
+from tandem.shared.protocol.serving import DecodeRequest, GenerateAccepted, GenerateRequest, PrefillRequest, RequestSpec
 
+
+def request_spec(msg: GenerateRequest, prompt_token_ids: list[int], model: str, accepted_at: float) -> RequestSpec:
+    """The request as prefill and decode workers see it: ``msg`` with its prompt tokenized, its model
+    resolved and its arrival stamped. Built once per request; the workers carry it on unchanged."""
+    return RequestSpec(request_id=msg.request_id, prompt_token_ids=prompt_token_ids, params=msg.params,
+                       stream_subject=msg.stream_subject, model=model, arrival_time=accepted_at)
+
+
+def prefill_request(spec: RequestSpec, dec: Heartbeat, store: str, fetch: int, held: int) -> PrefillRequest:
+    """Prefill ``spec`` and hand it to the decode worker ``dec`` (through its ring when on its host);
+    ``store``: a KV-store holding ``held`` leading blocks, ``fetch`` of them worth fetching."""
+    return PrefillRequest(spec=spec, decode_worker=dec.instance_id, decode_ring=dec.kv_ring, decode_host=dec.host_id,
+                          kvstore=store, kvstore_fetch_blocks=fetch, kvstore_held_blocks=held)
+
+
+def decode_request(spec: RequestSpec, store: str, held: int) -> DecodeRequest:
+    """Prefill and decode ``spec`` on the decode worker itself, offering its blocks past ``held`` to ``store``."""
+    return DecodeRequest(spec=spec, kvstore=store, kvstore_held_blocks=held)
 
 
 @dataclass
@@ -84,7 +103,6 @@ class Router(ServiceRuntime):
         self.workers: dict[str, dict[str, Worker]] = {"prefill": {}, "decode": {}, "kvstore": {}}
         self.index = KVIndex()
         self._stream_seq = 0
-        self.accepted_at: dict[str, float] = {}  # request -> unix time it arrived (latency metrics start there)
         self.serving = RouterMetrics(self.prom, lambda: {(s,): len(p) for s, p in self.workers.items()})
 
     def metadata(self) -> dict[str, str]:
@@ -133,15 +151,16 @@ class Router(ServiceRuntime):
         now = time.monotonic()
         worker = pool.get(beat.instance_id)
         if worker is None:
-            self.log.info("%s worker %s joined (host %s, model %s)", beat.service, beat.instance_id, beat.host, beat.model)
+            self.log.info("%s worker %s joined (host %s, model %s)", beat.service, beat.instance_id, beat.host,
+                          beat.model)
             pool[beat.instance_id] = Worker(beat, now)
         else:
             worker.beat, worker.seen = beat, now
-            worker.assigned = [t for t in worker.assigned if t > now - self.settings.heartbeat_interval_s]
+            worker.assigned = [t for t in worker.assigned if t > now - self.settings.bus.heartbeat_interval_s]
 
     def sweep(self) -> None:
         """Drop workers and stores silent for ``worker_timeout_s``, and what the index says they hold."""
-        deadline = time.monotonic() - self.settings.worker_timeout_s
+        deadline = time.monotonic() - self.settings.bus.worker_timeout_s
         for service, pool in self.workers.items():
             for instance_id in [i for i, w in pool.items() if w.seen < deadline]:
                 self.log.info("%s %s left (no heartbeat)", service, instance_id)
@@ -166,21 +185,19 @@ class Router(ServiceRuntime):
         try:
             msg: GenerateRequest = decode(request.data, GenerateRequest)
             request_id = msg.request_id
-            self.accepted_at[request_id] = accepted_at
-            reply = await self.place_valid(msg)
+            reply = await self.place_valid(msg, accepted_at)
             self.serving.placed(len(reply.prompt_token_ids), msg.params.max_tokens, accepted_at)
         except Exception as exc:
             reply = error_reply(exc, request_id)
             self.serving.rejected.labels(reply.code.value).inc()
             self.log.info("rejected %s: %s %s", request_id, reply.code.value, reply.message)
-        finally:
-            self.accepted_at.pop(request_id, None)
         await request.respond(encode(reply))
 
     def tokenize(self, msg: GenerateRequest) -> list[int]:
         model = msg.model or self.meta.name
         if model != self.meta.name:
-            raise ProtocolError(ErrorCode.UNKNOWN_MODEL, f"unknown model {model!r}; this router serves {self.meta.name!r}")
+            raise ProtocolError(ErrorCode.UNKNOWN_MODEL,
+                                f"unknown model {model!r}; this router serves {self.meta.name!r}")
         if (msg.prompt is None) == (msg.prompt_token_ids is None):
             raise ProtocolError(ErrorCode.INVALID_REQUEST, "give exactly one of prompt and prompt_token_ids")
         ids = self.meta.tokenizer.encode(msg.prompt) if msg.prompt is not None else list(msg.prompt_token_ids)
@@ -203,10 +220,11 @@ class Router(ServiceRuntime):
                 overlaps[ns] = self.index.prefix_overlap(ns, hashes) if ns else {}
             rows.append((w.beat.instance_id, overlaps[ns].get(w.beat.instance_id, 0), w.load(), w.beat.free_blocks))
         by_id = {w.beat.instance_id: w for w in workers}
-        return [(by_id[c.instance_id], c) for c in rank(len(hashes), rows, self.settings.router_load_weight)]
+        return [(by_id[c.instance_id], c) for c in rank(len(hashes), rows, self.settings.router.load_weight)]
 
-    async def place_valid(self, msg: GenerateRequest) -> GenerateAccepted:
+    async def place_valid(self, msg: GenerateRequest, accepted_at: float) -> GenerateAccepted:
         ids = self.tokenize(msg)
+        spec = request_spec(msg, ids, self.meta.name, accepted_at)
         prompt = PromptBlocks(ids)
         ranked_decode = self.ranked(self.alive("decode", self.meta.name), prompt)
         if not ranked_decode:
@@ -220,8 +238,8 @@ class Router(ServiceRuntime):
             # Counted before the round trips, so requests placed meanwhile already see this load.
             stamp = decode_worker.reserve()
             try:
-                prefill_worker, reason = await self.place_prefill(msg, prompt, decode_worker, choice)
-                placed = prefill_worker is not None or await self.forward_decode(msg, prompt, decode_worker)
+                prefill_worker, reason = await self.place_prefill(spec, prompt, decode_worker, choice)
+                placed = prefill_worker is not None or await self.forward_decode(spec, prompt, decode_worker)
             except BaseException:
                 decode_worker.release(stamp)
                 raise
@@ -236,17 +254,17 @@ class Router(ServiceRuntime):
             prefill_worker=prefill_worker.beat.instance_id if prefill_worker else None,
         )
 
-    async def place_prefill(self, msg: GenerateRequest, prompt: PromptBlocks, dec: Worker,
+    async def place_prefill(self, spec: RequestSpec, prompt: PromptBlocks, dec: Worker,
                             choice: Candidate) -> tuple[Worker | None, str]:
         """A prefill worker that took the request, or None (the decode worker prefills), and why."""
         ids = prompt.ids
         cached_tokens = min(len(ids), choice.cached_blocks * dec.beat.block_size)
-        if prefill_locally(len(ids), cached_tokens, self.settings.local_prefill_max_tokens):
+        if prefill_locally(len(ids), cached_tokens, self.settings.router.local_prefill_max_tokens):
             return None, f"{len(ids) - cached_tokens} uncached tokens: decode prefills locally"
         for prefill_worker, pchoice in self.ranked(self.alive("prefill", self.meta.name), prompt):
             store, held = self.best_store(prefill_worker, prompt)
             fetch = held if held > pchoice.cached_blocks else 0
-            if await self.forward_prefill(msg, ids, prefill_worker, dec, store, fetch, held):
+            if await self.forward_prefill(spec, prefill_worker, dec, store, fetch, held):
                 where = f", {fetch} from kvstore {store}" if fetch else ""
                 return prefill_worker, f"prefill remote: {pchoice.cached_blocks} blocks cached there{where}"
         return None, "no prefill worker answered: decode prefills locally"
@@ -274,13 +292,9 @@ class Router(ServiceRuntime):
         self.log.info("placed %s: %d prompt tokens, decode %s, prefill %s (%s)", msg.request_id, len(ids),
                       dec.beat.instance_id, prefill.beat.instance_id if prefill else "local", reason)
 
-    async def forward_prefill(self, msg: GenerateRequest, ids: list[int], prefill: Worker, dec: Worker,
-                              store: str, fetch: int, held: int) -> bool:
-        work = PrefillRequest(request_id=msg.request_id, prompt_token_ids=ids, params=msg.params,
-                              stream_subject=msg.stream_subject, decode_worker=dec.beat.instance_id, model=self.meta.name,
-                              decode_ring=dec.beat.kv_ring, decode_host=dec.beat.host_id, kvstore=store,
-                              kvstore_fetch_blocks=fetch, kvstore_held_blocks=held,
-                              arrival_time=self.accepted_at.get(msg.request_id, 0.0))
+    async def forward_prefill(self, spec: RequestSpec, prefill: Worker, dec: Worker, store: str, fetch: int,
+                              held: int) -> bool:
+        work = prefill_request(spec, dec.beat, store, fetch, held)
         stamp = prefill.reserve()
         try:
             if await self.forward(subjects.prefill(prefill.beat.instance_id), work, prefill):
@@ -291,21 +305,19 @@ class Router(ServiceRuntime):
         prefill.release(stamp)
         return False
 
-    async def forward_decode(self, msg: GenerateRequest, prompt: PromptBlocks, dec: Worker) -> bool:
+    async def forward_decode(self, spec: RequestSpec, prompt: PromptBlocks, dec: Worker) -> bool:
         store, held = self.best_store(dec, prompt)
-        work = DecodeRequest(request_id=msg.request_id, prompt_token_ids=prompt.ids, params=msg.params,
-                             stream_subject=msg.stream_subject, model=self.meta.name, kvstore=store,
-                             kvstore_held_blocks=held, arrival_time=self.accepted_at.get(msg.request_id, 0.0))
+        work = decode_request(spec, store, held)
         return await self.forward(subjects.decode_admit(dec.beat.instance_id), work, dec)
 
     async def forward(self, subject: str, work, worker: Worker) -> bool:
         """True when the worker took the work; False when it is gone (forgotten, try another);
         raises the worker's typed error when it refused the request itself."""
         try:
-            timeout = self.settings.forward_timeout_s
+            timeout = self.settings.bus.forward_timeout_s
             reply = decode((await self.nc.request(subject, encode(work), timeout=timeout)).data)
         except NatsTimeoutError:
-            if time.monotonic() - worker.seen < self.settings.worker_timeout_s:
+            if time.monotonic() - worker.seen < self.settings.bus.worker_timeout_s:
                 # Alive (its heartbeats arrive) but slow: it may still take this request, so placing
                 # it elsewhere could run it twice. The request fails; the worker stays.
                 self.log.warning("%s worker %s is alive but did not answer within %.1f s", worker.beat.service,

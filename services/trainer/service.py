@@ -23,12 +23,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.services.common.runtime import ServiceRuntime, run_service
-from tandem.shared.protocol import subjects
 from tandem.shared.infra.config import Settings
+from tandem.shared.model.config import ModelLoadError
+from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ProtocolError
 from tandem.shared.protocol.codec import decode, encode
-from tandem.shared.protocol.training import TimelineOp, TrainJob, TrainJobStatus, TrainStart, TrainStatusReply, TrainStatusRequest, TrainStop, TrainTimeline, WeightsUpdated
-from tandem.shared.model.config import ModelLoadError
+from tandem.shared.protocol.training import (
+    TimelineOp,
+    TrainJob,
+    TrainJobStatus,
+    TrainStart,
+    TrainStatusReply,
+    TrainStatusRequest,
+    TrainStop,
+    TrainTimeline,
+    WeightsUpdated,
+)
 
 NOT_MINE_DELAY_S = 0.5
 TIMELINE_EVERY_S = 1.0
@@ -69,10 +79,10 @@ class TrainerService(ServiceRuntime):
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
-        if settings.torch_threads:
+        if settings.engine.torch_threads:
             import torch
 
-            torch.set_num_threads(settings.torch_threads)
+            torch.set_num_threads(settings.engine.torch_threads)
         self.jobs: dict[str, JobRecord] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._work, name="trainer", daemon=True)
@@ -136,7 +146,8 @@ class TrainerService(ServiceRuntime):
         await asyncio.sleep(NOT_MINE_DELAY_S)
         from tandem.shared.protocol.codec import error_reply
 
-        await request.respond(encode(error_reply(ProtocolError(ErrorCode.INVALID_REQUEST, f"no trainer has job {job_id!r}"))))
+        await request.respond(encode(error_reply(ProtocolError(ErrorCode.INVALID_REQUEST,
+                                                               f"no trainer has job {job_id!r}"))))
 
     # -- the worker thread ---------------------------------------------------------------------------
     def _publish(self, subject: str, payload: bytes) -> None:

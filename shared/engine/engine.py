@@ -20,7 +20,6 @@ Imported blocks are hashed right after they are scattered in, so they are cachea
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
 
@@ -28,34 +27,23 @@ from tandem.shared.engine.detokenizer import IncrementalDetokenizer, can_defer_t
 from tandem.shared.engine.model_runner import ModelRunner
 from tandem.shared.engine.overlap import InFlightStep, is_pure_decode, plan_ahead
 from tandem.shared.engine.scheduler import ScheduledBatch, Scheduler
-from tandem.shared.engine.sequence import EngineRequest, RequestOutput, Sequence, SequenceStatus
+from tandem.shared.engine.sequence import EngineRequest, RequestOutput, Sequence, SequenceStatus, checked_params
+from tandem.shared.infra.config import EngineSettings
 from tandem.shared.kvcache.block_manager import BlockManager
 from tandem.shared.protocol.block_hashes import prefix_hashes
 from tandem.shared.text.tokenizer import Tokenizer
 
-
-@dataclass
-class EngineConfig:
-    block_size: int = 16
-    num_blocks: int = 1024
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # query tokens per step (decodes + prefill chunks)
-    max_model_len: int = 4096  # prompt + output tokens; also capped by the model's RoPE table
-    enable_prefix_caching: bool = True  # off: no lookups, no cached blocks, no KV events
-    enforce_eager: bool = False  # CUDA: no decode graphs (every step launches its kernels from Python)
-    # Detokenize a step's tokens while the device runs the next step (outputs come one step later).
-    # None: on for CUDA, where the forward runs asynchronously to the host; off on CPU.
-    async_output: bool | None = None
-    # Queue the next decode step before the host has this one's tokens (see ``overlap.py``).
-    # None: on with CUDA graphs, off otherwise (where the host is the device, nothing overlaps).
-    overlap_steps: bool | None = None
-
-    def validate(self) -> None:
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_model_len < 2:
-            raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
+# The engine's config is the settings' engine section: one class, so a knob added there (with its
+# flag and TANDEM_ variable) reaches the engine without another edit. Fields the engine reads:
+# block_size, num_blocks (>= 1 here: 0, "size from memory", is the worker's to resolve),
+# max_num_seqs, max_num_batched_tokens (query tokens per step: decodes + prefill chunks),
+# max_model_len (also capped by the model's RoPE table), enable_prefix_caching (off: no lookups, no
+# cached blocks, no KV events), enforce_eager (CUDA: no decode graphs), async_output (detokenize a
+# step's tokens while the device runs the next step; None: on for CUDA, where the forward runs
+# asynchronously to the host) and overlap_steps (queue the next decode step before the host has this
+# one's tokens, see ``overlap.py``; None: on with CUDA graphs, off otherwise). device, dtype and the
+# memory budgets are the worker's: ``LLMEngine`` takes the resolved device and dtype as arguments.
+EngineConfig = EngineSettings
 
 
 class LLMEngine:
@@ -69,7 +57,9 @@ class LLMEngine:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
     ) -> None:
-        config.validate()
+        if config.num_blocks < 1:
+            raise ValueError(f"EngineConfig.num_blocks must be >= 1, got {config.num_blocks} "
+                             "(0 means sized from memory: the worker resolves it before building the engine)")
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size: int = model.config.vocab_size
@@ -87,7 +77,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, device, dtype,
                                   cuda_graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
                                   max_model_len=self.max_model_len)
-        self.async_output = config.async_output if config.async_output is not None else self.runner.device.type == "cuda"
+        self.async_output = (config.async_output if config.async_output is not None
+                             else self.runner.device.type == "cuda")
         self.overlap_steps = (config.overlap_steps if config.overlap_steps is not None
                               else self.runner.graphs is not None)
         self._in_flight: InFlightStep | None = None
@@ -103,7 +94,7 @@ class LLMEngine:
         prompt, outputs, params = list(request.prompt_token_ids), list(request.output_token_ids), request.params
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        params.validate()
+        params = checked_params(params)
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
         if len(prompt) > self.max_model_len - 1:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from tandem.shared.engine.cuda_graphs import DecodeGraphs
-from tandem.shared.infra.devcopy import host_values_to
 from tandem.shared.engine.sampling import sample
 from tandem.shared.engine.scheduler import ScheduledBatch
+from tandem.shared.infra.devcopy import host_values_to
 from tandem.shared.kvcache.attention import AttentionMetadata, build_attention_metadata
 from tandem.shared.kvcache.cache import allocate_kv_cache, gather_blocks, scatter_blocks
 

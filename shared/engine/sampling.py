@@ -1,6 +1,7 @@
 """Batched token sampling from float32 logits ``[B, V]``, on the logits' device.
 
-Greedy rows (temperature 0) take the argmax. Other rows are scaled by their temperature, masked to
+Greedy rows (temperature 0, or below ``GREEDY_TEMPERATURE``, where dividing by it would overflow
+the logits) take the argmax. Other rows are scaled by their temperature, masked to
 their top-k tokens and then to the smallest set whose probability mass reaches top-p (the most
 likely token is always kept), and sampled with the exponential-race trick: ``argmax(p / E)`` with
 ``E ~ Exp(1)`` i.i.d. draws index i with probability p_i.
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from tandem.shared.infra.devcopy import host_values_to
-from tandem.shared.engine.sequence import SamplingParams
+from tandem.shared.protocol.serving import GREEDY_TEMPERATURE, SamplingParams
 
 _MASK64 = (1 << 64) - 1
 
@@ -43,10 +44,12 @@ def _top_k_top_p_mask(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.
     k = torch.where(top_ks > 0, top_ks.clamp(max=vocab), vocab)
     sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
-    # Mass strictly before each token; the first token has 0 < top_p so it always survives.
-    # Rows with top_p = 1 skip the mask: rounding could push the cumsum past 1.0 in the tail.
+    # Mass strictly before each token; the most likely token always survives (even a top_p that
+    # rounds to 0 in float32). Rows with top_p = 1 skip the mask: rounding could push the cumsum
+    # past 1.0 in the tail.
     mass_before = probs.cumsum(dim=-1) - probs
     drop = (mass_before >= top_ps[:, None]) & (top_ps < 1.0)[:, None]
+    drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
@@ -64,10 +67,11 @@ def sample(
     """
     device = logits.device
     greedy_ids = logits.argmax(dim=-1)
-    if all(p.temperature == 0.0 for p in params):
+    if all(p.temperature < GREEDY_TEMPERATURE for p in params):
         return greedy_ids
 
-    temps = host_values_to(device, [p.temperature for p in params], torch.float32)
+    temps = host_values_to(device, [p.temperature if p.temperature >= GREEDY_TEMPERATURE else 0.0 for p in params],
+                           torch.float32)
     greedy = temps == 0.0
     scaled = logits / torch.where(greedy, 1.0, temps)[:, None]
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
@@ -78,7 +82,7 @@ def sample(
 
     noise = torch.empty_like(probs).exponential_(generator=generator)
     for row, (p, index) in enumerate(zip(params, output_indices)):
-        if p.seed is not None and p.temperature > 0.0:
+        if p.seed is not None and p.temperature >= GREEDY_TEMPERATURE:
             row_gen = torch.Generator(device=device)
             row_gen.manual_seed(mix_seed(p.seed, index))
             noise[row] = torch.empty_like(probs[row]).exponential_(generator=row_gen)

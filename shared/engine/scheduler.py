@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch

@@ -1,5 +1,6 @@
-"""Request and sequence records of the engine: sampling parameters, the per-request state the
-scheduler moves between its queues, and the request/output messages the services exchange.
+"""Request and sequence records of the engine: the per-request state the scheduler moves between
+its queues, and the request/output records the services exchange with it. Sampling parameters are
+the protocol's :class:`~tandem.shared.protocol.serving.SamplingParams` (validated on construction).
 
 A ``Sequence`` keeps one flat ``token_ids`` list (prompt followed by output). Its first
 ``num_computed_tokens`` tokens have their K/V in the paged cache, in the blocks of ``block_table``;
@@ -9,44 +10,18 @@ the leading ones may be prefix-cache blocks shared with other sequences (read-on
 from __future__ import annotations
 
 import enum
+import reprlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+from tandem.shared.protocol.serving import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
     from tandem.shared.engine.detokenizer import IncrementalDetokenizer
-
-
-@dataclass
-class SamplingParams:
-    """How to pick each output token and when to stop."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy (argmax)
-    top_p: float = 1.0  # nucleus mass kept; 1 = off
-    top_k: int = -1  # tokens kept; 0 or -1 = off
-    seed: int | None = None  # per-request seed: samples depend only on (seed, output index)
-    stop: list[str] = field(default_factory=list)  # stop strings, never part of the output text
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first field that is out of range."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be None or an integer, got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
 
 @dataclass
@@ -66,6 +41,21 @@ class EngineRequest:
     output_token_ids: list[int] = field(default_factory=list)
     prefill_only: bool = False  # stop after the first sampled token and return the prompt's KV
     export_on_finish: bool = False  # return the K/V of every full computed block when it ends (for a KV-store)
+
+
+def checked_params(params: SamplingParams) -> SamplingParams:
+    """``params`` validated again, or ``ValueError`` naming the first bad field. Construction
+    already validates, but ``model_copy(update=...)`` and ``model_construct`` do not, and a value
+    out of bounds inside an engine step would fail every request batched with it."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, not {type(params).__name__}")
+    try:
+        return SamplingParams.model_validate(params.model_dump())
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ValueError(f"invalid sampling parameters: {where}: {first['msg']} "
+                         f"(got {reprlib.repr(first['input'])})") from None
 
 
 @dataclass

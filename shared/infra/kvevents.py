@@ -15,10 +15,10 @@ from __future__ import annotations
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
+from tandem.shared.infra.streams import ensure_stream
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import encode
 from tandem.shared.protocol.kv import KVEvent
-from tandem.shared.infra.streams import ensure_stream
 
 STREAM_MAX_BYTES = 1 << 30  # oldest events go first beyond this
 

@@ -71,7 +71,7 @@ class NatsServer:
     _stopped: bool = field(default=False, repr=False)
 
     @classmethod
-    def start(cls, *, binary: str | None = None, timeout_s: float = 15.0, jetstream: bool = True) -> "NatsServer":
+    def start(cls, *, binary: str | None = None, timeout_s: float = 15.0, jetstream: bool = True) -> NatsServer:
         binary = binary or find_nats_server()
         if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
             raise NatsServerError(f"nats-server binary {binary} does not exist or is not executable")
@@ -142,7 +142,7 @@ class NatsServer:
         shutil.rmtree(self.workdir, ignore_errors=True)
         log.info("nats-server stopped")
 
-    def __enter__(self) -> "NatsServer":
+    def __enter__(self) -> NatsServer:
         return self
 
     def __exit__(self, *exc: object) -> None:

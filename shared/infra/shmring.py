@@ -49,10 +49,10 @@ import re
 import secrets
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -91,7 +91,7 @@ class SlotDescriptor:
         return {"ring": self.ring, "slots": list(self.slots), "length": self.length, "generation": self.generation}
 
     @classmethod
-    def from_wire(cls, d: dict) -> "SlotDescriptor":
+    def from_wire(cls, d: dict) -> SlotDescriptor:
         return cls(str(d["ring"]), tuple(int(s) for s in d["slots"]), int(d["length"]), int(d["generation"]))
 
 
@@ -203,7 +203,7 @@ class ShmRing:
                 torch.cuda.check_error(err)
 
     @classmethod
-    def create(cls, name: str | None, slot_bytes: int, num_slots: int, *, pin: bool | None = None) -> "ShmRing":
+    def create(cls, name: str | None, slot_bytes: int, num_slots: int, *, pin: bool | None = None) -> ShmRing:
         """The consumer's ring (``name`` is an optional label); sweeps dead rings first.
         ``pin``: register with CUDA (default: when CUDA is available)."""
         if slot_bytes < 1 or num_slots < 1:
@@ -241,7 +241,7 @@ class ShmRing:
         return ring
 
     @classmethod
-    def attach(cls, name: str, *, pin: bool | None = None) -> "ShmRing":
+    def attach(cls, name: str, *, pin: bool | None = None) -> ShmRing:
         """A producer's view of a live consumer's ring; :class:`RingMissingError` if there is none."""
         if not _NAME.match(name):
             raise RingError(f"{name!r} is not a tandem ring name")
@@ -320,7 +320,8 @@ class ShmRing:
             slots["pid"][idx], slots["start"][idx] = self._me
         return SlotDescriptor(self.name, chosen, nbytes, gen)
 
-    def write(self, desc: SlotDescriptor, data: bytes | memoryview | np.ndarray | torch.Tensor, offset: int = 0) -> None:
+    def write(self, desc: SlotDescriptor, data: bytes | memoryview | np.ndarray | torch.Tensor,
+              offset: int = 0) -> None:
         """Copy ``data`` to bytes [offset, offset+len) of a reserved transfer, one copy per run."""
         if isinstance(data, torch.Tensor) and data.is_cuda:
             src = data.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -478,7 +479,7 @@ class ShmRing:
         os.close(self._fd)  # drops the consumer's liveness flock
         self._fd = -1
 
-    def __enter__(self) -> "ShmRing":
+    def __enter__(self) -> ShmRing:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -81,6 +81,7 @@ def scatter_blocks(
 def kv_namespace(model: str, dtype: torch.dtype, num_layers: int, num_kv_heads: int, head_dim: int,
                  block_size: int) -> str:
     """Name of a KV layout: two blocks with the same chained hash are interchangeable only when
-    model, dtype and layout agree, so caches, stores and the router key blocks by this too."""
+    model, dtype and layout agree, so caches, stores and the router key blocks by this too.
+    ``model`` names the weights as well (``<name>@<weights id or version>``)."""
     dtype_name = str(dtype).removeprefix("torch.")
     return f"{model}/{dtype_name}/L{num_layers}xH{num_kv_heads}xD{head_dim}/bs{block_size}"

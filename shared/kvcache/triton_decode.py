@@ -69,7 +69,8 @@ def _decode_partial_kernel(
         key_pos = kv_start + offs_n
         key_mask = key_pos < end
         block_ids = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        slots = block_ids * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
+        slots = (block_ids * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot
+                 + kv_head * stride_cache_head)
         k = tl.load(K_cache + slots[None, :] + offs_d[:, None], mask=key_mask[None, :] & dim_mask[:, None], other=0.0)
         v = tl.load(V_cache + slots[:, None] + offs_d[None, :], mask=key_mask[:, None] & dim_mask[None, :], other=0.0)
         if FP32_DOT:

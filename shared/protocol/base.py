@@ -12,8 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: PrefillRequest and DecodeRequest carry the RequestSpec whole
 
 
 class ErrorCode(str, Enum):
@@ -39,7 +38,7 @@ class ProtocolError(Exception):
 
 class WireMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    v: Literal[1] = SCHEMA_VERSION
+    v: Literal[2] = SCHEMA_VERSION
 
 
 class ErrorReply(WireMessage):

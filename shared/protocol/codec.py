@@ -6,27 +6,56 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated
 
 import msgpack
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
-from tandem.shared.protocol.base import Ack, ErrorCode, ErrorReply, ProtocolError, SCHEMA_VERSION
-from tandem.shared.protocol.fleet import DrainRequest, Heartbeat, MetricsSnapshot, RoutingDecision, ScaleRequest, ScalingDecision
-from tandem.shared.protocol.kv import KVEvent, KVGetReply, KVGetRequest, KVLookupReply, KVLookupRequest, KVPutReply, KVPutRequest
-from tandem.shared.protocol.serving import Cancel, DecodeRequest, GenerateAccepted, GenerateRequest, PrefillRequest, Probe, StreamChunk
-from tandem.shared.protocol.training import TrainStart, TrainStatusReply, TrainStatusRequest, TrainStepMetrics, TrainStop, TrainTimeline, WeightsUpdated
+from tandem.shared.protocol.base import SCHEMA_VERSION, Ack, ErrorCode, ErrorReply, ProtocolError
+from tandem.shared.protocol.fleet import (
+    DrainRequest,
+    Heartbeat,
+    MetricsSnapshot,
+    RoutingDecision,
+    ScaleRequest,
+    ScalingDecision,
+)
+from tandem.shared.protocol.kv import (
+    KVEvent,
+    KVGetReply,
+    KVGetRequest,
+    KVLookupReply,
+    KVLookupRequest,
+    KVPutReply,
+    KVPutRequest,
+)
+from tandem.shared.protocol.serving import (
+    Cancel,
+    DecodeRequest,
+    GenerateAccepted,
+    GenerateRequest,
+    PrefillRequest,
+    Probe,
+    StreamChunk,
+)
+from tandem.shared.protocol.training import (
+    TrainStart,
+    TrainStatusReply,
+    TrainStatusRequest,
+    TrainStepMetrics,
+    TrainStop,
+    TrainTimeline,
+    WeightsUpdated,
+)
 from tandem.shared.protocol.views import BlockSnapshot, KVTransferEvent
 
 Message = Annotated[
-    Union[
-        GenerateRequest, GenerateAccepted, ErrorReply, Ack, PrefillRequest, DecodeRequest,
-        StreamChunk, Probe, Cancel, Heartbeat, KVEvent, RoutingDecision,
-        KVLookupRequest, KVLookupReply, KVGetRequest, KVGetReply, KVPutRequest, KVPutReply,
-        TrainStart, TrainStop, TrainStatusRequest, TrainStatusReply, TrainStepMetrics, TrainTimeline,
-        WeightsUpdated, MetricsSnapshot, ScalingDecision, ScaleRequest, DrainRequest, BlockSnapshot,
-        KVTransferEvent,
-    ],
+    GenerateRequest | GenerateAccepted | ErrorReply | Ack | PrefillRequest | DecodeRequest
+    | StreamChunk | Probe | Cancel | Heartbeat | KVEvent | RoutingDecision
+    | KVLookupRequest | KVLookupReply | KVGetRequest | KVGetReply | KVPutRequest | KVPutReply
+    | TrainStart | TrainStop | TrainStatusRequest | TrainStatusReply | TrainStepMetrics | TrainTimeline
+    | WeightsUpdated | MetricsSnapshot | ScalingDecision | ScaleRequest | DrainRequest | BlockSnapshot
+    | KVTransferEvent,
     Field(discriminator="kind"),
 ]
 

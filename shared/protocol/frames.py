@@ -57,7 +57,8 @@ def block_checksums(blob: bytes | memoryview, block_bytes: int) -> list[int]:
     return [zlib.crc32(view[i : i + block_bytes]) for i in range(0, len(view), block_bytes)]
 
 
-async def send_kv(nc, subject: str, transfer_id: str, blob: bytes | memoryview, *, window: int, timeout_s: float) -> None:
+async def send_kv(nc, subject: str, transfer_id: str, blob: bytes | memoryview, *, window: int,
+                  timeout_s: float) -> None:
     """Send ``blob`` as acknowledged frames, ``window`` at a time; raise on any refusal."""
     view = memoryview(blob)
     chunk = max(1, nc.max_payload - FRAME_OVERHEAD)
@@ -65,7 +66,8 @@ async def send_kv(nc, subject: str, transfer_id: str, blob: bytes | memoryview, 
     sem = asyncio.Semaphore(window)
 
     async def send_one(offset: int) -> None:
-        header = {"v": SCHEMA_VERSION, "kind": "kv_chunk", "transfer_id": transfer_id, "offset": offset, "total_bytes": total}
+        header = {"v": SCHEMA_VERSION, "kind": "kv_chunk", "transfer_id": transfer_id, "offset": offset,
+                  "total_bytes": total}
         async with sem:
             reply = await nc.request(subject, pack_frame(header, view[offset : offset + chunk]), timeout=timeout_s)
         if reply.data != b"ok":
@@ -104,7 +106,8 @@ class KVReceiver:
         if assembly is None:
             self.drop_stale()
             if total <= 0 or self.bytes_in_flight + total > self.max_bytes_in_flight:
-                raise ProtocolError(ErrorCode.INVALID_REQUEST, f"kv transfer of {total} bytes does not fit the receive buffer")
+                raise ProtocolError(ErrorCode.INVALID_REQUEST,
+                                    f"kv transfer of {total} bytes does not fit the receive buffer")
             assembly = self._assemblies[transfer_id] = _Assembly(bytearray(total))
         if len(assembly.buffer) != total or offset < 0 or offset + len(payload) > total:
             raise ProtocolError(ErrorCode.BAD_FRAME, "kv frame range lies outside its transfer")
@@ -124,7 +127,8 @@ class KVReceiver:
         sums = block_checksums(assembly.buffer, transfer.block_bytes)
         bad = [i for i, (got, want) in enumerate(zip(sums, transfer.checksums)) if got != want]
         if bad or len(sums) != len(transfer.checksums):
-            raise ProtocolError(ErrorCode.BAD_FRAME, f"transfer {transfer.transfer_id}: checksum mismatch in blocks {bad}")
+            raise ProtocolError(ErrorCode.BAD_FRAME,
+                                f"transfer {transfer.transfer_id}: checksum mismatch in blocks {bad}")
         return assembly.buffer
 
     def drop_stale(self) -> None:

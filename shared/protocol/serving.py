@@ -9,21 +9,33 @@ from pydantic import BaseModel, ConfigDict, Field
 from tandem.shared.protocol.base import ErrorReply, WireMessage
 from tandem.shared.protocol.kv import KVTransfer, RingSlots
 
-
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 1024  # each is compared against every sampled token of the request
+INT32_MAX = 2**31 - 1  # token ids, top_k and max_tokens fit int32 (vocabularies and contexts are far smaller)
+SEED_LIMIT = 2**63  # seeds are < 2**63 (torch.Generator.manual_seed takes them on every version)
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (as vLLM): 1/T would overflow the logits
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+RequestId = Annotated[str, Field(min_length=1, max_length=128)]
 
 
 class SamplingParams(BaseModel):
-    """What the client asks of generation; field bounds are the validation (vLLM's defaults)."""
+    """What the client asks of generation: the one definition, on the bus and in the engine.
+
+    The field bounds are the whole validation: any value they admit is one the engine's sampler,
+    its tensors and msgpack can carry (a ``top_k`` above the vocabulary keeps every token, like -1;
+    a temperature below ``GREEDY_TEMPERATURE`` is greedy). Construction validates; an invalid value
+    raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    max_tokens: int = Field(16, ge=1, le=INT32_MAX)  # the context (max_model_len) ends a request sooner
+    temperature: float = Field(1.0, ge=0.0, le=100.0, allow_inf_nan=False)  # 0: greedy (argmax)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)  # nucleus mass kept; 1: off
+    top_k: int = Field(-1, ge=-1, le=INT32_MAX)  # tokens kept; 0 or -1: off
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)  # samples depend only on (seed, output index)
     stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
 
 
@@ -31,9 +43,9 @@ class GenerateRequest(WireMessage):
     """Client to router. Exactly one of ``prompt`` and ``prompt_token_ids``."""
 
     kind: Literal["generate"] = "generate"
-    request_id: str = Field(min_length=1, max_length=128)
+    request_id: RequestId
     prompt: str | None = None
-    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     params: SamplingParams = Field(default_factory=SamplingParams)
     model: str | None = None
     stream_subject: str = Field(min_length=1)
@@ -49,42 +61,50 @@ class GenerateAccepted(WireMessage):
     decode_worker: str
 
 
+class RequestSpec(BaseModel):
+    """One request as the client asked for it, resolved by the router (prompt tokenized, model
+    named, arrival stamped). The router builds it once; :class:`PrefillRequest` and
+    :class:`DecodeRequest` carry it whole, and every worker builds its engine request from it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    request_id: RequestId
+    prompt_token_ids: list[TokenId] = Field(min_length=1)
+    params: SamplingParams
+    stream_subject: str = Field(min_length=1)  # where the workers publish the request's tokens
+    model: str
+    # Unix time the router accepted it (time to first token is measured from it).
+    arrival_time: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+
+
 class PrefillRequest(WireMessage):
-    """Router to a prefill worker: prefill, emit the first token, hand the KV to ``decode_worker``
-    (through its shared-memory ring ``decode_ring`` when the prefill worker is on ``decode_host``)."""
+    """Router to a prefill worker: prefill ``spec``, emit the first token, hand the KV to
+    ``decode_worker`` (through its shared-memory ring ``decode_ring`` when the prefill worker is on
+    ``decode_host``)."""
 
     kind: Literal["prefill"] = "prefill"
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    stream_subject: str
+    spec: RequestSpec
     decode_worker: str
-    model: str
     decode_ring: str = ""
     decode_host: str = ""
     kvstore: str = ""  # a KV-store to fetch the prompt's cached prefix from and offer its new blocks to
     kvstore_fetch_blocks: int = Field(0, ge=0)  # leading blocks worth fetching (the store has more than the worker)
     kvstore_held_blocks: int = Field(0, ge=0)  # leading blocks the store already holds (offer only the rest)
-    arrival_time: float = 0.0  # unix time the router accepted the request (TTFT is measured from it)
 
 
 class DecodeRequest(WireMessage):
-    """To a decode worker: admit a sequence, already prefilled (``transfer``) or to prefill locally."""
+    """To a decode worker: admit ``spec``, already prefilled (``transfer``/``ring``, with
+    ``output_token_ids`` sampled there) or to prefill locally."""
 
     kind: Literal["decode"] = "decode"
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int] = Field(default_factory=list)
-    params: SamplingParams
-    stream_subject: str
-    model: str
+    spec: RequestSpec
+    output_token_ids: list[TokenId] = Field(default_factory=list)  # sampled (and streamed) by the prefill worker
     transfer: KVTransfer | None = None  # KV sent ahead as NATS frames ...
     ring: RingSlots | None = None  # ... or left in the decode worker's shared-memory ring
     kv_namespace: str = ""  # the sender's KV layout: must equal the receiver's when KV comes along
     kvstore: str = ""  # a KV-store to offer the sequence's full blocks to when it ends ...
     kvstore_held_blocks: int = Field(0, ge=0)  # ... past the leading blocks it already holds
-    arrival_time: float = 0.0  # unix time the router accepted the request (for latency metrics)
-    first_token_time: float = 0.0  # unix time the prefill worker sent the first token (for inter-token latency)
+    # Unix time the prefill worker sent the first token (inter-token latency starts there).
+    first_token_time: float = Field(0.0, ge=0.0, allow_inf_nan=False)
 
 
 class StreamChunk(WireMessage):

@@ -6,8 +6,3 @@ the host optimizer (:mod:`.optimizer`) updates layer by layer behind the next st
 :class:`TrainRunner` (:mod:`.runner`) runs a whole job: ``tandem train`` and ``tandem serve trainer``
 use it. Presets: :mod:`.presets`; data: :mod:`.data`; checkpoints: :mod:`.checkpoint`.
 """
-
-from tandem.shared.train.presets import PRESETS, preset_config, resolve_model
-from tandem.shared.train.runner import RunSummary, TrainRunner, flops_per_token
-
-__all__ = ["PRESETS", "RunSummary", "TrainRunner", "flops_per_token", "preset_config", "resolve_model"]

@@ -76,7 +76,8 @@ def save_checkpoint(path: str | os.PathLike, state: HostState, step: int, job: d
 
 def has_checkpoint(path: str | os.PathLike) -> bool:
     path = Path(path)
-    return (path / STATE_FILE).is_file() and (path / "config.json").is_file() and (path / "optimizer.safetensors").is_file()
+    return ((path / STATE_FILE).is_file() and (path / "config.json").is_file()
+            and (path / "optimizer.safetensors").is_file())
 
 
 def restore_optimizer(path: str | os.PathLike, state: HostState) -> dict[str, Any]:

@@ -42,7 +42,7 @@ class TokenData:
         self.description = description
 
     @classmethod
-    def load(cls, spec: str, tokenizer: Tokenizer, vocab_size: int) -> "TokenData":
+    def load(cls, spec: str, tokenizer: Tokenizer, vocab_size: int) -> TokenData:
         """Read and tokenize ``spec``; raises ProtocolError(INVALID_REQUEST) when it cannot."""
         if spec == "random":
             return cls(None, vocab_size, "random tokens")

@@ -42,9 +42,12 @@ def attention_block(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     """``x + o_proj(causal_attention(input_layernorm(x)))`` for ``x`` of shape ``[B, S, hidden]``."""
     bsz, seq, _ = x.shape
     h = rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps)
-    q = F.linear(h, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias")).view(bsz, seq, cfg.num_heads, cfg.head_dim)
-    k = F.linear(h, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias")).view(bsz, seq, cfg.num_kv_heads, cfg.head_dim)
-    v = F.linear(h, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias")).view(bsz, seq, cfg.num_kv_heads, cfg.head_dim)
+    q = F.linear(h, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias")).view(bsz, seq, cfg.num_heads,
+                                                                                      cfg.head_dim)
+    k = F.linear(h, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias")).view(bsz, seq, cfg.num_kv_heads,
+                                                                                      cfg.head_dim)
+    v = F.linear(h, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias")).view(bsz, seq, cfg.num_kv_heads,
+                                                                                      cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps)

@@ -66,7 +66,7 @@ class HostState:
                     host_buffer(n, self.work_dtype, self.pin), host_buffer(n, self.work_dtype, self.pin))
 
     @classmethod
-    def random(cls, config: ModelConfig, seed: int, work_dtype: torch.dtype, pin: bool) -> "HostState":
+    def random(cls, config: ModelConfig, seed: int, work_dtype: torch.dtype, pin: bool) -> HostState:
         """N(0, 0.02) matrices, unit norms, zero biases; one generator per unit, filled in parallel."""
         state = cls(config, work_dtype, pin)
 
@@ -85,7 +85,7 @@ class HostState:
         return state
 
     @classmethod
-    def from_checkpoint(cls, config: ModelConfig, path: Path, work_dtype: torch.dtype, pin: bool) -> "HostState":
+    def from_checkpoint(cls, config: ModelConfig, path: Path, work_dtype: torch.dtype, pin: bool) -> HostState:
         """Masters from a Hugging Face safetensors checkpoint (any float dtype, sharded or not)."""
         from tandem.shared.model.loader import _weight_files  # noqa: PLC2701 - the loader's own shard lookup
 

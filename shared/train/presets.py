@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from tandem.shared.model.config import ModelConfig, ModelLoadError
-from tandem.shared.model.loader import read_hf_config
+from tandem.shared.model.meta import read_hf_config
 from tandem.shared.text.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_PAD_ID
 
 _SHAPES = {

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
+from tandem.shared.model.config import ModelLoadError
+from tandem.shared.model.meta import read_hf_config
 from tandem.shared.protocol.base import ErrorCode, ProtocolError
 from tandem.shared.protocol.training import TimelineOp, TrainJob, TrainStepMetrics
-from tandem.shared.model.config import ModelLoadError
-from tandem.shared.model.loader import read_hf_config
 from tandem.shared.text.tokenizer import ByteTokenizer, HFTokenizer
 from tandem.shared.train.checkpoint import has_checkpoint, restore_optimizer, save_checkpoint
 from tandem.shared.train.data import TokenData

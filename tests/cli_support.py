@@ -1,0 +1,59 @@
+"""Running ``tandem`` as a user does, in child processes: the command, its environment, waiting on it.
+
+``TANDEM``, ``tandem_env`` and ``wait_for`` serve the tests of ``tandem up`` / ``generate`` / ``bench``;
+``service_env`` and ``launch`` start one ``tandem serve <service>`` (conftest's ``start_system``
+uses them, as do tests that start a service of their own); ``run_sync`` runs a coroutine to the end
+from sync code or from inside a running loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+TANDEM = [sys.executable, "-m", "tandem.cli"]
+
+
+def tandem_env(data_dir: Path) -> dict[str, str]:
+    """The environment of a ``tandem`` command with its own data dir and no NATS URL from outside."""
+    env = dict(os.environ, TANDEM_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1", TANDEM_LOG_LEVEL="WARNING")
+    env.pop("TANDEM_NATS_URL", None)
+    return env
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    """Poll ``predicate`` every 0.2 s until it returns something truthy, and return that."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def service_env(data_dir: Path) -> dict[str, str]:
+    # CPU unless a test passes --device; one thread each, as `tandem up` would share out 2 cores.
+    return dict(os.environ, TANDEM_DATA_DIR=str(data_dir), TANDEM_PROBE_INTERVAL_S="0.5",
+                TANDEM_HEARTBEAT_INTERVAL_S="0.2", TANDEM_DEVICE="cpu", TANDEM_TORCH_THREADS="1",
+                PYTHONUNBUFFERED="1")
+
+
+def launch(url: str, service: str, instance_id: str, logdir: Path, env: dict[str, str],
+           args: list[str]) -> subprocess.Popen:
+    """``tandem serve <service>`` against the NATS server at ``url``, logging to ``<logdir>/<instance_id>.log``."""
+    cmd = [*TANDEM, "serve", service, "--nats-url", url, "--instance-id", instance_id, *args]
+    log = open(logdir / f"{instance_id}.log", "wb")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def run_sync(coro):
+    """Run a coroutine to the end on a private loop in another thread: callers may be sync fixtures
+    or async tests whose own loop is running."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()

@@ -1,0 +1,181 @@
+"""compose/: the compose file against the Compose Specification's JSON schema (kept in the repo),
+the nats config against the embedded server's limits, and every service's command started here.
+
+No Docker engine is needed: each compose service's command must be the ``tandem`` entry point,
+and with that service's environment (interpolated as compose would, pointed at the test
+nats-server) it must start and answer ``$SRV.PING``. GPU services start with ``TANDEM_DEVICE=cpu``.
+Run: ``python3 -m pytest -q tests/e2e/test_compose.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import jsonschema
+import nats
+import pytest
+import yaml
+
+from tandem.cli import parser
+from tandem.shared.infra.config import FIELDS, Settings
+from tandem.shared.infra.natsserver import MAX_PAYLOAD, MAX_PENDING, find_nats_server
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "compose"
+
+
+def load_compose() -> dict:
+    return yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's ``${NAME}``, ``${NAME:-default}`` and ``$$``."""
+    def one(match: re.Match) -> str:
+        name, default = match.group(1), match.group(3)
+        return env.get(name) or (default if default is not None else "")
+    return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(:-([^}]*))?\}", one, value).replace("$$", "$")
+
+
+def dotenv() -> dict[str, str]:
+    lines = (COMPOSE / ".env").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line.strip() and not line.startswith("#"))
+
+
+def test_compose_file_matches_the_compose_spec_schema():
+    schema = json.loads((COMPOSE / "compose-spec.json").read_text())
+    validator = jsonschema.Draft201909Validator(schema)  # its $schema, spelt the old way
+    validator.check_schema(schema)
+    doc = load_compose()
+    errors = sorted(validator.iter_errors(doc), key=str)
+    assert not errors, "\n".join(f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors)
+    broken = {**doc, "services": {**doc["services"], "router": {**doc["services"]["router"], "comand": ["x"]}}}
+    assert not validator.is_valid(broken), "the schema must catch a misspelt key"
+
+
+def test_services_profiles_and_gpu_reservations():
+    services = load_compose()["services"]
+    assert {"nats", "router", "prefill", "decode", "kvstore", "planner", "trainer"} <= set(services)
+    always = {name for name, s in services.items() if not s.get("profiles")}
+    assert always == {"nats", "router", "kvstore", "planner"}
+    assert services["trainer"]["profiles"] == ["train"]
+    assert dotenv()["COMPOSE_PROFILES"] == "cpu"
+    for name, service in services.items():
+        devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+        if "gpu" in name:
+            assert devices and devices[0]["capabilities"] == ["gpu"], name
+            assert set(service["profiles"]) & {"gpu", "train-gpu"}, f"{name} must be under a GPU profile"
+        else:
+            assert not devices, f"{name} reserves a GPU outside a GPU profile"
+        if name != "nats":
+            assert service["depends_on"]["nats"]["condition"] == "service_healthy", name
+
+
+def test_nats_has_jetstream_monitoring_healthcheck_and_our_limits():
+    nats_service = load_compose()["services"]["nats"]
+    assert "8222:8222" in nats_service["ports"] and "4222:4222" in nats_service["ports"]
+    assert "8222/healthz" in " ".join(nats_service["healthcheck"]["test"])
+    conf = (COMPOSE / "nats.conf").read_text()
+    assert re.search(r"^jetstream\s*\{", conf, re.M)
+    assert int(re.search(r"^max_payload:\s*(\d+)", conf, re.M).group(1)) == MAX_PAYLOAD
+    assert int(re.search(r"^max_pending:\s*(\d+)", conf, re.M).group(1)) == MAX_PENDING
+    check = subprocess.run([find_nats_server(), "-c", str(COMPOSE / "nats.conf"), "-t"], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+
+
+def test_dockerfile_installs_the_package_with_cpu_torch():
+    text = (COMPOSE / "Dockerfile").read_text()
+    assert text.startswith("#") and "FROM python:3.11-slim" in text
+    assert "ARG TORCH_VERSION=2.13.0" in text and "whl/cpu" in text
+    for source in re.findall(r"^COPY (\S+)", text, re.M):
+        assert (ROOT / source).exists(), f"Dockerfile copies {source}, which is not in the repo"
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["tandem"] == "tandem.cli:main"
+
+
+def test_environment_is_tandem_settings():
+    """Every TANDEM_* variable is a setting (pydantic-settings ignores unknown ones) with a valid value."""
+    by_env = {knob.env: knob.flat for knob in FIELDS}
+    for name, service in load_compose()["services"].items():
+        env = {k: interpolate(str(v), dotenv()) for k, v in service.get("environment", {}).items()}
+        if name != "nats":
+            assert env["TANDEM_NATS_URL"] == "nats://nats:4222", name
+        unknown = {k for k in env if k.startswith("TANDEM_") and k not in by_env}
+        assert not unknown, f"{name}: {unknown} are not settings (shared/infra/config.py)"
+        settings = Settings(**{by_env[k]: v for k, v in env.items() if k.startswith("TANDEM_")})
+        assert settings.model == "tiny"
+
+
+def serve_choices() -> set[str]:
+    serve = next(a for a in parser()._subparsers._group_actions[0].choices["serve"]._actions if a.dest == "service")
+    return set(serve.choices)
+
+
+async def ping_ids(url: str, wait_s: float = 0.5) -> set[str]:
+    nc = await nats.connect(url)
+    seen: set[str] = set()
+    inbox = nc.new_inbox()
+
+    async def on_pong(msg) -> None:
+        seen.add(json.loads(msg.data).get("metadata", {}).get("instance_id", ""))
+
+    await nc.subscribe(inbox, cb=on_pong)
+    await nc.publish("$SRV.PING", b"", reply=inbox)
+    await asyncio.sleep(wait_s)
+    await nc.close()
+    return seen
+
+
+@pytest.mark.slow
+async def test_every_service_command_starts_and_answers_ping(nats_server, tmp_path):
+    """One process per distinct command (a GPU service runs its CPU twin's command: started once)."""
+    services: dict[str, dict] = {}
+    for name, service in load_compose()["services"].items():
+        if name != "nats" and service["command"] not in [s["command"] for s in services.values()]:
+            services[name] = service
+    assert len(services) == 6, sorted(services)
+    known = serve_choices()
+    missing = {}
+    procs: dict[str, subprocess.Popen] = {}
+    shell_env = {**dotenv()}
+    try:
+        for name, service in services.items():
+            command = service["command"]
+            assert command[:2] == ["tandem", "serve"], f"{name}: {command} is not the tandem entry point"
+            if command[2] not in known:
+                missing[name] = command
+                continue
+            env = {k: interpolate(str(v), shell_env) for k, v in service["environment"].items()}
+            env.update(TANDEM_NATS_URL=nats_server.url, TANDEM_DATA_DIR=str(tmp_path / name), TANDEM_DEVICE="cpu",
+                       TANDEM_INSTANCE_ID=f"compose-{name}", TANDEM_TORCH_THREADS="1", TANDEM_NUM_BLOCKS="64")
+            if "TANDEM_KVSTORE_DIR" in env:
+                env["TANDEM_KVSTORE_DIR"] = str(tmp_path / name / "kvstore")
+            log = open(tmp_path / f"{name}.log", "wb")
+            procs[name] = subprocess.Popen([sys.executable, "-m", "tandem.cli", *command[1:]],
+                                           env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 90
+        want = {f"compose-{name}" for name in procs}
+        seen: set[str] = set()
+        while not want <= seen:
+            dead = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
+            assert not dead, f"exited: {dead}\n" + "\n".join((tmp_path / f"{n}.log").read_text()[-1500:] for n in dead)
+            assert time.monotonic() < deadline, f"no PING reply from {sorted(want - seen)}"
+            seen |= await ping_ids(nats_server.url)
+    finally:
+        for proc in procs.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    if missing:
+        pytest.xfail(f"not yet `tandem serve` subcommands (other issues add them): {missing}")

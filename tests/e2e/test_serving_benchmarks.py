@@ -1,0 +1,57 @@
+"""The GPU serving benchmarks run on CPU too (small models), so their code paths stay working.
+
+``benchmarks/serving_gpu.py`` falls back to ``random:llama-test`` and ``benchmarks/serving_system.py``
+to the tiny model behind a real ``tandem up``; ``benchmarks/kv_transfer.py`` moves CPU memory.
+These tests check that each prints its figures.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def figures(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def test_in_process_benchmark_prints_batch1_throughput_and_the_peer(tmp_path: Path) -> None:
+    # The HF generate peer needs CUDA and an 8B model; a stand-in prints the same kind of line.
+    peer = tmp_path / "peer.py"
+    peer.write_text('import json; print(json.dumps({"anchor": "hf_generate", "B1_decode_tok_s": 2.0}))\n')
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "serving_gpu.py"), "--hf-anchor", str(peer)],
+                         capture_output=True, text=True, timeout=300, check=True)
+    got = figures(out.stdout)
+    kinds = [(g["figure"], g.get("batch", g.get("cuda_graphs"))) for g in got]
+    assert ("batch1", True) in kinds and ("throughput", 8) in kinds, f"figures printed: {kinds}"
+    for g in got[:-1]:
+        assert g["output_tokens"] == g["requests"] * 128, f"every request gets its 128 tokens: {g}"
+    batch1 = next(g for g in got if g["figure"] == "batch1" and g["cuda_graphs"])
+    assert got[-1]["figure"] == "hf_generate" and got[-1]["anchor"] == "hf_generate", got[-1]
+    assert got[-1]["tandem_batch1_over_hf"] == round(batch1["decode_tok_s"] / 2.0, 1), got[-1]
+
+
+def test_system_benchmark_runs_bench_serve_against_tandem_up(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "serving_system.py"), "--concurrency", "2",
+                          "--prompts-per-level", "4", "--input-len", "48", "--output-len", "6",
+                          "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"serving_system.py failed:\n{out.stderr[-2000:]}"
+    (system,) = [g for g in figures(out.stdout) if g["figure"] == "system"]
+    assert (system["completed"], system["failed"]) == (4, 0), system
+    assert system["ttft_ms"]["median"] > 0 and system["output_throughput"] > 0
+
+
+def test_kv_transfer_benchmark_moves_the_bytes_both_ways() -> None:
+    """The KV transfer benchmark (NATS frames vs the shared-memory ring, consumer reading from tasks)
+    checks the bytes that land on both paths and prints one row per block size."""
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "kv_transfer.py"), "--block-kib", "64",
+                          "--total-mib", "4", "--repeat", "1", "--consumer-copies", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = out.stdout.strip().splitlines()[-1].split("|")
+    assert (row[0].strip() == "64 KiB" and float(row[1].replace(",", "")) > 0
+            and float(row[2].replace(",", "")) > 0), out.stdout

@@ -1,0 +1,80 @@
+"""``tandem train`` as a user runs it, and the benchmark's CPU mode.
+
+Run: ``python -m pytest -q tests/e2e/test_train_cli.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem.shared.model.loader import load_model
+from tandem.shared.model.meta import load_model_meta
+
+ROOT = Path(__file__).resolve().parents[2]
+TANDEM = [sys.executable, "-m", "tandem.cli"]
+
+
+def run(args: list[str], data_dir: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TANDEM_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1", TANDEM_LOG_LEVEL="WARNING")
+    env.pop("TANDEM_NATS_URL", None)
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_train_runs_a_job_with_progress_lines(tmp_path):
+    out = tmp_path / "out"
+    proc = run([*TANDEM, "train", "--model", "tiny", "--dataset", "random", "--steps", "4", "--batch-size", "2",
+                "--seq-len", "32", "--log-every", "2", "--output-dir", str(out), "--device", "cpu", "--threads", "1"],
+               tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    progress = [line for line in proc.stdout.splitlines() if "step " in line and "tok/s" in line]
+    assert [line.split("step ")[1].split()[0] for line in progress] == ["2/4", "4/4"], proc.stdout
+    assert "finished at step 4" in proc.stdout
+    assert load_model(str(out)).config.num_layers == 4
+
+
+def test_default_saves_where_tandem_up_finds_the_tiny_model(tmp_path):
+    proc = run([*TANDEM, "train", "--default", "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+                "--device", "cpu", "--threads", "1"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "stdlib" in proc.stdout and "--- sample" in proc.stdout
+    meta = load_model_meta("tiny", data_dir=tmp_path)
+    assert meta.checkpoint == tmp_path / "models" / "tiny"
+
+
+def test_bad_arguments_exit_2_with_a_message(tmp_path):
+    proc = run([*TANDEM, "train", "--model", "no-such-model", "--steps", "1"], tmp_path)
+    assert proc.returncode == 2 and "no-such-model" in proc.stderr
+    proc = run([*TANDEM, "train", "--steps", "0"], tmp_path)
+    assert proc.returncode == 2 and "steps" in proc.stderr
+
+
+def test_benchmark_cpu_mode_prints_its_figures(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_offload.py"), "--device", "cpu",
+                           "--runs", "tiny", "--json-out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (result,) = json.loads(out.read_text())
+    assert result["tokens_per_s"] > 0 and result["hidden_fraction"] is not None and len(result["losses"]) == 3
+    assert "tok/s" in proc.stdout
+
+
+@pytest.mark.parametrize("flags,expected", [
+    ([], dict(compile_layers=None, split_update=None)),
+    (["--split-update", "--no-compile-layers"], dict(compile_layers=False, split_update=True)),
+    (["--no-split-update", "--compile-layers"], dict(compile_layers=True, split_update=False)),
+])
+def test_engine_flags_reach_the_job(tmp_path, flags, expected):
+    import argparse
+
+    from tandem.train_cli import add_train_parser, build_job
+
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers(), lambda p: None)
+    job = build_job(parser.parse_args(["train", *flags]), tmp_path)
+    assert {k: getattr(job, k) for k in expected} == expected

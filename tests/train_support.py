@@ -1,0 +1,102 @@
+"""Plain-PyTorch training as the streaming trainer's reference: the repo's own ``LlamaForCausalLM``
+modules run with a plain causal forward (``reference_loss``) and trained by ``torch.optim.AdamW``
+(decoupled weight decay on matrices, ``reference_optimizer``) with ``clip_grad_norm_``
+(``reference_step``, which can also bound how far two fp32 runs may drift apart), on seeded random
+``batches``. The CPU parity tests and the CUDA ones share it."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from tandem.shared.model.llama import LlamaForCausalLM, apply_rope
+from tandem.shared.train.host_state import HostState
+from tandem.shared.train.optimizer import BETAS, EPS
+
+LR, WD, CLIP = 3e-3, 0.1, 0.5
+# The engine's and the reference's backward each carry rounding of the size gradient_rounding measures,
+# in different orders (chunked MLP and loss, slots); this many times that size bounds their difference.
+GRAD_ERROR_MARGIN = 4.0
+
+
+def reference_loss(model: LlamaForCausalLM, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Plain full-sequence causal forward and mean cross-entropy, with the model's own modules."""
+    inner, cfg = model.model, model.config
+    bsz, seq = ids.shape
+    cos, sin = inner.rotary_emb(torch.arange(seq, device=ids.device))
+    x = inner.embed_tokens(ids)
+    group = cfg.num_heads // cfg.num_kv_heads
+    for layer in inner.layers:
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(bsz, seq, cfg.num_heads, cfg.head_dim)
+        k = attn.k_proj(h).view(bsz, seq, cfg.num_kv_heads, cfg.head_dim)
+        v = attn.v_proj(h).view(bsz, seq, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        if attn.q_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                             is_causal=True)
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    logits = model.lm_head(inner.norm(x))
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def reference_model(state: HostState, device: str = "cpu") -> LlamaForCausalLM:
+    model = LlamaForCausalLM(state.config)
+    model.load_state_dict({k: v.clone() for k, v in state.state_dict().items()}, strict=False)
+    model.tie_weights()
+    return model.to(device)
+
+
+def reference_optimizer(model: LlamaForCausalLM) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}],
+                             lr=LR, betas=BETAS, eps=EPS)
+
+
+def gradient_rounding(model: LlamaForCausalLM, ids: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """Per tensor, the largest difference between the fp32 gradients ``model`` holds and float64
+    gradients at the same weights: how much rounding an fp32 backward carries, in any order of operations."""
+    exact = copy.deepcopy(model).double()
+    exact.zero_grad(set_to_none=True)
+    reference_loss(exact, ids, targets).backward()
+    return {name: (p.grad.double() - p64.grad).abs().max().item()
+            for (name, p), p64 in zip(model.named_parameters(), exact.parameters())}
+
+
+def reference_step(model, opt, lr: float, ids, targets,  # noqa: ANN001
+                   slack: dict[str, torch.Tensor] | None = None) -> tuple[float, float]:
+    """One plain step. ``slack``, if given, accumulates per element how far two fp32 runs may drift apart:
+    Adam divides by sqrt(v), so a gradient error e moves an element's update by up to about
+    lr * e / (sqrt(v_hat) + eps), which is large only where that element's gradients are near zero
+    (there a last-bit difference can flip the sign of a whole lr-sized step)."""
+    opt.zero_grad()
+    loss = reference_loss(model, ids, targets)
+    loss.backward()
+    rounding = gradient_rounding(model, ids, targets) if slack is not None else None
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    coef = min(1.0, CLIP / (norm.item() + 1e-6))
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.step()
+    if slack is not None:
+        for name, p in model.named_parameters():
+            state = opt.state[p]
+            denom = (state["exp_avg_sq"] / (1 - BETAS[1] ** int(state["step"]))).sqrt() + EPS
+            # An element whose gradient is exactly zero (an embedding row no token used) sums no terms: no slack.
+            slack[name] += GRAD_ERROR_MARGIN * lr * coef * rounding[name] / denom * (p.grad != 0)
+    return loss.item(), norm.item()
+
+
+def batches(n: int, bsz: int, seq: int, vocab: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (bsz, seq + 1), generator=gen)
+        out.append((ids[:, :-1], ids[:, 1:]))
+    return out

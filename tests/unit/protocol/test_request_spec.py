@@ -1,0 +1,103 @@
+"""One request spec, carried whole: the router builds it once, prefill forwards it unchanged to
+decode, and each worker's engine request comes from it. And the client refuses, before sending
+anything, every value out of the protocol's bounds (the bus tests are in ``test_bad_input.py``)."""
+
+from __future__ import annotations
+
+import pytest
+from support import BAD_PROMPT_TOKEN_IDS, BAD_SAMPLING, value_id
+
+from tandem.client import Client, InvalidRequestError
+from tandem.services.common.worker import engine_request
+from tandem.services.prefill.service import handoff_request
+from tandem.services.router.service import decode_request, prefill_request, request_spec
+from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.fleet import Heartbeat
+from tandem.shared.protocol.serving import DecodeRequest, GenerateRequest, PrefillRequest, SamplingParams
+
+BLOCK_SIZE = 16
+PROMPT = list(range(40, 80))  # 2 full blocks and a partial one
+PARAMS = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=40, seed=5, stop=["\n\n"],
+                        stop_token_ids=[3, 2**31 - 1])
+DECODE_BEAT = Heartbeat(service="decode", instance_id="decode-a", host="h", pid=1, model="tiny",
+                        host_id="host-1", kv_ring="ring-a")
+
+
+def generate_request() -> GenerateRequest:
+    return GenerateRequest(request_id="r-1", prompt="ignored: the router tokenized it", params=PARAMS,
+                           stream_subject="_INBOX.tandem.c.r-1")
+
+
+def over_the_bus(message):
+    """What the receiver gets: the message encoded and decoded as the services do."""
+    return decode(encode(message), type(message))
+
+
+def test_spec_reaches_decode_unchanged_through_prefill() -> None:
+    spec = request_spec(generate_request(), PROMPT, "tiny", accepted_at=1700000000.25)
+    assert (spec.request_id, spec.prompt_token_ids, spec.params, spec.model) == ("r-1", PROMPT, PARAMS, "tiny")
+    assert spec.stream_subject == "_INBOX.tandem.c.r-1" and spec.arrival_time == 1700000000.25
+
+    prefill = over_the_bus(prefill_request(spec, DECODE_BEAT, store="kvstore-a", fetch=1, held=1))
+    assert isinstance(prefill, PrefillRequest) and prefill.spec == spec, "the prefill worker got another spec"
+    assert (prefill.decode_worker, prefill.decode_ring, prefill.decode_host) == ("decode-a", "ring-a", "host-1")
+    assert (prefill.kvstore, prefill.kvstore_fetch_blocks, prefill.kvstore_held_blocks) == ("kvstore-a", 1, 1)
+
+    admit = over_the_bus(handoff_request(prefill, [17], "tiny/ns", BLOCK_SIZE, first_token_time=1700000000.5))
+    assert isinstance(admit, DecodeRequest) and admit.spec == prefill.spec == spec, \
+        f"the spec changed on its way from prefill to decode: {admit.spec!r} != {spec!r}"
+    assert admit.output_token_ids == [17] and admit.first_token_time == 1700000000.5
+    assert admit.kv_namespace == "tiny/ns" and admit.kvstore == "kvstore-a"
+    assert admit.kvstore_held_blocks == len(PROMPT) // BLOCK_SIZE, "prefill offers the prompt's full blocks itself"
+
+
+def test_spec_reaches_a_decode_worker_prefilling_alone() -> None:
+    spec = request_spec(generate_request(), PROMPT, "tiny", accepted_at=12.0)
+    admit = over_the_bus(decode_request(spec, store="kvstore-a", held=2))
+    assert admit.spec == spec and admit.output_token_ids == [] and admit.transfer is None and admit.ring is None
+    assert (admit.kvstore, admit.kvstore_held_blocks) == ("kvstore-a", 2)
+
+
+@pytest.mark.parametrize("hop", ["prefill", "decode"])
+def test_engine_request_is_the_spec(hop: str) -> None:
+    spec = request_spec(generate_request(), PROMPT, "tiny", 1.0)
+    work = (engine_request(spec, prefill_only=True) if hop == "prefill"
+            else engine_request(spec, output_token_ids=[17], export_on_finish=True))
+    assert work.request_id == spec.request_id and work.prompt_token_ids == spec.prompt_token_ids
+    assert work.params is spec.params, "the engine takes the spec's sampling parameters as they are"
+    assert work.prompt_token_ids is not spec.prompt_token_ids, "the engine must not share the message's list"
+    assert (work.prefill_only, work.output_token_ids, work.export_on_finish) == (
+        (True, [], False) if hop == "prefill" else (False, [17], True))
+
+
+class NoBus:
+    """Stands in for the NATS connection: any use of it means the client sent something."""
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"the client used NATS ({name}) for a request it should have refused")
+
+
+# Beyond what msgpack carries: these used to raise OverflowError inside the client's encode.
+UNENCODABLE_SAMPLING = [("stop_token_ids", [2**70]), ("seed", 2**64), ("max_tokens", 2**70), ("top_k", 2**64)]
+CLIENT_SAMPLING = BAD_SAMPLING + UNENCODABLE_SAMPLING
+
+
+@pytest.mark.parametrize("name,value", CLIENT_SAMPLING, ids=[f"{n}={value_id(v)}" for n, v in CLIENT_SAMPLING])
+async def test_client_refuses_bad_sampling_before_sending(name: str, value: object) -> None:
+    client = Client(NoBus())
+    with pytest.raises(InvalidRequestError, match=f"invalid sampling parameters: {name}") as caught:
+        await client.complete("hello", request_id="bad-params", **{name: value})
+    assert caught.value.request_id == "bad-params", "the error should carry the request id"
+
+
+@pytest.mark.parametrize("ids", [*BAD_PROMPT_TOKEN_IDS, [2**64], [1, 2**70]], ids=value_id)
+async def test_client_refuses_bad_prompt_token_ids_before_sending(ids: list[int]) -> None:
+    client = Client(NoBus())
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids"):
+        async for _ in client.generate(ids, max_tokens=4):
+            pass
+
+
+async def test_client_refuses_an_overlong_request_id_before_sending() -> None:
+    with pytest.raises(InvalidRequestError, match="request_id"):
+        await Client(NoBus()).complete("hello", request_id="x" * 129)

@@ -1,0 +1,173 @@
+"""The router service on an in-process bus (tests/fakebus.py): heartbeats and KV events in,
+``GenerateRequest`` over request-reply, the work forwarded to the chosen worker's subject, a
+``RoutingDecision`` out. The workers are played by the test: a heartbeat and an endpoint that takes
+work (``Ack``) and keeps what it got."""
+
+from __future__ import annotations
+
+import pytest
+from fakebus import FakeBus, bus_settings, serving
+
+from tandem.services.router.service import Router
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.base import Ack, ErrorCode, ErrorReply
+from tandem.shared.protocol.block_hashes import prefix_hashes
+from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.fleet import Heartbeat, RoutingDecision
+from tandem.shared.protocol.kv import KVEvent
+from tandem.shared.protocol.serving import (
+    DecodeRequest,
+    GenerateAccepted,
+    GenerateRequest,
+    PrefillRequest,
+    SamplingParams,
+)
+
+NS = "tiny/float32/test-layout/bs16"  # the workers' KV namespace: the index compares blocks within it
+BS = 16
+PROMPT = [(7 * i + 3) % 250 for i in range(5 * BS)]  # 5 full blocks
+
+
+class FakeWorker:
+    """A prefill or decode worker as the router sees it: heartbeats, and its work endpoint."""
+
+    def __init__(self, bus: FakeBus, service: str, instance_id: str, model: str, running: int = 0,
+                 max_model_len: int = 2048) -> None:
+        self.bus, self.service, self.instance_id = bus, service, instance_id
+        self.beat_msg = Heartbeat(service=service, instance_id=instance_id, host="test", pid=1, model=model,
+                                  running=running, free_blocks=100, num_blocks=100, block_size=BS,
+                                  max_model_len=max_model_len, kv_namespace=NS)
+        self.work: list[PrefillRequest | DecodeRequest] = []
+
+    async def answer(self) -> FakeWorker:
+        """Take work on this worker's subject (a worker whose process is gone never does this)."""
+        subject, kind = ((subjects.prefill(self.instance_id), PrefillRequest) if self.service == "prefill"
+                         else (subjects.decode_admit(self.instance_id), DecodeRequest))
+
+        async def take(msg) -> None:
+            work = decode(msg.data, kind)
+            self.work.append(work)
+            await msg.respond(encode(Ack(request_id=work.spec.request_id)))
+
+        await self.bus.subscribe(subject, cb=take)
+        return self
+
+    async def beat(self) -> None:
+        await self.bus.publish(subjects.heartbeat(self.service, self.instance_id), encode(self.beat_msg))
+
+
+@pytest.fixture
+async def router(tmp_path):
+    bus = FakeBus()
+    async with serving(Router(bus_settings(tmp_path, instance_id="router-t")), bus) as service:
+        yield bus, service
+    assert not bus.errors, f"handlers on the bus failed: {bus.errors}"
+
+
+async def workers(bus: FakeBus, model: str, *specs: tuple[str, str, int],
+                  answering: bool = True) -> dict[str, FakeWorker]:
+    """``(service, instance id, running)`` each: heartbeats sent (and endpoints up unless not ``answering``)."""
+    out = {}
+    for service, instance_id, running in specs:
+        worker = FakeWorker(bus, service, instance_id, model, running)
+        if answering:
+            await worker.answer()
+        await worker.beat()
+        out[instance_id] = worker
+    return out
+
+
+def generate(request_id: str = "r1", **fields) -> bytes:
+    fields.setdefault("prompt_token_ids", PROMPT)
+    return encode(GenerateRequest(request_id=request_id, params=SamplingParams(max_tokens=4, temperature=0.0),
+                                  stream_subject=f"_INBOX.tandem.client.{request_id}", **fields))
+
+
+async def place(bus: FakeBus, payload: bytes) -> GenerateAccepted | ErrorReply:
+    await bus.settle()  # the router has taken in every heartbeat and KV event sent so far
+    return decode((await bus.request(subjects.ROUTER_GENERATE, payload, timeout=10)).data)
+
+
+def decisions(bus: FakeBus) -> list[RoutingDecision]:
+    return [decode(m.data, RoutingDecision) for m in bus.messages_on(subjects.ROUTER_DECISIONS)]
+
+
+@pytest.mark.parametrize("cached_blocks", [0, 3], ids=["nothing-cached", "b-caches-3-blocks"])
+async def test_the_worker_caching_the_prefix_gets_the_request(router, cached_blocks: int) -> None:
+    """A is idle, B runs one sequence: B wins only when its cached prefix saves more than its load
+    costs (5 - 3 + 1 < 5 - 0 + 0); the prefill worker prefills and hands off to the winner."""
+    bus, service = router
+    fleet = await workers(bus, service.meta.name, ("decode", "decode-a", 0), ("decode", "decode-b", 1),
+                          ("prefill", "prefill-p", 0))
+    if cached_blocks:
+        stored = prefix_hashes(PROMPT, BS)[:cached_blocks]
+        event = KVEvent(source="decode-b", service="decode", namespace=NS, seq=0, stored=stored)
+        await bus.publish(subjects.kv_events("decode", "decode-b"), encode(event))
+    winner = "decode-b" if cached_blocks else "decode-a"
+
+    reply = await place(bus, generate())
+
+    assert isinstance(reply, GenerateAccepted), reply
+    assert (reply.decode_worker, reply.prefill_worker) == (winner, "prefill-p")
+    assert reply.prompt_token_ids == PROMPT
+    (work,) = fleet["prefill-p"].work
+    assert isinstance(work, PrefillRequest) and work.decode_worker == winner
+    assert (work.spec.request_id, work.spec.prompt_token_ids, work.spec.model) == ("r1", PROMPT, service.meta.name)
+    assert work.spec.stream_subject == "_INBOX.tandem.client.r1" and work.spec.params.max_tokens == 4
+    assert not fleet["decode-a"].work and not fleet["decode-b"].work, "the prefill worker admits it at decode"
+    (decision,) = decisions(bus)
+    assert (decision.decode_worker, decision.prefill_worker) == (winner, "prefill-p")
+    cached = {c.instance_id: c.cached_blocks for c in decision.candidates}
+    assert cached == {"decode-a": 0, "decode-b": cached_blocks}
+    assert decision.candidates[0].instance_id == winner, "candidates come cheapest first"
+
+
+@pytest.mark.parametrize("prefill", ["none", "gone"])
+async def test_without_a_live_prefill_worker_decode_prefills_locally(router, prefill: str) -> None:
+    """No prefill worker, or one whose last heartbeats linger but which no longer answers (no
+    responders on its subject): the decode worker gets the whole request and prefills it itself."""
+    bus, service = router
+    fleet = await workers(bus, service.meta.name, ("decode", "decode-a", 0), ("decode", "decode-b", 2))
+    if prefill == "gone":
+        await workers(bus, service.meta.name, ("prefill", "prefill-p", 0), answering=False)
+
+    reply = await place(bus, generate())
+
+    assert isinstance(reply, GenerateAccepted), reply
+    assert (reply.decode_worker, reply.prefill_worker) == ("decode-a", None)
+    (work,) = fleet["decode-a"].work
+    assert isinstance(work, DecodeRequest) and work.spec.prompt_token_ids == PROMPT
+    assert work.transfer is None and work.ring is None and work.output_token_ids == [], "nothing was prefilled"
+    assert not fleet["decode-b"].work
+    (decision,) = decisions(bus)
+    assert decision.prefill_worker is None and "decode prefills locally" in decision.reason
+    assert "prefill-p" not in service.workers["prefill"], "a worker that does not answer is dropped"
+
+
+@pytest.mark.parametrize(("payload", "code"), [
+    (generate(model="some-other-model"), ErrorCode.UNKNOWN_MODEL),
+    (generate(prompt="text as well"), ErrorCode.INVALID_REQUEST),  # prompt and prompt_token_ids both
+    (generate(prompt_token_ids=None), ErrorCode.INVALID_REQUEST),  # neither
+    (generate(prompt_token_ids=None, prompt=""), ErrorCode.INVALID_REQUEST),  # empty
+    (generate(prompt_token_ids=[5, 100_000]), ErrorCode.INVALID_REQUEST),  # outside the vocabulary
+    (generate(prompt_token_ids=list(range(100)) * 21), ErrorCode.PROMPT_TOO_LONG),  # 2100 >= max_model_len 2048
+    (encode(Ack(request_id="r1")), ErrorCode.BAD_SCHEMA),  # a message of another kind
+    (b"\xc1 not msgpack", ErrorCode.BAD_FRAME),
+], ids=["unknown-model", "prompt-and-ids", "no-prompt", "empty-prompt", "token-outside-vocab", "prompt-too-long",
+        "wrong-kind", "not-msgpack"])
+async def test_a_bad_request_gets_a_typed_error_and_the_router_goes_on(router, payload: bytes, code: ErrorCode) -> None:
+    bus, service = router
+    fleet = await workers(bus, service.meta.name, ("decode", "decode-a", 0), ("prefill", "prefill-p", 0))
+
+    reply = await place(bus, payload)
+
+    assert isinstance(reply, ErrorReply) and reply.code == code, reply
+    assert not fleet["decode-a"].work and not fleet["prefill-p"].work and not decisions(bus)
+    assert isinstance(await place(bus, generate("r2")), GenerateAccepted), "the next good request is placed"
+
+
+async def test_no_decode_worker_is_a_typed_error(router) -> None:
+    bus, service = router
+    await workers(bus, service.meta.name, ("prefill", "prefill-p", 0))
+    reply = await place(bus, generate())
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.NO_WORKERS and reply.request_id == "r1"

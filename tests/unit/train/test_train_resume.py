@@ -1,0 +1,61 @@
+"""Checkpoints: 2N unbroken steps equal N steps, stop, resume, N more (bit for bit), and a trainer
+checkpoint loads as a served model with the trained weights.
+
+Run: ``python -m pytest -q tests/unit/train/test_train_resume.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tandem.shared.model.loader import load_model
+from tandem.shared.model.meta import load_model_meta
+from tandem.shared.protocol.training import TrainJob
+from tandem.shared.train.runner import TrainRunner
+
+STEPS = 6
+
+
+def job(tmp_path, name: str, **extra) -> TrainJob:  # noqa: ANN001
+    fields = dict(model="tiny", dataset="stdlib", steps=STEPS, batch_size=2, seq_len=48, lr=2e-3, warmup_steps=2,
+                  output_dir=str(tmp_path / name))
+    return TrainJob(**(fields | extra))
+
+
+@pytest.mark.parametrize("device_layers,split", [(0, False), (2, False), (2, True)])
+def test_resume_continues_bit_exactly(tmp_path, device_layers, split):
+    """``split``: the host optimizer previews working copies and commits state later (optimizer.py)."""
+    how = dict(device_update_layers=device_layers, split_update=split)
+    unbroken: list[float] = []
+    TrainRunner(job(tmp_path, "a", **how), "a", tmp_path).run(on_step=lambda m: unbroken.append(m.loss))
+
+    broken: list[float] = []
+    first = TrainRunner(job(tmp_path, "b", **how), "b", tmp_path).run(
+        on_step=lambda m: broken.append(m.loss), should_stop=lambda: len(broken) >= STEPS // 2)
+    assert first.state == "stopped" and first.step == STEPS // 2
+    resumed = TrainRunner(job(tmp_path, "b", resume=True, **how), "b", tmp_path)
+    assert resumed.start_step == STEPS // 2
+    second = resumed.run(on_step=lambda m: broken.append(m.loss))
+    assert second.state == "finished" and second.step == STEPS
+
+    assert broken == unbroken, "a resumed run must see the same losses as an unbroken one"
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    oa = load_file(tmp_path / "a" / "optimizer.safetensors")
+    ob = load_file(tmp_path / "b" / "optimizer.safetensors")
+    assert all(torch.equal(oa[k], ob[k]) for k in oa if not k.startswith("rng"))
+
+
+def test_checkpoint_serves_as_the_tiny_model(tmp_path):
+    out = tmp_path / "models" / "tiny"
+    runner = TrainRunner(job(tmp_path, "unused", steps=2, output_dir=str(out)), "t", tmp_path)
+    runner.run()
+    meta = load_model_meta("tiny", data_dir=tmp_path)
+    assert meta.checkpoint == out and meta.config.byte_tokenizer
+    served = load_model("tiny", data_dir=tmp_path)
+    trained = runner.state.state_dict()
+    for name, tensor in served.model.state_dict().items():
+        torch.testing.assert_close(tensor, trained["model.embed_tokens.weight" if name == "lm_head.weight" else name],
+                                   rtol=0, atol=0)
