@@ -261,13 +261,15 @@ class Router(ServiceRuntime):
         cached_tokens = min(len(ids), choice.cached_blocks * dec.beat.block_size)
         if prefill_locally(len(ids), cached_tokens, self.settings.router.local_prefill_max_tokens):
             return None, f"{len(ids) - cached_tokens} uncached tokens: decode prefills locally"
-        for prefill_worker, pchoice in self.ranked(self.alive("prefill", self.meta.name), prompt):
+        alive = self.alive("prefill", self.meta.name)
+        for prefill_worker, pchoice in self.ranked(alive, prompt):
             store, held = self.best_store(prefill_worker, prompt)
             fetch = held if held > pchoice.cached_blocks else 0
             if await self.forward_prefill(spec, prefill_worker, dec, store, fetch, held):
                 where = f", {fetch} from kvstore {store}" if fetch else ""
                 return prefill_worker, f"prefill remote: {pchoice.cached_blocks} blocks cached there{where}"
-        return None, "no prefill worker answered: decode prefills locally"
+        why = "no prefill worker answered" if alive else "no prefill worker is alive"
+        return None, f"{why}: decode prefills locally"
 
     def best_store(self, worker: Worker, prompt: PromptBlocks) -> tuple[str, int]:
         """The live KV-store holding the longest cached prefix in ``worker``'s layout, and its length."""

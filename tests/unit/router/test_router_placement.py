@@ -140,7 +140,8 @@ async def test_without_a_live_prefill_worker_decode_prefills_locally(router, pre
     assert work.transfer is None and work.ring is None and work.output_token_ids == [], "nothing was prefilled"
     assert not fleet["decode-b"].work
     (decision,) = decisions(bus)
-    assert decision.prefill_worker is None and "decode prefills locally" in decision.reason
+    why = {"none": "no prefill worker is alive", "gone": "no prefill worker answered"}[prefill]
+    assert decision.prefill_worker is None and decision.reason == f"{why}: decode prefills locally", decision.reason
     assert "prefill-p" not in service.workers["prefill"], "a worker that does not answer is dropped"
 
 
