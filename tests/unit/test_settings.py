@@ -35,7 +35,7 @@ def subparser(*path: str):
 
 
 def test_every_field_is_documented_and_named_once():
-    assert SECTIONS == ("bus", "engine", "kv_ring", "router", "metrics", "planner", "kvstore")
+    assert SECTIONS == ("bus", "supervisor", "engine", "kv_ring", "router", "metrics", "planner", "kvstore")
     for name, info in Settings.model_fields.items():
         assert info.description, f"Settings.{name} has no description"
     for knob in FIELDS:
@@ -58,6 +58,10 @@ def test_each_field_is_one_flag_on_the_commands_that_take_it():
             served.setdefault(dest, set()).update(options)
     for knob in FIELDS:
         expected = {knob.flag, "--no-" + knob.flag[2:]} if knob.kind is bool else {knob.flag}
+        if knob.section == "supervisor":  # read by tandem up alone
+            assert knob.flat not in served, f"{knob.path}: tandem serve takes it"
+            assert up.get(knob.flat) == expected, f"{knob.path}: tandem up has {up.get(knob.flat)}"
+            continue
         assert served.get(knob.flat) == expected, f"{knob.path}: tandem serve has {served.get(knob.flat)}"
         if knob.flat != "instance_id":  # each child of `up` gets its own
             assert up.get(knob.flat) == expected, f"{knob.path}: tandem up has {up.get(knob.flat)}"
@@ -94,6 +98,7 @@ PRECEDENCE = [
     ("kvstore", "metrics_interval_s", "0.5", 0.5, ["--metrics-interval-s", "0.25"], 0.25),
     ("planner", "planner_ttft_target_ms", "500", 500.0, ["--ttft-target-ms", "250"], 250.0),
     ("kvstore", "kvstore_ram_mib", "10", 10.0, ["--kvstore-ram-mib", "20"], 20.0),
+    ("up", "drain_timeout_s", "5", 5.0, ["--drain-timeout-s", "7"], 7.0),
 ]
 
 
@@ -105,10 +110,11 @@ def test_precedence_covers_every_section():
 def test_flag_beats_variable_beats_default(monkeypatch, service, flat, env_value, from_env, flag, from_flag):
     knob = BY_FLAT[flat]
     p = parser()
-    assert settings_from(p.parse_args(["serve", service])).value(flat) == knob.default() != from_env
+    command = ["up"] if service == "up" else ["serve", service]
+    assert settings_from(p.parse_args(command)).value(flat) == knob.default() != from_env
     monkeypatch.setenv(knob.env, env_value)
-    assert settings_from(p.parse_args(["serve", service])).value(flat) == from_env
-    assert settings_from(p.parse_args(["serve", service, *flag])).value(flat) == from_flag != from_env
+    assert settings_from(p.parse_args(command)).value(flat) == from_env
+    assert settings_from(p.parse_args([*command, *flag])).value(flat) == from_flag != from_env
 
 
 def test_flat_names_and_updated_copies():
