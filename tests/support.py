@@ -9,7 +9,7 @@ import nats
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import decode
 from tandem.shared.protocol.fleet import Heartbeat
-from tandem.shared.protocol.serving import MAX_STOP_TOKEN_IDS
+from tandem.shared.protocol.serving import MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS
 
 # Prompt lengths (byte tokenizer: one token per byte) on and around block (16) and chunk (32) edges.
 PARITY_LENGTHS = [1, 5, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 95, 96, 97, 130, 200]
@@ -45,6 +45,7 @@ BAD_SAMPLING: list[tuple[str, object]] = [
     ("stop_token_ids", [-1]),
     ("stop_token_ids", list(range(MAX_STOP_TOKEN_IDS + 1))),
     ("stop", [""]),
+    ("stop", ["x" * (MAX_STOP_STRING_CHARS + 1)]),
 ]
 # Prompt token ids out of [0, 2**31), each one msgpack can carry.
 BAD_PROMPT_TOKEN_IDS: list[list[int]] = [[2**31], [2**64 - 1], [-1]]

@@ -10,13 +10,15 @@ from tandem.shared.protocol.base import ErrorReply, WireMessage
 from tandem.shared.protocol.kv import KVTransfer, RingSlots
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256  # the detokenizer searches each new text for every stop string
 MAX_STOP_TOKEN_IDS = 1024  # each is compared against every sampled token of the request
 INT32_MAX = 2**31 - 1  # token ids, top_k and max_tokens fit int32 (vocabularies and contexts are far smaller)
 SEED_LIMIT = 2**63  # seeds are < 2**63 (torch.Generator.manual_seed takes them on every version)
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (as vLLM): 1/T would overflow the logits
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
-RequestId = Annotated[str, Field(min_length=1, max_length=128)]
+# A request id becomes one token of the client's stream subject: no dots, wildcards or whitespace.
+RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\s.*>]+$")]
 
 
 class SamplingParams(BaseModel):
@@ -34,7 +36,8 @@ class SamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)  # nucleus mass kept; 1: off
     top_k: int = Field(-1, ge=-1, le=INT32_MAX)  # tokens kept; 0 or -1: off
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)  # samples depend only on (seed, output index)
-    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
 

@@ -98,6 +98,10 @@ async def test_client_refuses_bad_prompt_token_ids_before_sending(ids: list[int]
             pass
 
 
-async def test_client_refuses_an_overlong_request_id_before_sending() -> None:
+@pytest.mark.parametrize("request_id", ["x" * 129, "a.b", "a*", "a>", "a b", "tab\tid"],
+                         ids=["overlong", "dot", "star", "gt", "space", "tab"])
+async def test_client_refuses_a_request_id_unfit_for_its_subject_before_sending(request_id: str) -> None:
+    """The id is one token of the client's stream subject: a dot, a wildcard or whitespace there
+    would subscribe to other streams or to none."""
     with pytest.raises(InvalidRequestError, match="request_id"):
-        await Client(NoBus()).complete("hello", request_id="x" * 129)
+        await Client(NoBus()).complete("hello", request_id=request_id)
