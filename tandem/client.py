@@ -29,7 +29,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
 
 from tandem.shared.protocol import subjects
-from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError
+from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError, first_error
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.serving import Cancel, GenerateAccepted, GenerateRequest, Probe, SamplingParams, StreamChunk
 
@@ -83,10 +83,7 @@ _BY_CODE: dict[ErrorCode, type[TandemError]] = {
 
 def _first_error(exc: Exception) -> str:
     """``field: what is wrong`` for a pydantic error (its first one), else the exception's text."""
-    if isinstance(exc, ValidationError):
-        first = exc.errors()[0]
-        return f"{'.'.join(str(part) for part in first['loc'])}: {first['msg']}"
-    return str(exc)
+    return first_error(exc) if isinstance(exc, ValidationError) else str(exc)
 
 
 def error_from_reply(reply: ErrorReply) -> TandemError:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from tandem.shared.protocol.base import first_error
 from tandem.shared.protocol.serving import SamplingParams
 
 if TYPE_CHECKING:
@@ -52,10 +53,8 @@ def checked_params(params: SamplingParams) -> SamplingParams:
     try:
         return SamplingParams.model_validate(params.model_dump())
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise ValueError(f"invalid sampling parameters: {where}: {first['msg']} "
-                         f"(got {reprlib.repr(first['input'])})") from None
+        raise ValueError(f"invalid sampling parameters: {first_error(exc)} "
+                         f"(got {reprlib.repr(exc.errors()[0]['input'])})") from None
 
 
 @dataclass

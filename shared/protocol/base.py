@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 SCHEMA_VERSION = 2  # 2: PrefillRequest and DecodeRequest carry the RequestSpec whole
 
@@ -51,3 +51,10 @@ class ErrorReply(WireMessage):
 class Ack(WireMessage):
     kind: Literal["ack"] = "ack"
     request_id: str | None = None
+
+
+def first_error(exc: ValidationError) -> str:
+    """``field.path: what is wrong`` for a validation error's first finding: the one line a typed
+    error carries."""
+    first = exc.errors()[0]
+    return f"{'.'.join(str(part) for part in first['loc'])}: {first['msg']}"

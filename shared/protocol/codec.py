@@ -11,7 +11,7 @@ from typing import Annotated
 import msgpack
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
-from tandem.shared.protocol.base import SCHEMA_VERSION, Ack, ErrorCode, ErrorReply, ProtocolError
+from tandem.shared.protocol.base import SCHEMA_VERSION, Ack, ErrorCode, ErrorReply, ProtocolError, first_error
 from tandem.shared.protocol.fleet import (
     DrainRequest,
     Heartbeat,
@@ -85,12 +85,11 @@ def decode(data: bytes, expect: type[BaseModel] | tuple[type[BaseModel], ...] | 
     try:
         message = _adapter.validate_python(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
+        kind = exc.errors()[0]["type"]
         # A field out of its bounds is a bad request; a missing, extra or mistyped field is bad schema.
-        shape_error = first["type"].endswith("_type") or first["type"] in _SHAPE_ERRORS
+        shape_error = kind.endswith("_type") or kind in _SHAPE_ERRORS
         code = ErrorCode.BAD_SCHEMA if shape_error else ErrorCode.INVALID_REQUEST
-        raise ProtocolError(code, f"{where}: {first['msg']}") from None
+        raise ProtocolError(code, first_error(exc)) from None
     if expect is not None and not isinstance(message, expect):
         raise ProtocolError(ErrorCode.BAD_SCHEMA, f"unexpected message kind {message.kind!r} here")
     return message
