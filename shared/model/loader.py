@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from tandem.shared.model.config import ModelConfig, ModelLoadError
 from tandem.shared.model.llama import LlamaForCausalLM
-from tandem.shared.model.meta import is_random_spec, load_model_meta, read_json
+from tandem.shared.model.meta import is_random_spec, load_model_meta, weight_files
 from tandem.shared.model.presets import build_preset_model
 from tandem.shared.text.tokenizer import Tokenizer
 
@@ -107,27 +107,11 @@ def save_hf_checkpoint(model: LlamaForCausalLM, config: ModelConfig, path: str |
     return path
 
 
-def _weight_files(path: Path) -> list[Path]:
-    if (path / "model.safetensors").is_file():
-        return [path / "model.safetensors"]
-    index_file = path / "model.safetensors.index.json"
-    if not index_file.is_file():
-        raise ModelLoadError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-    weight_map = read_json(index_file).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ModelLoadError(f"{index_file} has no weight_map")
-    shards = sorted(set(weight_map.values()))
-    absent = [shard for shard in shards if not (path / shard).is_file()]
-    if absent:
-        raise ModelLoadError(f"{index_file.name} names shards missing from {path}: {absent}")
-    return [path / shard for shard in shards]
-
-
 def _load_checkpoint(path: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(config)  # no memory; RoPE tables are built on CPU regardless
     state: dict[str, torch.Tensor] = {}
-    for file in _weight_files(path):
+    for file in weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as shard:
             for name in shard.keys():
                 if not name.endswith(_IGNORED_CHECKPOINT_KEYS):

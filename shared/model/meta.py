@@ -71,7 +71,7 @@ class ModelMeta:
         if self.checkpoint is None:
             return "seeded"
         digest = hashlib.blake2b(digest_size=6)
-        for file in sorted(self.checkpoint.glob("*.safetensors")):
+        for file in weight_files(self.checkpoint):
             size = file.stat().st_size
             digest.update(f"{file.name}:{size}".encode())
             with file.open("rb") as weights:
@@ -167,6 +167,23 @@ def _has_weights(path: Path) -> bool:
 
 def _is_checkpoint(path: Path) -> bool:
     return (path / "config.json").is_file() and _has_weights(path)
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files holding a checkpoint's weights (one, or the shards its index names)."""
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    index_file = path / "model.safetensors.index.json"
+    if not index_file.is_file():
+        raise ModelLoadError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    weight_map = read_json(index_file).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelLoadError(f"{index_file} has no weight_map")
+    shards = sorted(set(weight_map.values()))
+    absent = [shard for shard in shards if not (path / shard).is_file()]
+    if absent:
+        raise ModelLoadError(f"{index_file.name} names shards missing from {path}: {absent}")
+    return [path / shard for shard in shards]
 
 
 def _checkpoint_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:

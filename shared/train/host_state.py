@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from tandem.shared.model.config import ModelConfig, ModelLoadError
+from tandem.shared.model.meta import weight_files
 from tandem.shared.train.lanes import host_buffer
 from tandem.shared.train.layout import UnitLayout, extras_layout, layer_layout
 
@@ -87,12 +88,10 @@ class HostState:
     @classmethod
     def from_checkpoint(cls, config: ModelConfig, path: Path, work_dtype: torch.dtype, pin: bool) -> HostState:
         """Masters from a Hugging Face safetensors checkpoint (any float dtype, sharded or not)."""
-        from tandem.shared.model.loader import _weight_files  # noqa: PLC2701 - the loader's own shard lookup
-
         state = cls(config, work_dtype, pin)
         targets = state.state_dict()
         seen: set[str] = set()
-        for file in _weight_files(Path(path)):
+        for file in weight_files(Path(path)):
             with safe_open(str(file), framework="pt", device="cpu") as shard:
                 for name in shard.keys():
                     if name in targets:
