@@ -66,9 +66,9 @@ async def demo(url: str, prompt: str) -> None:
 
 def weights_note(settings) -> None:
     """Say which weights the built-in model's demo came from, and how to train your own."""
-    from tandem.shared.model.meta import load_model_meta
+    from tandem.shared.model.meta import TINY, TINY_RANDOM, load_model_meta
 
-    if settings.model not in ("tiny", "tiny-random"):
+    if settings.model not in (TINY, TINY_RANDOM):
         return
     meta = load_model_meta(settings.model, settings.data_dir)
     if meta.source == "data-dir":
@@ -77,7 +77,7 @@ def weights_note(settings) -> None:
         note = ("the tiny model is the checkpoint shipped with tandem, made by `tandem train --default` (200 steps "
                 "on the Python standard library: Python-shaped, not fluent); that command saves your own run to "
                 f"{settings.data_dir}/models/tiny, which `tandem up` then serves instead")
-    elif settings.model == "tiny-random":
+    elif settings.model == TINY_RANDOM:
         note = "tiny-random is the tiny model with seeded random weights: noise, by design"
     else:
         note = ("the tiny model has random weights (no checkpoint in the data dir, none shipped in the package); "
