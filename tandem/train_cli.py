@@ -60,11 +60,12 @@ def add_train_parser(sub: argparse._SubParsersAction, add_common) -> None:  # no
 
 
 def build_job(args: argparse.Namespace, data_dir: Path):  # noqa: ANN201 - TrainJob
+    from tandem.shared.model.meta import trained_tiny_dir
     from tandem.shared.protocol.training import TrainJob
 
     fields = dict(DEFAULT_JOB) if args.default else {}
     if args.default:
-        fields["output_dir"] = str(Path(data_dir) / "models" / "tiny")
+        fields["output_dir"] = str(trained_tiny_dir(data_dir))
     fields.update({k: getattr(args, k) for k in JOB_FLAGS if getattr(args, k, None) is not None})
     return TrainJob(**fields)
 

@@ -66,7 +66,7 @@ async def demo(url: str, prompt: str) -> None:
 
 def weights_note(settings) -> None:
     """Say which weights the built-in model's demo came from, and how to train your own."""
-    from tandem.shared.model.meta import TINY, TINY_RANDOM, load_model_meta
+    from tandem.shared.model.meta import TINY, TINY_RANDOM, load_model_meta, trained_tiny_dir
 
     if settings.model not in (TINY, TINY_RANDOM):
         return
@@ -76,7 +76,7 @@ def weights_note(settings) -> None:
     elif meta.source == "shipped":
         note = ("the tiny model is the checkpoint shipped with tandem, made by `tandem train --default` (200 steps "
                 "on the Python standard library: Python-shaped, not fluent); that command saves your own run to "
-                f"{settings.data_dir}/models/tiny, which `tandem up` then serves instead")
+                f"{trained_tiny_dir(settings.data_dir)}, which `tandem up` then serves instead")
     elif settings.model == TINY_RANDOM:
         note = "tiny-random is the tiny model with seeded random weights: noise, by design"
     else:

@@ -81,6 +81,11 @@ class ModelMeta:
         return digest.hexdigest()
 
 
+def trained_tiny_dir(data_dir: str | os.PathLike) -> Path:
+    """Where ``tandem train --default`` saves the tiny model and where ``tiny`` looks first."""
+    return Path(data_dir) / "models" / TINY
+
+
 def load_model_meta(spec: str | os.PathLike, data_dir: str | os.PathLike | None = None) -> ModelMeta:
     """Config, tokenizer and name of "tiny", "tiny-random" or a Hugging Face directory, reading no weights."""
     if is_random_spec(spec):
@@ -88,7 +93,7 @@ def load_model_meta(spec: str | os.PathLike, data_dir: str | os.PathLike | None 
         tokenizer = SyntheticTokenizer(config.vocab_size, config.bos_token_id, config.eos_token_ids)
         return ModelMeta(config, tokenizer, str(spec), None, "random")
     if str(spec) == TINY:
-        saved = Path(data_dir) / "models" / "tiny" if data_dir is not None else None
+        saved = trained_tiny_dir(data_dir) if data_dir is not None else None
         if saved is not None and _is_checkpoint(saved):
             return ModelMeta(read_hf_config(saved), ByteTokenizer(), TINY, saved, "data-dir")
         shipped = shipped_tiny_checkpoint()
