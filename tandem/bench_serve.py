@@ -194,8 +194,8 @@ def strict_json(value):
 
 
 def run_bench_serve(args: argparse.Namespace, settings: Settings) -> int:
+    from tandem.runstate import find_running_url
     from tandem.services.common.runtime import run_async
-    from tandem.supervisor import find_running_url
 
     url = settings.bus.nats_url or find_running_url(settings.data_dir)
     if url is None:

@@ -23,7 +23,7 @@ import logging
 import sys
 
 from tandem.bench_serve import add_arguments as add_bench_serve
-from tandem.flags import CLIENT, SERVICE_SETTINGS, UP_SETTINGS, add_settings, given, settings_from
+from tandem.flags import CLIENT, SERVICE_SETTINGS, add_settings, given, settings_from
 
 SERVICES = tuple(SERVICE_SETTINGS)
 SERVICE_HELP = {
@@ -33,6 +33,7 @@ SERVICE_HELP = {
     "kvstore": "KV blocks by prefix hash in host RAM and on local disk",
     "planner": "decides worker counts from TTFT/TPOT targets and the live load",
     "trainer": "training jobs over NATS",
+    "frontend": "the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)",
 }
 DEMO_PROMPT = "def fibonacci(n):"
 SETTINGS_NOTE = ("Each flag is also a TANDEM_ environment variable (shown after its default); "
@@ -48,20 +49,9 @@ def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n\n")[0])
     sub = root.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="run the whole system on this machine", epilog=SETTINGS_NOTE,
-                        description="The whole system on this machine: an embedded nats-server (unless --nats-url), "
-                                    "KV-stores, decode and prefill workers and a router as child processes. Settings "
-                                    "flags given here are handed on to the children whose service uses them.")
-    up.add_argument("--prefill", type=int, default=1, help="prefill workers (default: 1)")
-    up.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
-    up.add_argument("--kvstore", type=int, default=1,
-                    help="KV-stores (RAM, then disk under <data-dir>/kvstore; default: 1)")
-    up.add_argument("--demo", nargs="?", const=DEMO_PROMPT, metavar="PROMPT",
-                    help="once up, generate from PROMPT and print it")
-    up.add_argument("--exit-after-demo", action="store_true", help="stop everything after the demo")
-    up.add_argument("--planner", action=argparse.BooleanOptionalAction, default=False,
-                    help="run the planner and carry out its scaling decisions (default: off, counts stay as given)")
-    add_settings(up, *UP_SETTINGS)
+    from tandem.up import add_up_parser
+
+    add_up_parser(sub, SETTINGS_NOTE, DEMO_PROMPT)
 
     serve = sub.add_parser("serve", help="run one service against an existing NATS server",
                            description="One service against an existing NATS server. "
@@ -118,6 +108,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from tandem.services.trainer.service import main
     elif args.service == "kvstore":
         from tandem.services.kvstore.service import main
+    elif args.service == "frontend":
+        from tandem.services.frontend.service import main
     elif args.service == "router":
         from tandem.services.router.service import main
     elif args.service == "prefill":
@@ -136,8 +128,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from tandem.client import TandemError, connect
+    from tandem.runstate import find_running_url
     from tandem.services.common.runtime import run_async
-    from tandem.supervisor import find_running_url
 
     settings = settings_from(args)
     url = settings.bus.nats_url or find_running_url(settings.data_dir)
@@ -173,7 +165,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_console(args: argparse.Namespace) -> int:
     from tandem.console.app import run_console
-    from tandem.supervisor import find_running_url
+    from tandem.runstate import find_running_url
 
     settings = settings_from(args)
     return run_console(settings.bus.nats_url or find_running_url(settings.data_dir))

@@ -30,9 +30,10 @@ SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "kvstore": (*PROCESS, "bus", "kvstore", "metrics"),
     "planner": (*PROCESS, "bus", "planner", "metrics"),
     "trainer": (*PROCESS, "bus", "engine.torch_threads", "metrics"),
+    "frontend": (*PROCESS, "bus", "frontend", "metrics"),
 }
 UP_SETTINGS = ("model", "data_dir", "log_level", "bus", "supervisor", "engine", "kv_ring", "router", "metrics",
-               "planner", "kvstore")
+               "planner", "kvstore", "frontend")
 REGISTERED = "settings_flags"  # namespace attribute: the flat names of the settings flags a parser has
 
 

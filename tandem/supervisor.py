@@ -15,7 +15,6 @@ so nothing is left behind. GPUs: see :mod:`tandem.gpus`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -26,7 +25,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import nats
@@ -34,6 +32,7 @@ import nats
 from tandem.discovery import gather_replies
 from tandem.flags import SERVICE_SETTINGS, argv
 from tandem.gpus import memory_share, pick_gpu, visible_gpus
+from tandem.runstate import RunState, remove_state, write_state
 from tandem.shared.infra.config import Settings
 from tandem.shared.infra.natsserver import NatsServer, die_with_parent
 from tandem.shared.protocol import subjects
@@ -47,21 +46,6 @@ ENGINE_SERVICES = ("prefill", "decode")
 DECIDED_HERE = ("nats_url", "nats_binary", "model", "log_level", "instance_id", "data_dir", "torch_threads",
                 "gpu_memory_utilization", "metrics_port", "planner_min_prefill", "planner_max_prefill",
                 "planner_min_decode", "planner_max_decode")
-
-
-def state_file(data_dir: Path) -> Path:
-    return Path(data_dir) / "run" / "up.json"
-
-
-def find_running_url(data_dir: Path) -> str | None:
-    """The NATS URL of the ``tandem up`` running on this machine, if any."""
-    path = state_file(data_dir)
-    try:
-        state = json.loads(path.read_text())
-        os.kill(int(state["pid"]), 0)
-    except (OSError, ValueError, KeyError):
-        return None
-    return state["nats_url"]
 
 
 @dataclass
@@ -193,9 +177,7 @@ class Supervisor:
         await Scaler(self).run()
 
     def write_state(self) -> None:
-        path = state_file(self.settings.data_dir)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"nats_url": self.url, "pid": os.getpid()}))
+        write_state(self.settings.data_dir, RunState(pid=os.getpid(), nats_url=self.url))
 
     def stop(self, timeout_s: float = 15.0) -> None:
         for service in SERVICE_ORDER:
@@ -212,12 +194,7 @@ class Supervisor:
         self.children.clear()
         if self.server is not None:
             self.server.stop()
-        path = state_file(self.settings.data_dir)
-        try:
-            if json.loads(path.read_text()).get("pid") == os.getpid():
-                path.unlink()
-        except (OSError, ValueError):
-            pass
+        remove_state(self.settings.data_dir, os.getpid())
 
 
 async def wait_until_ready(url: str, want: dict[str, int], check: Callable[[], None], timeout_s: float) -> None:

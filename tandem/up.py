@@ -11,6 +11,26 @@ from typing import Any
 from tandem.shared.infra.config import Settings
 
 
+def add_up_parser(sub: argparse._SubParsersAction, settings_note: str, demo_prompt: str) -> None:
+    """``tandem up``'s flags: its own, then every settings flag (handed on to the children)."""
+    from tandem.flags import UP_SETTINGS, add_settings
+
+    up = sub.add_parser("up", help="run the whole system on this machine", epilog=settings_note,
+                        description="The whole system on this machine: an embedded nats-server (unless --nats-url), "
+                                    "KV-stores, decode and prefill workers and a router as child processes. Settings "
+                                    "flags given here are handed on to the children whose service uses them.")
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers (default: 1)")
+    up.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
+    up.add_argument("--kvstore", type=int, default=1,
+                    help="KV-stores (RAM, then disk under <data-dir>/kvstore; default: 1)")
+    up.add_argument("--demo", nargs="?", const=demo_prompt, metavar="PROMPT",
+                    help="once up, generate from PROMPT and print it")
+    up.add_argument("--exit-after-demo", action="store_true", help="stop everything after the demo")
+    up.add_argument("--planner", action=argparse.BooleanOptionalAction, default=False,
+                    help="run the planner and carry out its scaling decisions (default: off, counts stay as given)")
+    add_settings(up, *UP_SETTINGS)
+
+
 def run_up(args: argparse.Namespace, settings: Settings, overrides: dict[str, Any]) -> int:
     """``overrides``: the settings flags given (flat name -> value), handed on to the children."""
     from tandem.services.common.runtime import run_async, setup_logging

@@ -17,6 +17,7 @@ whose every field has a ``description`` and its bounds:
     ``settings.metrics``  Prometheus ``/metrics`` and ``MetricsSnapshot``
     ``settings.planner``  the planner's targets, pace and worker limits
     ``settings.kvstore``  the KV store's tiers
+    ``settings.frontend`` the OpenAI-compatible HTTP front end: address, key, served name, admission
 
 Names. Every field has one *flat name*, unique across all sections: its section's ``prefix`` then
 its own name (``kv_ring.mib`` is ``kv_ring_mib``, ``planner.window_s`` is ``planner_window_s``; the
@@ -92,6 +93,8 @@ class SupervisorSettings:
                                                        "then the one on PATH)")
     drain_timeout_s: float = Field(60.0, gt=0, description="tandem up: a draining worker still busy after this many "
                                                            "seconds is stopped")
+    nats_port: int = Field(0, ge=0, le=65535, description="tandem up: the port of the nats-server it embeds (0: a "
+                                                           "free one)", json_schema_extra={"flag": "--port"})
 
 
 @dataclass(config=SECTION)
@@ -201,6 +204,23 @@ class KVStoreSettings:
     dir: Path | None = Field(None, description="the disk tier's folder (unset: <data-dir>/kvstore)")
 
 
+@dataclass(config=SECTION)
+class FrontendSettings:
+    """The OpenAI-compatible HTTP front end (``tandem serve frontend``; ``tandem up`` starts one)."""
+
+    prefix: ClassVar[str] = "http_"
+
+    host: str = Field("127.0.0.1", min_length=1, description='address the HTTP API binds ("0.0.0.0" to serve '
+                                                              'other machines)')
+    port: int = Field(8000, ge=0, le=65535, description="port of the HTTP API (0: a free one)")
+    api_key: str | None = Field(None, description="clients must send this as a bearer token (unset: no key)",
+                                json_schema_extra={"flat": "api_key"})
+    served_model_name: str | None = Field(None, description="the model's name in the API (unset: the router's model "
+                                                            "name)", json_schema_extra={"flat": "served_model_name"})
+    max_concurrent_requests: int = Field(512, ge=1, description="requests in flight at once; more get 429",
+                                         json_schema_extra={"flat": "max_concurrent_requests"})
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
@@ -222,6 +242,8 @@ class Settings(BaseSettings):
     planner: PlannerSettings = Field(default_factory=PlannerSettings,
                                      description="the planner (tandem serve planner, tandem up --planner)")
     kvstore: KVStoreSettings = Field(default_factory=KVStoreSettings, description="the KV store (tandem serve kvstore)")
+    frontend: FrontendSettings = Field(default_factory=FrontendSettings,
+                                       description="the OpenAI-compatible HTTP API (tandem serve frontend)")
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
