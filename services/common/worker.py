@@ -211,7 +211,7 @@ class EngineWorker(ServiceRuntime):
             self.offers_in_flight -= 1
         await publish_transfer(self.nc, request_id, self.instance_id, store, "store", len(hashes), len(blob),
                                start, time.time())
-        self.log.info("offered %d blocks of %s to kvstore %s (%d new)", len(hashes), request_id, store, reply.stored)
+        self.log.debug("offered %d blocks of %s to kvstore %s (%d new)", len(hashes), request_id, store, reply.stored)
 
     def on_kv_events(self, stored: list[int], removed: list[int]) -> None:
         self.kv_events.add(self.kv_namespace, stored, removed)
@@ -223,6 +223,8 @@ class EngineWorker(ServiceRuntime):
             raise ProtocolError(ErrorCode.UNKNOWN_MODEL, f"this worker serves {self.model_name!r}, not {model!r}")
         if not prompt_token_ids:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, "the prompt is empty")
+        if spec.params.max_tokens is None:  # the router grants a number; a worker never guesses one
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, "max_tokens is unset (the router sets it)", "max_tokens")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ProtocolError(ErrorCode.PROMPT_TOO_LONG,
                                 f"prompt has {len(prompt_token_ids)} tokens; the context holds {self.max_model_len}")
@@ -237,7 +239,7 @@ class EngineWorker(ServiceRuntime):
             self.log.warning("ignored bad cancel: %s", exc)
             return
         if cancel.request_id in self.streams:
-            self.log.info("cancel %s", cancel.request_id)
+            self.log.debug("cancel %s", cancel.request_id)
             self.thread.abort(cancel.request_id)
 
     # -- outputs ----------------------------------------------------------------------------------
@@ -255,7 +257,7 @@ class EngineWorker(ServiceRuntime):
             self.send_chunk(stream, out.request_id, out.new_token_ids, out.text_delta,
                             out.finish_reason if out.finished else None)
             if out.finished:
-                self.log.info("%s finished: %s after %d tokens", out.request_id, out.finish_reason, stream.next_index)
+                self.log.debug("%s finished: %s after %d tokens", out.request_id, out.finish_reason, stream.next_index)
 
     def handle_output(self, out: RequestOutput, stream: Stream) -> bool:
         """Subclass hook: True when the output was dealt with and needs no plain chunk."""

@@ -136,7 +136,7 @@ class DecodeService(EngineWorker):
             self.offers.pop(spec.request_id, None)
             raise ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) from None
         received = "through the ring" if msg.ring else "as NATS frames"
-        self.log.info(
+        self.log.debug(
             "admit %s: %d prompt tokens, %s", spec.request_id, len(spec.prompt_token_ids),
             f"{kv.shape[0]} KV blocks received {received}" if kv is not None else "prefilling locally",
         )
@@ -193,7 +193,7 @@ class DecodeService(EngineWorker):
             results = await asyncio.gather(*(self._listening(rid, s) for rid, s in streams))
             for (request_id, _), alive in zip(streams, results):
                 if not alive and request_id in self.streams:
-                    self.log.info("client of %s is gone; aborting", request_id)
+                    self.log.debug("client of %s is gone; aborting", request_id)
                     self.thread.abort(request_id)
 
     async def _listening(self, request_id: str, stream: Stream) -> bool:

@@ -87,7 +87,7 @@ class PrefillService(EngineWorker):
             error = ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) if isinstance(exc, ValueError) else exc
             await request.respond(encode(error_reply(error, spec.request_id)))
             return
-        self.log.info("prefill %s: %d tokens (%d from kvstore) for decode %s", spec.request_id,
+        self.log.debug("prefill %s: %d tokens (%d from kvstore) for decode %s", spec.request_id,
                       len(spec.prompt_token_ids),
                       0 if prefix is None else prefix.shape[0] * self.settings.engine.block_size,
                       msg.decode_worker)
@@ -164,7 +164,7 @@ class PrefillService(EngineWorker):
             self.log.warning("decode %s refused %s: %s", msg.decode_worker, request_id, reply.message)
             self.send_chunk(stream, request_id, [], "", "error", reply)
             return
-        self.log.info("handed %s to decode %s: %d blocks, %d bytes, %s", request_id, msg.decode_worker,
+        self.log.debug("handed %s to decode %s: %d blocks, %d bytes, %s", request_id, msg.decode_worker,
                       kv.shape[0], kv.numel() * kv.element_size(), "shared memory" if admit.ring else "NATS frames")
         await publish_transfer(self.nc, request_id, self.instance_id, msg.decode_worker,
                                "ring" if admit.ring else "nats", kv.shape[0], kv.numel() * kv.element_size(),

@@ -41,10 +41,26 @@ from tandem.shared.protocol.kv import KVEvent
 from tandem.shared.protocol.serving import DecodeRequest, GenerateAccepted, GenerateRequest, PrefillRequest, RequestSpec
 
 
-def request_spec(msg: GenerateRequest, prompt_token_ids: list[int], model: str, accepted_at: float) -> RequestSpec:
+def request_spec(msg: GenerateRequest, prompt_token_ids: list[int], model: str, accepted_at: float,
+                 max_model_len: int) -> RequestSpec:
     """The request as prefill and decode workers see it: ``msg`` with its prompt tokenized, its model
-    resolved and its arrival stamped. Built once per request; the workers carry it on unchanged."""
-    return RequestSpec(request_id=msg.request_id, prompt_token_ids=prompt_token_ids, params=msg.params,
+    resolved, its ``max_tokens`` set (unset: what the context leaves) and its arrival stamped. Built
+    once per request; the workers carry it on unchanged. A prompt the context cannot hold, or a
+    ``max_tokens`` beyond what it leaves, is refused (as vLLM does), never silently cut."""
+    room = max_model_len - len(prompt_token_ids)
+    if room < 1:
+        raise ProtocolError(ErrorCode.PROMPT_TOO_LONG,
+                            f"prompt has {len(prompt_token_ids)} tokens; the context holds {max_model_len}", "prompt")
+    max_tokens = msg.params.max_tokens
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens > room:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST,
+                            f"max_tokens is {max_tokens}, but the context ({max_model_len} tokens) leaves {room} after "
+                            f"the {len(prompt_token_ids)}-token prompt: ask for at most {room}", "max_tokens")
+    params = msg.params if max_tokens == msg.params.max_tokens else msg.params.model_copy(
+        update={"max_tokens": max_tokens})
+    return RequestSpec(request_id=msg.request_id, prompt_token_ids=prompt_token_ids, params=params,
                        stream_subject=msg.stream_subject, model=model, arrival_time=accepted_at)
 
 
@@ -186,25 +202,25 @@ class Router(ServiceRuntime):
             msg: GenerateRequest = decode(request.data, GenerateRequest)
             request_id = msg.request_id
             reply = await self.place_valid(msg, accepted_at)
-            self.serving.placed(len(reply.prompt_token_ids), msg.params.max_tokens, accepted_at)
+            self.serving.placed(len(reply.prompt_token_ids), reply.max_tokens, accepted_at)
         except Exception as exc:
             reply = error_reply(exc, request_id)
             self.serving.rejected.labels(reply.code.value).inc()
-            self.log.info("rejected %s: %s %s", request_id, reply.code.value, reply.message)
+            self.log.debug("rejected %s: %s %s", request_id, reply.code.value, reply.message)
         await request.respond(encode(reply))
 
     def tokenize(self, msg: GenerateRequest) -> list[int]:
         model = msg.model or self.meta.name
         if model != self.meta.name:
             raise ProtocolError(ErrorCode.UNKNOWN_MODEL,
-                                f"unknown model {model!r}; this router serves {self.meta.name!r}")
+                                f"unknown model {model!r}; this router serves {self.meta.name!r}", "model")
         if (msg.prompt is None) == (msg.prompt_token_ids is None):
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, "give exactly one of prompt and prompt_token_ids")
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, "give exactly one of prompt and prompt_token_ids", "prompt")
         ids = self.meta.tokenizer.encode(msg.prompt) if msg.prompt is not None else list(msg.prompt_token_ids)
         if not ids:
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, "the prompt is empty")
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, "the prompt is empty", "prompt")
         if max(ids) >= self.meta.config.vocab_size:
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"token id {max(ids)} is outside the vocabulary")
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"token id {max(ids)} is outside the vocabulary", "prompt")
         return ids
 
     def ranked(self, workers: list[Worker], prompt: PromptBlocks) -> list[tuple[Worker, Candidate]]:
@@ -224,17 +240,12 @@ class Router(ServiceRuntime):
 
     async def place_valid(self, msg: GenerateRequest, accepted_at: float) -> GenerateAccepted:
         ids = self.tokenize(msg)
-        spec = request_spec(msg, ids, self.meta.name, accepted_at)
         prompt = PromptBlocks(ids)
         ranked_decode = self.ranked(self.alive("decode", self.meta.name), prompt)
         if not ranked_decode:
             raise ProtocolError(ErrorCode.NO_WORKERS, f"no decode worker serves {self.meta.name!r}")
         for decode_worker, choice in ranked_decode:
-            if len(ids) >= decode_worker.beat.max_model_len:
-                raise ProtocolError(
-                    ErrorCode.PROMPT_TOO_LONG,
-                    f"prompt has {len(ids)} tokens; the context holds {decode_worker.beat.max_model_len}",
-                )
+            spec = request_spec(msg, ids, self.meta.name, accepted_at, decode_worker.beat.max_model_len)
             # Counted before the round trips, so requests placed meanwhile already see this load.
             stamp = decode_worker.reserve()
             try:
@@ -252,6 +263,7 @@ class Router(ServiceRuntime):
         return GenerateAccepted(
             request_id=msg.request_id, prompt_token_ids=ids, decode_worker=decode_worker.beat.instance_id,
             prefill_worker=prefill_worker.beat.instance_id if prefill_worker else None,
+            max_tokens=spec.params.max_tokens,
         )
 
     async def place_prefill(self, spec: RequestSpec, prompt: PromptBlocks, dec: Worker,
@@ -291,7 +303,7 @@ class Router(ServiceRuntime):
             prefill_worker=prefill.beat.instance_id if prefill else None, reason=reason,
         )
         await self.nc.publish(subjects.ROUTER_DECISIONS, encode(decision))
-        self.log.info("placed %s: %d prompt tokens, decode %s, prefill %s (%s)", msg.request_id, len(ids),
+        self.log.debug("placed %s: %d prompt tokens, decode %s, prefill %s (%s)", msg.request_id, len(ids),
                       dec.beat.instance_id, prefill.beat.instance_id if prefill else "local", reason)
 
     async def forward_prefill(self, spec: RequestSpec, prefill: Worker, dec: Worker, store: str, fetch: int,

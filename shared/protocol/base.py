@@ -30,10 +30,11 @@ class ErrorCode(str, Enum):
 class ProtocolError(Exception):
     """A message could not be accepted; ``code`` says why in a form clients can branch on."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, param: str | None = None) -> None:
         super().__init__(f"{code.value}: {message}")
         self.code = code
         self.message = message
+        self.param = param  # the request field at fault, when one is (OpenAI's error ``param``)
 
 
 class WireMessage(BaseModel):
@@ -46,6 +47,7 @@ class ErrorReply(WireMessage):
     code: ErrorCode
     message: str
     request_id: str | None = None
+    param: str | None = None  # the request field at fault: "max_tokens", "prompt", "model"
 
 
 class Ack(WireMessage):

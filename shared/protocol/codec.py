@@ -98,5 +98,5 @@ def decode(data: bytes, expect: type[BaseModel] | tuple[type[BaseModel], ...] | 
 def error_reply(exc: Exception, request_id: str | None = None) -> ErrorReply:
     """The reply for an exception raised while handling a message."""
     if isinstance(exc, ProtocolError):
-        return ErrorReply(code=exc.code, message=exc.message, request_id=request_id)
+        return ErrorReply(code=exc.code, message=exc.message, request_id=request_id, param=exc.param)
     return ErrorReply(code=ErrorCode.WORKER_FAILURE, message=f"{type(exc).__name__}: {exc}", request_id=request_id)

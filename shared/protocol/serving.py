@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from tandem.shared.protocol.base import ErrorReply, WireMessage
 from tandem.shared.protocol.kv import KVTransfer, RingSlots
@@ -17,8 +17,15 @@ SEED_LIMIT = 2**63  # seeds are < 2**63 (torch.Generator.manual_seed takes them 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (as vLLM): 1/T would overflow the logits
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+def _utf8(value: str) -> str:
+    value.encode("utf-8")  # a lone surrogate raises UnicodeEncodeError (a ValueError): msgpack could not send it
+    return value
+
+
 # A request id becomes one token of the client's stream subject: no dots, wildcards or whitespace.
-RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\s.*>]+$")]
+RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\s.*>]+$"), AfterValidator(_utf8)]
 
 
 class SamplingParams(BaseModel):
@@ -31,7 +38,9 @@ class SamplingParams(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    max_tokens: int = Field(16, ge=1, le=INT32_MAX)  # the context (max_model_len) ends a request sooner
+    # None: as many as the context leaves after the prompt (the router sets the number); more than
+    # it leaves is refused by the router.
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
     temperature: float = Field(1.0, ge=0.0, le=100.0, allow_inf_nan=False)  # 0: greedy (argmax)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)  # nucleus mass kept; 1: off
     top_k: int = Field(-1, ge=-1, le=INT32_MAX)  # tokens kept; 0 or -1: off
@@ -62,6 +71,7 @@ class GenerateAccepted(WireMessage):
     prompt_token_ids: list[int]
     prefill_worker: str | None
     decode_worker: str
+    max_tokens: int = 0  # as the router granted it (an unset max_tokens becomes what the context leaves)
 
 
 class RequestSpec(BaseModel):

@@ -11,6 +11,7 @@ from tandem.client import Client, InvalidRequestError
 from tandem.services.common.worker import engine_request
 from tandem.services.prefill.service import handoff_request
 from tandem.services.router.service import decode_request, prefill_request, request_spec
+from tandem.shared.protocol.base import ProtocolError
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.fleet import Heartbeat
 from tandem.shared.protocol.serving import DecodeRequest, GenerateRequest, PrefillRequest, SamplingParams
@@ -34,7 +35,7 @@ def over_the_bus(message):
 
 
 def test_spec_reaches_decode_unchanged_through_prefill() -> None:
-    spec = request_spec(generate_request(), PROMPT, "tiny", accepted_at=1700000000.25)
+    spec = request_spec(generate_request(), PROMPT, "tiny", accepted_at=1700000000.25, max_model_len=2048)
     assert (spec.request_id, spec.prompt_token_ids, spec.params, spec.model) == ("r-1", PROMPT, PARAMS, "tiny")
     assert spec.stream_subject == "_INBOX.tandem.c.r-1" and spec.arrival_time == 1700000000.25
 
@@ -51,8 +52,29 @@ def test_spec_reaches_decode_unchanged_through_prefill() -> None:
     assert admit.kvstore_held_blocks == len(PROMPT) // BLOCK_SIZE, "prefill offers the prompt's full blocks itself"
 
 
+@pytest.mark.parametrize("asked,context,granted", [(None, 2048, 2048 - len(PROMPT)), (5, 2048, 5),
+                                                   (2048 - len(PROMPT), 2048, 2048 - len(PROMPT))])
+def test_spec_grants_max_tokens_within_the_context(asked: int | None, context: int, granted: int) -> None:
+    msg = generate_request().model_copy(update={"params": PARAMS.model_copy(update={"max_tokens": asked})})
+    spec = request_spec(msg, PROMPT, "tiny", 1.0, context)
+    assert spec.params.max_tokens == granted, f"asked {asked} with a {context}-token context"
+
+
+@pytest.mark.parametrize("asked,context,code,param", [(2048 - len(PROMPT) + 1, 2048, "invalid_request", "max_tokens"),
+                                                      (1, len(PROMPT), "prompt_too_long", "prompt"),
+                                                      (None, len(PROMPT), "prompt_too_long", "prompt")])
+def test_spec_refuses_what_the_context_cannot_hold(asked, context: int, code: str, param: str) -> None:
+    """vLLM refuses a max_tokens beyond what the context leaves; it is never silently cut."""
+    msg = generate_request().model_copy(update={"params": PARAMS.model_copy(update={"max_tokens": asked})})
+    with pytest.raises(ProtocolError) as caught:
+        request_spec(msg, PROMPT, "tiny", 1.0, context)
+    assert (caught.value.code.value, caught.value.param) == (code, param), caught.value.message
+    if param == "max_tokens":
+        assert f"at most {context - len(PROMPT)}" in caught.value.message, "the message should say what fits"
+
+
 def test_spec_reaches_a_decode_worker_prefilling_alone() -> None:
-    spec = request_spec(generate_request(), PROMPT, "tiny", accepted_at=12.0)
+    spec = request_spec(generate_request(), PROMPT, "tiny", accepted_at=12.0, max_model_len=2048)
     admit = over_the_bus(decode_request(spec, store="kvstore-a", held=2))
     assert admit.spec == spec and admit.output_token_ids == [] and admit.transfer is None and admit.ring is None
     assert (admit.kvstore, admit.kvstore_held_blocks) == ("kvstore-a", 2)
@@ -60,7 +82,7 @@ def test_spec_reaches_a_decode_worker_prefilling_alone() -> None:
 
 @pytest.mark.parametrize("hop", ["prefill", "decode"])
 def test_engine_request_is_the_spec(hop: str) -> None:
-    spec = request_spec(generate_request(), PROMPT, "tiny", 1.0)
+    spec = request_spec(generate_request(), PROMPT, "tiny", 1.0, 2048)
     work = (engine_request(spec, prefill_only=True) if hop == "prefill"
             else engine_request(spec, output_token_ids=[17], export_on_finish=True))
     assert work.request_id == spec.request_id and work.prompt_token_ids == spec.prompt_token_ids
@@ -98,8 +120,8 @@ async def test_client_refuses_bad_prompt_token_ids_before_sending(ids: list[int]
             pass
 
 
-@pytest.mark.parametrize("request_id", ["x" * 129, "a.b", "a*", "a>", "a b", "tab\tid"],
-                         ids=["overlong", "dot", "star", "gt", "space", "tab"])
+@pytest.mark.parametrize("request_id", ["x" * 129, "a.b", "a*", "a>", "a b", "tab\tid", "lone\ud800", 2**64, ""],
+                         ids=["overlong", "dot", "star", "gt", "space", "tab", "lone-surrogate", "int-2**64", "empty"])
 async def test_client_refuses_a_request_id_unfit_for_its_subject_before_sending(request_id: str) -> None:
     """The id is one token of the client's stream subject: a dot, a wildcard or whitespace there
     would subscribe to other streams or to none."""
