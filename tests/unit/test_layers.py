@@ -1,7 +1,7 @@
 """The layer rule, checked in fresh interpreters: what runs no model loads no torch.
 
 docs/architecture.md states the rule: the wire protocol imports neither torch nor the engine, and
-the router, the KV-store's service side and ``tandem.client`` need no torch. Each case imports its
+the router, the KV-store's service side, the HTTP frontend and ``tandem.client`` need no torch. Each case imports its
 modules in a new Python process (this one has torch loaded already) and lists what it pulled in.
 """
 
@@ -25,6 +25,7 @@ CASES = {
     "client": ["tandem.client"],
     "router": ["tandem.services.router.service"],
     "kvstore service side": ["tandem.services.kvstore.service"],
+    "frontend": ["tandem.services.frontend.service"],
 }
 
 PROBE = """

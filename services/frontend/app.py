@@ -1,0 +1,421 @@
+"""The OpenAI-compatible HTTP API (FastAPI): routes, authentication, admission, and SSE streams.
+
+Each generation request becomes one bus request per prompt through :mod:`tandem.client`, exactly as a
+library user's would: the router tokenizes and places it, the workers stream its tokens. A request is
+placed before its HTTP answer starts, so every refusal (a bad value, an unknown model, no workers)
+comes back with its status code and OpenAI's error body, never as a broken stream. A client that
+disconnects cancels its requests on the workers: a stream's generator is cancelled by the server, a
+non-streamed request's disconnect is watched for while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from tandem import __version__
+from tandem.client import Client, RequestStream, TandemError
+from tandem.services.frontend import schemas
+from tandem.services.frontend.chat_template import ChatTemplate, ChatTemplateError
+from tandem.services.frontend.errors import (
+    APIError,
+    bad_request,
+    from_tandem,
+    from_validation,
+    not_supported,
+    unknown_model,
+)
+from tandem.services.frontend.metrics import FrontendMetrics
+from tandem.shared.protocol.serving import SamplingParams
+from tandem.shared.text.tokenizer import HFTokenizer, Tokenizer
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is "what the context leaves"
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class ServedModel:
+    """The model behind the API: its name there, its name on the bus, and what chat needs."""
+
+    served_name: str
+    bus_name: str  # what the router serves (the ``model`` of a bus request)
+    tokenizer: Tokenizer
+    template: ChatTemplate | None
+    template_error: str = ""  # why there is no template, for the 400 a chat request gets
+
+
+@dataclass
+class Frontend:
+    """What the routes need: the bus client, the model, the settings, the figures."""
+
+    client: Client
+    model: ServedModel
+    api_key: str | None
+    max_concurrent_requests: int
+    router_models: Callable[[], Awaitable[list[str]]]  # the models the running routers serve
+    max_model_len: Callable[[str], int | None]  # a bus model's context, from its decode workers' heartbeats
+    router_alive: Callable[[], Awaitable[bool]]
+    metrics: FrontendMetrics | None = None
+    metrics_page: Callable[[], str] = lambda: ""
+    running: int = 0
+    log: object = None
+    created: int = field(default_factory=schemas.now)
+
+    # -- request building -----------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model not in (None, "", self.model.served_name, self.model.bus_name):
+            raise unknown_model(model, [self.model.served_name])
+
+    def sampling(self, request: schemas.SamplingFields, max_tokens: int | None, max_tokens_field: str) -> dict:
+        """The request's :class:`SamplingParams` fields, validated by the bus's own bounds: a bad value
+        is a 400 naming the field (as the client sent it) and the bound."""
+        field_name = schemas.unsupported(request)
+        if field_name:
+            raise not_supported(field_name)
+        stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+        params = dict(max_tokens=max_tokens, stop=stop, ignore_eos=request.ignore_eos)
+        for name in ("temperature", "top_p", "top_k", "seed"):
+            if getattr(request, name) is not None:
+                params[name] = getattr(request, name)
+        if request.stop_token_ids:
+            params["stop_token_ids"] = list(request.stop_token_ids)
+        try:
+            SamplingParams(**params)
+        except ValidationError as exc:
+            raise from_validation(exc, {"max_tokens": max_tokens_field}) from None
+        return params
+
+    def chat_prompt(self, request: schemas.ChatCompletionRequest) -> list[int]:
+        """The conversation rendered by the model's chat template, as token ids (the template writes
+        the special tokens itself, so the tokenizer adds none)."""
+        if self.model.template is None:
+            raise bad_request(self.model.template_error, "messages",
+                              "no_chat_template")
+        try:
+            text = self.model.template.render(request.template_messages(),
+                                              add_generation_prompt=request.add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise bad_request(f"messages: {exc}", "messages") from None
+        tokenizer = self.model.tokenizer
+        ids = tokenizer.encode(text, add_special_tokens=False) if isinstance(tokenizer, HFTokenizer) else \
+            tokenizer.encode(text)
+        if not ids:
+            raise bad_request("messages: the conversation renders to an empty prompt", "messages")
+        return ids
+
+    # -- running requests -----------------------------------------------------------------------
+    def admit(self) -> None:
+        if self.running >= self.max_concurrent_requests:
+            raise APIError(429, f"too many requests in flight ({self.max_concurrent_requests}); retry shortly",
+                           "rate_limit_error", None, "too_many_requests")
+
+    async def open_streams(self, prompts: list[str | list[int]], params: dict, chat: bool) -> list[RequestStream]:
+        """Place every prompt's request; if one is refused, cancel the others and raise its error
+        (a chat request's prompt is its ``messages``)."""
+        try:
+            streams = [self.client.stream(p, model=self.model.bus_name, **params) for p in prompts]
+        except TandemError as exc:
+            raise from_tandem(exc, exc.param) from None
+        results = await asyncio.gather(*(s.__aenter__() for s in streams), return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            for stream in streams:
+                stream.close_nowait()
+            if isinstance(failed, TandemError):
+                param = "messages" if chat and failed.param == "prompt" else failed.param
+                raise from_tandem(failed, param) from None
+            raise failed
+        return streams
+
+
+def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, object]]:
+    """Chunks of several streams as they come, as (stream index, chunk); a stream's error is raised."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((i, chunk))
+        except BaseException as exc:  # handed to the consumer, which raises it
+            queue.put_nowait((i, exc))
+            return
+        queue.put_nowait((i, done))
+
+    async def gen() -> AsyncIterator[tuple[int, object]]:
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        remaining = len(streams)
+        try:
+            while remaining:
+                i, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            for stream in streams:
+                stream.close_nowait()
+
+    return gen()
+
+
+def sse(payload: schemas.BaseModel | dict) -> str:
+    data = payload.model_dump_json(exclude_none=False) if isinstance(payload, schemas.BaseModel) else \
+        json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body.model_dump(), status_code=error.status)
+
+
+@dataclass
+class Tally:
+    """One HTTP request's figures while it runs: first token, last chunk, tokens per choice."""
+
+    started: float
+    prompt_tokens: int
+    first: float | None = None
+    last: float | None = None
+    tokens: dict[int, int] = field(default_factory=dict)
+    reasons: dict[int, str | None] = field(default_factory=dict)
+
+    def on_chunk(self, metrics: FrontendMetrics | None, index: int, chunk) -> None:
+        now = time.perf_counter()
+        if chunk.token_ids:
+            if self.first is None:
+                self.first = now
+                if metrics:
+                    metrics.ttft.observe(now - self.started)
+            elif metrics and self.last is not None:
+                metrics.itl.observe(now - self.last)
+            self.last = now
+        self.tokens[index] = self.tokens.get(index, 0) + len(chunk.token_ids)
+        if chunk.finish_reason is not None:
+            self.reasons[index] = chunk.finish_reason
+
+    def completion_tokens(self) -> int:
+        return sum(self.tokens.values())
+
+    def finish(self, metrics: FrontendMetrics | None) -> None:
+        if metrics is None:
+            return
+        metrics.e2e.observe(time.perf_counter() - self.started)
+        for index, reason in self.reasons.items():
+            metrics.finished(self.prompt_tokens // max(1, len(self.reasons)), self.tokens.get(index, 0), reason)
+
+
+def build_app(frontend: Frontend) -> FastAPI:
+    app = FastAPI(title="tandem", version=__version__, docs_url="/docs", redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_bad_body(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request body"}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        where = loc[0] if loc else ""  # the request's own field; deeper parts name pydantic's union branches
+        message = first.get("msg", "invalid request body")
+        if first.get("type") == "json_invalid":
+            return error_response(bad_request(f"the body is not valid JSON: {message}", None, "invalid_json"))
+        return error_response(bad_request(f"{where}: {message}" if where else message, where or None))
+
+    @app.exception_handler(Exception)
+    async def on_crash(_request: Request, exc: Exception) -> JSONResponse:  # the last line of defence
+        if frontend.log:
+            frontend.log.exception("unhandled error")
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}", "server_error"))
+
+    @app.middleware("http")
+    async def authenticate_and_count(request: Request, call_next) -> Response:
+        path = request.url.path
+        if frontend.api_key and path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), frontend.api_key.encode()):
+                response = error_response(APIError(401, "missing or wrong API key: send it as "
+                                                        "`Authorization: Bearer KEY`", "invalid_request_error",
+                                                   None, "invalid_api_key"))
+                count(path, response.status_code)
+                return response
+        response = await call_next(request)
+        count(path, response.status_code)
+        return response
+
+    def count(path: str, status: int) -> None:
+        if frontend.metrics is not None:
+            frontend.metrics.http.labels(path if path in KNOWN_PATHS else "other", str(status)).inc()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if await frontend.router_alive():
+            return JSONResponse({"status": "ok"})
+        return error_response(APIError(503, "no router answers on the bus", "service_unavailable_error", None,
+                                       "no_workers"))
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(frontend.metrics_page(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> schemas.ModelList:
+        cards = []
+        for bus_name in await frontend.router_models():
+            name = frontend.model.served_name if bus_name == frontend.model.bus_name else bus_name
+            cards.append(schemas.ModelCard(id=name, created=frontend.created, root=bus_name,
+                                           max_model_len=frontend.max_model_len(bus_name)))
+        return schemas.ModelList(data=cards)
+
+    @app.post("/v1/completions")
+    async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
+        frontend.check_model(body.model)
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        params = frontend.sampling(body, max_tokens, "max_tokens")
+        prompts = body.prompts()
+        if not prompts or any(isinstance(p, str | list) and len(p) == 0 for p in prompts):
+            raise bad_request("prompt: the prompt is empty", "prompt")
+        return await run(request, body, prompts, params, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
+        frontend.check_model(body.model)
+        field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        params = frontend.sampling(body, body.asked_max_tokens(), field_name)
+        return await run(request, body, [frontend.chat_prompt(body)], params, chat=True)
+
+    async def run(request: Request, body: schemas.SamplingFields, prompts: list, params: dict, chat: bool) -> Response:
+        frontend.admit()
+        frontend.running += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                frontend.running -= 1
+
+        try:
+            started = time.perf_counter()
+            streams = await frontend.open_streams(prompts, params, chat)
+            prompt_tokens = sum(len(s.accepted.prompt_token_ids) for s in streams)
+            tally = Tally(started, prompt_tokens)
+            request_id = schemas.new_id("chatcmpl" if chat else "cmpl")
+            model = frontend.model.served_name
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                events = stream_events(streams, tally, request_id, model, chat, include_usage, release)
+                return StreamingResponse(events, media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            texts = await collect_unless_disconnected(request, streams, tally)
+        except BaseException:
+            release()
+            raise
+        release()
+        tally.finish(frontend.metrics)
+        usage = schemas.Usage.of(prompt_tokens, tally.completion_tokens())
+        created = schemas.now()
+        if chat:
+            choices = [schemas.ChatChoice(index=i, message=schemas.ChatResponseMessage(content=texts[i]),
+                                          finish_reason=tally.reasons.get(i)) for i in range(len(streams))]
+            return JSONResponse(schemas.ChatCompletion(id=request_id, created=created, model=model, choices=choices,
+                                                       usage=usage).model_dump())
+        choices = [schemas.CompletionChoice(index=i, text=texts[i], finish_reason=tally.reasons.get(i))
+                   for i in range(len(streams))]
+        return JSONResponse(schemas.Completion(id=request_id, created=created, model=model, choices=choices,
+                                               usage=usage).model_dump())
+
+    async def collect_unless_disconnected(request: Request, streams: list[RequestStream], tally: Tally) -> list[str]:
+        texts = [[] for _ in streams]
+
+        async def collect() -> None:
+            async for i, chunk in merged(streams):
+                tally.on_chunk(frontend.metrics, i, chunk)
+                texts[i].append(chunk.text)
+
+        async def disconnected() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+
+        work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():  # the client left: stop, and the streams cancel their requests
+                work.cancel()
+                for stream in streams:
+                    stream.close_nowait()
+        if work.cancelled():
+            raise APIError(499, "the client closed the connection", "client_closed_request")
+        try:
+            work.result()
+        except TandemError as exc:
+            raise from_tandem(exc, exc.param) from None
+        return ["".join(t) for t in texts]
+
+    async def stream_events(streams: list[RequestStream], tally: Tally, request_id: str, model: str, chat: bool,
+                            include_usage: bool, release: Callable[[], None]) -> AsyncIterator[str]:
+        created = schemas.now()
+        try:
+            if chat:
+                for i in range(len(streams)):
+                    yield sse(chat_chunk(request_id, created, model, i, schemas.ChatDelta(role="assistant",
+                                                                                          content="")))
+            try:
+                async for i, chunk in merged(streams):
+                    tally.on_chunk(frontend.metrics, i, chunk)
+                    if not chunk.text and chunk.finish_reason is None:
+                        continue
+                    if chat:
+                        yield sse(chat_chunk(request_id, created, model, i, schemas.ChatDelta(content=chunk.text),
+                                             chunk.finish_reason))
+                    else:
+                        yield sse(schemas.Completion(
+                            id=request_id, created=created, model=model,
+                            choices=[schemas.CompletionChoice(index=i, text=chunk.text,
+                                                              finish_reason=chunk.finish_reason)]))
+            except TandemError as exc:  # mid-stream: the status line has gone, so the error goes as an event
+                yield sse(from_tandem(exc, exc.param).body)
+                yield "data: [DONE]\n\n"
+                return
+            tally.finish(frontend.metrics)
+            if include_usage:
+                usage = schemas.Usage.of(tally.prompt_tokens, tally.completion_tokens())
+                kind = schemas.ChatCompletionChunk if chat else schemas.Completion
+                yield sse(kind(id=request_id, created=created, model=model, choices=[], usage=usage))
+            yield "data: [DONE]\n\n"
+        finally:
+            release()
+            for stream in streams:
+                stream.close_nowait()
+
+    return app
+
+
+def chat_chunk(request_id: str, created: int, model: str, index: int, delta: schemas.ChatDelta,
+               finish_reason: str | None = None) -> schemas.ChatCompletionChunk:
+    return schemas.ChatCompletionChunk(id=request_id, created=created, model=model,
+                                       choices=[schemas.ChatChunkChoice(index=index, delta=delta,
+                                                                        finish_reason=finish_reason)])
+
+
+KNOWN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version", "/metrics")

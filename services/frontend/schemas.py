@@ -1,0 +1,231 @@
+"""The OpenAI API's request and response bodies, as pydantic models (what crosses the HTTP boundary).
+
+Requests take OpenAI's fields and vLLM's extensions (``top_k``, ``ignore_eos``, ``stop_token_ids``).
+Fields the engine has no support for yet (``n`` > 1, ``best_of``, log-probabilities, penalties,
+``logit_bias``, ``echo``, ``suffix``, tools) are declared, so that :func:`unsupported` can refuse them
+with a 400 naming the field, instead of silently ignoring what a client asked for. Unknown fields
+are ignored, as OpenAI's API and vLLM do. Value bounds are not repeated here: they are the bus's
+own (:class:`tandem.shared.protocol.serving.SamplingParams`), checked when the request is built.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TokenIds = list[int]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Not served yet (see unsupported()):
+    n: int = 1
+    best_of: int | None = None
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | TokenIds]:
+        """One entry per prompt (OpenAI takes a string, strings, token ids, or lists of token ids)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return list(prompt)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id...: handed to the template as they are
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True  # vLLM's extension
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    response_format: dict | None = None
+
+    def asked_max_tokens(self) -> int | None:
+        """OpenAI deprecated ``max_tokens`` for chat in favour of ``max_completion_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict]:
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+
+def unsupported(request: SamplingFields) -> str | None:
+    """The first field asking for something the engine cannot do yet, or None."""
+    if request.n != 1:
+        return "n"
+    if request.best_of not in (None, 1):
+        return "best_of"
+    if request.logprobs not in (None, False, 0):
+        return "logprobs"
+    if request.top_logprobs not in (None, 0):
+        return "top_logprobs"
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(request, name) != 0:
+            return name
+    if request.repetition_penalty not in (None, 1.0):
+        return "repetition_penalty"
+    if request.logit_bias:
+        return "logit_bias"
+    if isinstance(request, CompletionRequest):
+        if request.echo:
+            return "echo"
+        if request.suffix:
+            return "suffix"
+    if isinstance(request, ChatCompletionRequest):
+        if request.tools:
+            return "tools"
+        if request.tool_choice not in (None, "none", "auto"):
+            return "tool_choice"
+        if request.response_format and request.response_format.get("type") not in (None, "text"):
+            return "response_format"
+    return None
+
+
+# -- responses ----------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tandem"
+    root: str | None = None  # the model the router loads (a directory, or "tiny")
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,70 @@
+"""The frontend's request handling without a bus: prompt forms, refused fields, error shapes."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from tandem.client import InvalidRequestError, NoWorkersError, PromptTooLongError, UnknownModelError
+from tandem.services.frontend.errors import from_tandem, from_validation
+from tandem.services.frontend.schemas import ChatCompletionRequest, CompletionRequest, unsupported
+from tandem.shared.protocol.serving import SamplingParams
+
+
+@pytest.mark.parametrize("prompt,expected", [
+    ("text", ["text"]),
+    (["a", "b"], ["a", "b"]),
+    ([1, 2, 3], [[1, 2, 3]]),
+    ([[1, 2], [3]], [[1, 2], [3]]),
+])
+def test_every_openai_prompt_form_is_a_list_of_prompts(prompt, expected):
+    assert CompletionRequest(prompt=prompt).prompts() == expected
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", 2), ("best_of", 3), ("logprobs", 1), ("top_logprobs", 2), ("presence_penalty", 0.1),
+    ("frequency_penalty", -0.5), ("repetition_penalty", 1.2), ("logit_bias", {"1": 2.0}), ("echo", True),
+    ("suffix", "x"),
+])
+def test_completion_fields_the_engine_lacks_are_named(field, value):
+    assert unsupported(CompletionRequest(prompt="x", **{field: value})) == field
+
+
+@pytest.mark.parametrize("field,value", [("tools", [{"type": "function"}]), ("tool_choice", "required"),
+                                         ("response_format", {"type": "json_object"})])
+def test_chat_fields_the_engine_lacks_are_named(field, value):
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **{field: value})
+    assert unsupported(request) == field
+
+
+@pytest.mark.parametrize("fields", [{}, {"n": 1, "logprobs": False, "presence_penalty": 0, "best_of": 1},
+                                    {"unknown_field": 3, "user": "me"}])
+def test_defaults_and_unknown_fields_are_accepted(fields):
+    assert unsupported(CompletionRequest(prompt="x", **fields)) is None
+
+
+def test_chat_prefers_max_completion_tokens():
+    both = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_tokens=5, max_completion_tokens=7)
+    assert both.asked_max_tokens() == 7
+    assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).asked_max_tokens() is None
+
+
+def test_a_bound_error_names_the_field_as_the_client_sent_it():
+    with pytest.raises(ValidationError) as caught:
+        SamplingParams(max_tokens=0)
+    error = from_validation(caught.value, {"max_tokens": "max_completion_tokens"})
+    assert error.status == 400 and error.body.error.param == "max_completion_tokens"
+    assert error.message == "max_completion_tokens: Input should be greater than or equal to 1"
+
+
+@pytest.mark.parametrize("exc,param,status,code", [
+    (UnknownModelError("unknown_model: x"), None, 404, "model_not_found"),
+    (PromptTooLongError("prompt_too_long: x"), "prompt", 400, "context_length_exceeded"),
+    (InvalidRequestError("invalid_request: max_tokens is 9"), "max_tokens", 400, "context_length_exceeded"),
+    (InvalidRequestError("invalid_request: x"), None, 400, "invalid_value"),
+    (NoWorkersError("no_workers: x"), None, 503, "no_workers"),
+])
+def test_bus_errors_map_to_openai_statuses(exc, param, status, code):
+    error = from_tandem(exc, param)
+    assert (error.status, error.body.error.code, error.body.error.param) == (status, code, param or
+                                                                             ("model" if status == 404 else None))
