@@ -1,6 +1,6 @@
 """``tandem console``: the ops console, a Textual app with five panes (Textual modes).
 
-    tandem console                         # the `tandem up` running on this machine
+    tandem console                         # the `tandem up` running on this machine, across its restarts
     tandem console --nats-url nats://localhost:4222   # e.g. a compose deployment
 
 Keys: ``1``-``5`` switch panes (Services, Block tables, Stream overlap, Scaling, Routing), ``?``
@@ -10,6 +10,8 @@ plain :class:`Source` for a fixed state); twice a second the front pane redraws 
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from textual.app import App
 from textual.binding import Binding
@@ -97,10 +99,11 @@ class ConsoleApp(App):
         self.exit()
 
 
-def run_console(url: str | None) -> int:
-    """Run the console against ``url`` (None: say so on screen and wait for nothing)."""
+def run_console(url: str | None, data_dir: Path | str | None = None) -> int:
+    """Run the console against ``url`` (an explicit --nats-url: that server only), else against the
+    ``tandem up`` running on ``data_dir``, following it across restarts (neither: say so on screen)."""
     try:
-        ConsoleApp(NatsSource(url)).run()
+        ConsoleApp(NatsSource(url, follow=data_dir)).run()
     except KeyboardInterrupt:  # a SIGINT from outside (in the app, Ctrl+C is a key)
         return 130
     return 0

@@ -5,6 +5,12 @@ state built by hand (:class:`Source`, the base class, does nothing: the snapshot
 What it does, all in the app's event loop:
 
 - connects (retrying every 2 s, the error kept in ``state.connection_error`` for the status bar);
+  while the connection is lost, the rows of live things (services, KV-stores, block tables) are
+  cleared, since nothing vouches for them;
+- started without a URL but with a data dir (``tandem console`` finding the ``tandem up`` on this
+  machine), it follows that ``up``'s state file (:func:`tandem.runstate.find_running`, read every
+  2 s): a restarted ``up`` (new pid, new URL) means a new connection and a state started afresh,
+  none running means waiting for one; with an explicit ``--nats-url`` it keeps to that URL;
 - every 2 s: ``$SRV.STATS`` discovery of every service instance, each KV-store's stats
   (``tandem.v1.kvstore.<id>.stats``), a latency sample, and the planner's stream history once;
 - every second: the selected worker's :class:`BlockSnapshot` (``tandem.v1.<service>.<id>.blocks``);
@@ -19,14 +25,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 import msgpack
 import nats
+from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from tandem.console.state import ConsoleState, service_row
 from tandem.discovery import gather_replies
+from tandem.runstate import find_running
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorReply
 from tandem.shared.protocol.codec import decode, encode
@@ -37,6 +46,7 @@ from tandem.shared.protocol.views import BlockSnapshot, KVTransferEvent
 log = logging.getLogger("tandem.console")
 DISCOVERY_S = 2.0
 BLOCKS_S = 1.0
+FOLLOW_S = 2.0  # how often a console that follows a `tandem up` reads its state file
 REPLY_WAIT_S = 0.4  # how long a discovery round collects $SRV.STATS replies
 HISTORY = 50  # scaling decisions read back from the planner's stream
 
@@ -60,35 +70,64 @@ class Source:
 
 
 class NatsSource(Source):
-    """Reads a tandem system over NATS into the state."""
+    """Reads a tandem system over NATS into the state: the one at ``url``, or (``url`` None) the
+    ``tandem up`` running on the data dir ``follow``, whichever that is at the time."""
 
-    def __init__(self, url: str | None) -> None:
+    def __init__(self, url: str | None, follow: Path | str | None = None) -> None:
         self.url = url
+        self.follow = Path(follow) if follow is not None and not url else None
         self.nc: nats.NATS | None = None
         self._tasks: list[asyncio.Task] = []
 
     async def start(self, state: ConsoleState) -> None:
         self.state = state
         state.url = self.url
-        if not self.url:
+        if self.url:
+            self._tasks.append(asyncio.create_task(self._session(self.url)))
+        elif self.follow is not None:
+            state.follow = str(self.follow)
+            self._tasks.append(asyncio.create_task(self._follow()))
+        else:
             state.connection = "no-url"
             state.changed()
-            return
-        self._tasks.append(asyncio.create_task(self._run()))
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-        if self.nc is not None and not self.nc.is_closed:
-            try:
-                await asyncio.wait_for(self.nc.close(), 2.0)
-            except Exception:
-                pass
 
     # -- connection -------------------------------------------------------------------------------
-    async def _run(self) -> None:
+    async def _follow(self) -> None:
+        """Connect to whatever ``tandem up`` the state file names, and again when that changes."""
+        current: tuple[int, str] | None | bool = False  # False: nothing read yet
+        session: asyncio.Task | None = None
+        try:
+            while True:
+                found = find_running(self.follow)
+                wanted = (found.pid, found.nats_url) if found else None
+                if wanted != current:
+                    if session is not None:
+                        session.cancel()
+                        await asyncio.gather(session, return_exceptions=True)
+                        session = None
+                    self.url = wanted[1] if wanted else None
+                    self.state.reset(self.url)  # what the old system said is not this one's
+                    current = wanted
+                    if wanted:
+                        log.info("following tandem up pid %d at %s", *wanted)
+                        session = asyncio.create_task(self._session(wanted[1]))
+                    else:
+                        self.state.connection = "no-url"
+                        self.state.changed()
+                await asyncio.sleep(FOLLOW_S)
+        finally:
+            if session is not None:
+                session.cancel()
+                await asyncio.gather(session, return_exceptions=True)
+
+    async def _session(self, url: str) -> None:
+        """One connection to ``url`` (retried forever), its subscriptions and polls, until cancelled."""
         st = self.state
 
         async def on_error(exc: Exception) -> None:
@@ -99,31 +138,46 @@ class NatsSource(Source):
         async def on_disconnect() -> None:
             st.connection = "unreachable"
             st.connection_error = st.connection_error or "connection lost"
+            st.forget_live()
             st.changed()
 
         async def on_reconnect() -> None:
             st.connection, st.connection_error = "connected", ""
             st.changed()
 
-        self.nc = await nats.connect(self.url, name="tandem-console", connect_timeout=2, max_reconnect_attempts=-1,
-                                     reconnect_time_wait=2, allow_reconnect=True, error_cb=on_error,
-                                     disconnected_cb=on_disconnect, reconnected_cb=on_reconnect)
-        await on_reconnect()
-        for subject, handler in ((subjects.ROUTER_DECISIONS, self._on_routing),
-                                 (subjects.PLANNER_DECISIONS, self._on_decision),
-                                 (subjects.KV_TRANSFERS, self._on_transfer),
-                                 (subjects.TRAINER_STEPS_ALL, self._on_step),
-                                 (subjects.TRAINER_TIMELINE_ALL, self._on_timeline),
-                                 (subjects.METRICS_ALL, self._on_metrics)):
-            await self.nc.subscribe(subject, cb=self._guard(handler))
-        self._tasks.append(asyncio.create_task(self._blocks_loop()))
-        while True:
-            try:
-                if self.nc.is_connected:
-                    await self._discover()
-            except Exception as exc:  # the connection went mid-round: the next round tries again
-                log.info("discovery round failed: %s", exc)
-            await asyncio.sleep(DISCOVERY_S)
+        # Made first and connected after, so that a cancelled first attempt (a follower switching to a
+        # new URL while this one is unreachable) still has a client to close.
+        nc = self.nc = NATS()
+        blocks: asyncio.Task | None = None
+        try:
+            await nc.connect(url, name="tandem-console", connect_timeout=2, max_reconnect_attempts=-1,
+                             reconnect_time_wait=2, allow_reconnect=True, error_cb=on_error,
+                             disconnected_cb=on_disconnect, reconnected_cb=on_reconnect)
+            await on_reconnect()
+            for subject, handler in ((subjects.ROUTER_DECISIONS, self._on_routing),
+                                     (subjects.PLANNER_DECISIONS, self._on_decision),
+                                     (subjects.KV_TRANSFERS, self._on_transfer),
+                                     (subjects.TRAINER_STEPS_ALL, self._on_step),
+                                     (subjects.TRAINER_TIMELINE_ALL, self._on_timeline),
+                                     (subjects.METRICS_ALL, self._on_metrics)):
+                await nc.subscribe(subject, cb=self._guard(handler))
+            blocks = asyncio.create_task(self._blocks_loop())
+            while True:
+                try:
+                    if nc.is_connected:
+                        await self._discover()
+                except Exception as exc:  # the connection went mid-round: the next round tries again
+                    log.info("discovery round failed: %s", exc)
+                await asyncio.sleep(DISCOVERY_S)
+        finally:
+            if blocks is not None:
+                blocks.cancel()
+                await asyncio.gather(blocks, return_exceptions=True)
+            if not nc.is_closed:
+                try:
+                    await asyncio.wait_for(nc.close(), 2.0)
+                except Exception:  # a client that never connected may not close cleanly: it is gone either way
+                    pass
 
     def _guard(self, handler):
         async def guarded(msg) -> None:

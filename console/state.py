@@ -8,7 +8,7 @@ panes never read a clock: ``now`` is set by whoever fills the state (the NATS so
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 
 from tandem.shared.infra.metrics import histogram_delta, histogram_merge, histogram_quantile
@@ -83,6 +83,7 @@ class ConsoleState:
     """What the console knows now; ``version`` goes up with every change so panes redraw only then."""
 
     url: str | None = None
+    follow: str = ""  # the data dir whose `tandem up` the console follows ("": a fixed --nats-url)
     connection: str = "connecting"  # connecting | connected | unreachable | no-url
     connection_error: str = ""
     now: float = 0.0
@@ -119,6 +120,22 @@ class ConsoleState:
         return self.routing[-1] if self.routing else None
 
     # -- updates the source makes ----------------------------------------------------------------
+    def reset(self, url: str | None) -> None:
+        """Start afresh on another system (a restarted `tandem up`): nothing the old one said holds.
+        In place, since the app and its panes hold this object; ``version`` goes on counting."""
+        fresh = ConsoleState(url=url, follow=self.follow)
+        for f in fields(self):
+            if f.name != "version":
+                setattr(self, f.name, getattr(fresh, f.name))
+        self.changed()
+
+    def forget_live(self) -> None:
+        """The bus is gone: drop what only a live answer vouches for (the service rows, KV-store
+        stats, block tables). History (decisions, routing, transfers, latency) stays."""
+        self.services, self.kvstores, self.blocks = [], {}, {}
+        self.discovered = False
+        self.changed()
+
     def add_decision(self, decision: ScalingDecision) -> None:
         key = (decision.time, decision.prefill_wanted, decision.decode_wanted, decision.reason)
         if any((d.time, d.prefill_wanted, d.decode_wanted, d.reason) == key for d in self.decisions):

@@ -10,7 +10,10 @@
   and surplus ones (the newest first) drained: a :class:`DrainRequest` on
   ``tandem.v1.<service>.<id>.drain``, after which the worker takes no new requests, finishes what it
   holds and exits. A worker not serving yet (still loading) is simply stopped; one still draining
-  after ``drain_timeout_s`` gets SIGTERM, and SIGKILL 15 s later.
+  after ``drain_timeout_s`` gets SIGTERM, and SIGKILL 15 s later;
+- once a second, when the live children changed (a restart or a scaling step: new instance ids and,
+  with free ports, new URLs), their URLs are read again from ``$SRV.INFO`` and the state file
+  rewritten, so what it says stays what serves.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.up")
 
 TICK_S = 0.25
+URLS_S = 1.0
 KILL_AFTER_S = 15.0
 CRASH_WINDOW_S = 60.0
 
@@ -49,6 +53,8 @@ class Scaler:
 
     async def run(self) -> None:
         nc = await nats.connect(self.sup.url, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        # Only a supervisor that wrote a state file keeps it current (the benchmarks write none).
+        tracker = asyncio.create_task(self.track_urls(nc)) if self.sup.state is not None else None
         try:
             if self.sup.planner:
                 await nc.subscribe(subjects.PLANNER_DECISIONS, cb=self.on_decision)
@@ -56,8 +62,37 @@ class Scaler:
                 await self.reconcile(nc)
                 await asyncio.sleep(TICK_S)
         finally:
+            if tracker is not None:
+                tracker.cancel()
+                await asyncio.gather(tracker, return_exceptions=True)
             if not nc.is_closed:
                 await nc.close()
+
+    def live_ids(self) -> frozenset[str]:
+        return frozenset(c.instance_id for c in self.sup.children if c.process.poll() is None)
+
+    async def track_urls(self, nc: nats.NATS) -> None:
+        """Rewrite the state file's URLs when the live children change (see the module's docstring)."""
+        recorded = self.live_ids()
+        while True:
+            await asyncio.sleep(URLS_S)
+            current = self.live_ids()
+            if current == recorded or not nc.is_connected:
+                continue
+            old_metrics, old_http = dict(self.sup.metrics_urls), self.sup.http_url
+            try:
+                missing = await self.sup.read_urls(nc)
+            except Exception as exc:  # the bus went mid-read: the next round tries again
+                log.info("could not read the services' URLs: %s", exc)
+                continue
+            if self.sup.write_state():  # partial too: the gone instances' URLs leave the file at once
+                for instance, url in self.sup.metrics_urls.items():
+                    if old_metrics.get(instance) != url:
+                        log.info("metrics: %s %s", instance, url)
+                if self.sup.http_url != old_http and self.sup.http_url:
+                    log.info("HTTP at %s", self.sup.http_url)
+            if not missing:  # else a child still starting: read again next round
+                recorded = current
 
     async def on_decision(self, msg) -> None:
         try:

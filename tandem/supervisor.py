@@ -1,20 +1,27 @@
 """``tandem up``: the whole system on one machine, each service its own OS process.
 
-Starts an embedded nats-server (unless given a URL), then KV-stores, decode and prefill workers and
-a router as child processes, waits until every one answers ``$SRV.PING``, writes a state file so
-``tandem generate`` finds the server, prints one line with the NATS URL, and runs until Ctrl-C or
-SIGTERM (``--planner`` starts the planner then, once it can count the workers). While it runs,
+Starts an embedded nats-server (unless given a URL; on ``--port`` if given), then KV-stores, decode
+and prefill workers, a router and (for ``tandem up``) the HTTP frontend as child processes, waits
+until every one answers ``$SRV.PING`` (``--planner`` starts the planner then, once it can count the
+workers), reads every URL the children serve from their ``$SRV.INFO`` metadata (``metrics_url``,
+the frontend's ``http_url``) and writes them to the state file (:mod:`tandem.runstate`) so
+``tandem generate``, the console and a Prometheus scrape config find them. While it runs,
 :mod:`tandem.scaling` keeps the wanted number of each service alive: it restarts a child that
 crashed, and with the planner on it carries out the planner's decisions within
 ``--min/--max-prefill`` and ``--min/--max-decode``, draining a worker before it goes. At the end it
-stops the planner, the router, the workers and the server in that order and removes the state file
-and the server's folder. Children die with it even if it is killed with SIGKILL (Linux PDEATHSIG),
-so nothing is left behind. GPUs: see :mod:`tandem.gpus`.
+stops the frontend, the planner, the router, the workers and the server in that order and removes
+the state file and the server's folder. Children die with it even if it is killed with SIGKILL
+(Linux PDEATHSIG). GPUs: see :mod:`tandem.gpus`.
+
+Metrics ports: ``--metrics-port 0`` gives every child a free port, ``-1`` none, and ``N`` is a base:
+the i-th child in start order gets ``N + i``, and a restarted child the lowest slot free again (so
+its URL stays the same), since one fixed port cannot serve several children.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import signal
@@ -25,23 +32,26 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import nats
 
-from tandem.discovery import gather_replies
+from tandem.discovery import gather_replies, service_infos
 from tandem.flags import SERVICE_SETTINGS, argv
 from tandem.gpus import memory_share, pick_gpu, visible_gpus
-from tandem.runstate import RunState, remove_state, write_state
+from tandem.runstate import RunState, remove_state, state_file, write_state
 from tandem.shared.infra.config import Settings
 from tandem.shared.infra.natsserver import NatsServer, die_with_parent
 from tandem.shared.protocol import subjects
 
 log = logging.getLogger("tandem.up")
 
-SERVICE_ORDER = ("planner", "router", "prefill", "decode", "kvstore")  # stop order
-START_ORDER = ("kvstore", "decode", "prefill", "router", "planner")
+SERVICE_ORDER = ("frontend", "planner", "router", "prefill", "decode", "kvstore")  # stop order
+START_ORDER = ("kvstore", "decode", "prefill", "router", "frontend", "planner")
 ENGINE_SERVICES = ("prefill", "decode")
+SILENT = ("router", "frontend")  # they answer $SRV.PING but publish no heartbeats
+NATS_HOST = "127.0.0.1"  # where the embedded server listens (natsserver's config)
 # Settings the supervisor decides for each child itself (so a value given to `up` is not handed on as is).
 DECIDED_HERE = ("nats_url", "nats_binary", "model", "log_level", "instance_id", "data_dir", "torch_threads",
                 "gpu_memory_utilization", "metrics_port", "planner_min_prefill", "planner_max_prefill",
@@ -54,12 +64,17 @@ class Child:
     process: subprocess.Popen
     instance_id: str
     gpu: int | None = None  # index into the supervisor's GPU list
+    metrics_slot: int = 0  # its metrics port is the base plus this (with a fixed --metrics-port)
     draining_since: float | None = None  # monotonic time a drain was asked
     stop_sent: float | None = None  # monotonic time SIGTERM went out
 
     @property
     def leaving(self) -> bool:
         return self.draining_since is not None or self.stop_sent is not None
+
+
+class UsageError(ValueError):
+    """A setting given to ``tandem up`` that cannot work; the message is one line naming the flag."""
 
 
 @dataclass
@@ -81,6 +96,11 @@ class Supervisor:
     url: str = ""
     wanted: dict[str, int] = field(default_factory=dict)
     gpus: list[str] | None = None  # CUDA ids handed out one per worker (None: detect at start)
+    frontend: bool = False  # one HTTP frontend too (tandem up; the benchmarks talk NATS and need none)
+    nats_workdir: Path | None = None  # the embedded server's folder (None: a temporary one)
+    http_url: str = ""  # the frontend's, from its $SRV.INFO metadata
+    metrics_urls: dict[str, str] = field(default_factory=dict)  # instance id -> /metrics, likewise
+    state: RunState | None = None  # as last written to the state file (None: not written)
 
     def limits(self, service: str) -> tuple[int, int]:
         """(min, max) workers of ``service``: as given, else ``min(1, count)`` .. ``max(count, 2)``."""
@@ -95,16 +115,58 @@ class Supervisor:
         if self.settings.bus.nats_url:
             self.url = self.settings.bus.nats_url
         else:
-            self.server = NatsServer.start(binary=self.settings.supervisor.nats_binary)
+            self.server = NatsServer.start(binary=self.settings.supervisor.nats_binary,
+                                           port=self.settings.supervisor.nats_port, workdir=self.nats_workdir)
             self.url = self.server.url
         if self.gpus is None:
             self.gpus = visible_gpus(self.settings.engine.device)
         self.wanted = {"kvstore": self.num_kvstore, "decode": self.num_decode, "prefill": self.num_prefill,
-                       "router": 1, "planner": int(self.planner)}
+                       "router": 1, "frontend": int(self.frontend), "planner": int(self.planner)}
         for service in START_ORDER:
-            if service != "planner":  # started by supervise() once the workers are up: it counts them
+            if service != "planner":  # started by wait_ready() once the workers are up: it counts them
                 for _ in range(self.wanted[service]):
                     self.spawn(service)
+
+    def most_children(self) -> int:
+        """The most children alive at once (so the most metrics ports taken)."""
+        return (self.num_kvstore + self.most_workers("prefill") + self.most_workers("decode") + 1 + int(self.frontend)
+                + int(self.planner))
+
+    def pinned_ports(self) -> list[tuple[str, str, int]]:
+        """(flag, host, port) of every fixed port the system will listen on."""
+        pinned = []
+        if not self.settings.bus.nats_url and self.settings.supervisor.nats_port:
+            pinned.append(("--port", NATS_HOST, self.settings.supervisor.nats_port))
+        if self.frontend and self.settings.frontend.port:
+            pinned.append(("--http-port", self.settings.frontend.host, self.settings.frontend.port))
+        if self.settings.metrics.port > 0:
+            pinned += [("--metrics-port", self.settings.metrics.host, self.settings.metrics.port + i)
+                       for i in range(self.most_children())]
+        return pinned
+
+    def check_ports(self) -> None:
+        """Raise :class:`UsageError` naming the flag if a fixed port cannot be listened on, before
+        anything starts: a child that cannot bind its port would only crash and restart forever."""
+        base = self.settings.metrics.port
+        if base > 0 and base + self.most_children() - 1 > 65535:
+            raise UsageError(f"--metrics-port {base}: the children take ports {base}..{base + self.most_children() - 1}"
+                             ", past 65535; pick a lower base (0: free ports, -1: none)")
+        held: list[socket.socket] = []
+        try:
+            for flag, host, port in self.pinned_ports():
+                try:
+                    held.append(listen_on(host, port))
+                except OSError as exc:
+                    given = base if flag == "--metrics-port" else port
+                    which = f" (child {port - base} in start order)" if flag == "--metrics-port" else ""
+                    hint = {"--port": "pick another port (0: a free one), or --nats-url to use a running server",
+                            "--http-port": "pick another port (0: a free one)",
+                            "--metrics-port": "pick another base (0: free ports, -1: none)"}[flag]
+                    raise UsageError(f"{flag} {given}: cannot listen on {host}:{port}{which}: "
+                                     f"{exc.strerror or exc}; {hint}") from None
+        finally:
+            for sock in held:
+                sock.close()
 
     def worker_threads(self) -> int:
         """CPU threads per engine worker: the machine's cores shared out, so workers on one host do
@@ -117,13 +179,22 @@ class Supervisor:
         count = self.num_prefill if service == "prefill" else self.num_decode
         return self.limits(service)[1] if self.planner else count
 
-    def command(self, service: str, instance_id: str) -> list[str]:
+    def metrics_port(self, slot: int) -> int:
+        """A child's ``--metrics-port``: -1 (none) and 0 (a free one) as given, else the base plus its slot."""
+        base = self.settings.metrics.port
+        return base if base <= 0 else base + slot
+
+    def free_slot(self) -> int:
+        """The lowest metrics slot no child holds (a child still leaving holds its port until it exits)."""
+        taken = {c.metrics_slot for c in self.children}
+        return next(i for i in itertools.count() if i not in taken)
+
+    def command(self, service: str, instance_id: str, slot: int = 0) -> list[str]:
         """The command line of a ``service`` child: the flags given to `up` that its service takes,
         and what the supervisor decides per child (URL, id, threads, GPU share, metrics port, limits)."""
         specs = SERVICE_SETTINGS[service]
-        # One fixed metrics port cannot serve several children: each takes a free one (or none, with -1).
         decided = {"nats_url": self.url, "model": self.settings.model, "log_level": self.settings.log_level,
-                   "instance_id": instance_id, "metrics_port": -1 if self.settings.metrics.port == -1 else 0}
+                   "instance_id": instance_id, "metrics_port": self.metrics_port(slot)}
         cmd = [sys.executable, "-m", "tandem.cli", "serve", service, *argv(decided, *specs)]
         cmd += argv(self.overrides, *specs, skip=DECIDED_HERE)
         if service == "planner":
@@ -141,7 +212,8 @@ class Supervisor:
     def spawn(self, service: str) -> Child:
         host = socket.gethostname().split(".")[0].replace("_", "-")[:24] or "host"
         instance_id = f"{service}-{host}-{uuid.uuid4().hex[:6]}"
-        cmd = self.command(service, instance_id)
+        slot = self.free_slot()
+        cmd = self.command(service, instance_id, slot)
         env = dict(os.environ, TANDEM_DATA_DIR=str(self.settings.data_dir), PYTHONUNBUFFERED="1")
         env.pop("TANDEM_INSTANCE_ID", None)
         gpu = None
@@ -153,16 +225,64 @@ class Supervisor:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[gpu]
         process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                                    preexec_fn=die_with_parent)
-        child = Child(service, process, instance_id, gpu)
+        child = Child(service, process, instance_id, gpu, slot)
         self.children.append(child)
         where = f" on GPU {self.gpus[gpu]}" if gpu is not None else ""
         log.info("started %s %s (pid %d)%s", service, instance_id, process.pid, where)
         return child
 
     async def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Until every child answers ``$SRV.PING`` and the router has heard from every worker."""
+        """Until every child answers ``$SRV.PING`` and the router has heard from every worker; then
+        the planner (it counts the workers when it starts) and every child's URLs."""
         want = {s: sum(c.service == s for c in self.children) for s in SERVICE_ORDER}
         await wait_until_ready(self.url, want, self.check_children, timeout_s)
+        if self.wanted.get("planner") and not any(c.service == "planner" for c in self.children):
+            self.spawn("planner")
+            await wait_until_ready(self.url, {"planner": 1}, self.check_children, timeout_s)
+        nc = await nats.connect(self.url)
+        try:
+            missing = await self.read_urls(nc)
+            deadline = time.monotonic() + 10.0
+            while missing and time.monotonic() < deadline:  # each answered PING: INFO follows at once
+                await asyncio.sleep(0.25)
+                missing = await self.read_urls(nc)
+        finally:
+            await nc.close()
+        if missing:
+            log.warning("no URL from %s in $SRV.INFO: left out of the state file", ", ".join(missing))
+
+    async def read_urls(self, nc: nats.NATS) -> list[str]:
+        """Set :attr:`http_url` and :attr:`metrics_urls` from the live children's ``$SRV.INFO``
+        metadata; returns the instance ids whose URLs are not there yet (empty: all read)."""
+        infos = await service_infos(nc)
+        metadata = {m.get("instance_id"): m for m in (i.get("metadata") for i in infos) if isinstance(m, dict)}
+        missing, metrics, http = [], {}, ""
+        for child in self.children:
+            if child.process.poll() is not None:
+                continue
+            meta = metadata.get(child.instance_id, {})
+            if meta.get("metrics_url"):
+                metrics[child.instance_id] = meta["metrics_url"]
+            elif self.settings.metrics.port != -1:
+                missing.append(child.instance_id)
+            if child.service == "frontend":
+                if meta.get("http_url"):
+                    http = meta["http_url"]
+                elif child.instance_id not in missing:
+                    missing.append(child.instance_id)
+        self.metrics_urls, self.http_url = metrics, http
+        return missing
+
+    def url_lines(self) -> list[str]:
+        """Every URL but NATS and HTTP (those are on the ready line), one line each, for the terminal."""
+        lines = [f"  metrics: {instance} {url}" for instance, url in self.metrics_urls.items()]
+        if self.server is not None and self.server.monitor_port:
+            lines.append(f"  nats monitoring: http://{NATS_HOST}:{self.server.monitor_port}")
+        lines.append(f"  state: {self.state_path()} (these URLs as JSON)")
+        return lines
+
+    def state_path(self) -> Path:
+        return state_file(self.settings.data_dir)
 
     def check_children(self) -> None:
         for child in self.children:
@@ -176,8 +296,17 @@ class Supervisor:
 
         await Scaler(self).run()
 
-    def write_state(self) -> None:
-        write_state(self.settings.data_dir, RunState(pid=os.getpid(), nats_url=self.url))
+    def write_state(self) -> bool:
+        """Write the state file with the URLs read last; returns whether it changed."""
+        monitor = f"http://{NATS_HOST}:{self.server.monitor_port}" if self.server and self.server.monitor_port else ""
+        state = RunState(pid=os.getpid(), nats_url=self.url, http_url=self.http_url,
+                         metrics_urls=dict(self.metrics_urls), nats_monitor_url=monitor,
+                         data_dir=str(self.settings.data_dir))
+        if state == self.state:
+            return False
+        write_state(self.settings.data_dir, state)
+        self.state = state
+        return True
 
     def stop(self, timeout_s: float = 15.0) -> None:
         for service in SERVICE_ORDER:
@@ -200,8 +329,9 @@ class Supervisor:
 async def wait_until_ready(url: str, want: dict[str, int], check: Callable[[], None], timeout_s: float) -> None:
     """Wait until ``want[service]`` instances of each service answer ``$SRV.PING`` and then until a
     heartbeat from each worker arrives: the router was subscribed before it answered the ping, so it
-    has heard those heartbeats too and can place work. ``check`` raises if a child died."""
-    workers = sum(n for s, n in want.items() if s != "router")
+    has heard those heartbeats too and can place work (the router and the frontend send none).
+    ``check`` raises if a child died."""
+    workers = sum(n for s, n in want.items() if s not in SILENT)
     nc = await nats.connect(url)
     try:
         deadline = time.monotonic() + timeout_s
@@ -237,3 +367,19 @@ async def ping_services(nc: nats.NATS, wait_s: float = 0.3) -> dict[str, int]:
         if isinstance(pong, dict) and "name" in pong:
             counts[pong["name"]] = counts.get(pong["name"], 0) + 1
     return counts
+
+
+def listen_on(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` (raises OSError where that is impossible). SO_REUSEADDR as
+    the servers set it, so a port a stopped server left in TIME_WAIT counts as free, a listening one not."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen()
+    except OSError:
+        sock.close()
+        raise
+    return sock

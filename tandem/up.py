@@ -1,14 +1,19 @@
-"""``tandem up`` as a command: start the system (:mod:`tandem.supervisor`), print its URL, optionally
-generate a demo, then supervise it (:mod:`tandem.scaling`) until Ctrl-C or SIGTERM, and stop it all."""
+"""``tandem up`` as a command: refuse what cannot work (a bad model, a taken port, a data dir another
+``up`` holds: :mod:`tandem.runstate`) before anything starts, start the system
+(:mod:`tandem.supervisor`), print its URLs, optionally generate a demo, then supervise it
+(:mod:`tandem.scaling`) until Ctrl-C or SIGTERM, and stop it all."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 from typing import Any
 
 from tandem.shared.infra.config import Settings
+
+log = logging.getLogger("tandem.up")
 
 
 def add_up_parser(sub: argparse._SubParsersAction, settings_note: str, demo_prompt: str) -> None:
@@ -16,9 +21,11 @@ def add_up_parser(sub: argparse._SubParsersAction, settings_note: str, demo_prom
     from tandem.flags import UP_SETTINGS, add_settings
 
     up = sub.add_parser("up", help="run the whole system on this machine", epilog=settings_note,
-                        description="The whole system on this machine: an embedded nats-server (unless --nats-url), "
-                                    "KV-stores, decode and prefill workers and a router as child processes. Settings "
-                                    "flags given here are handed on to the children whose service uses them.")
+                        description="The whole system on this machine: an embedded nats-server (unless --nats-url; "
+                                    "on --port if given), KV-stores, decode and prefill workers, a router and the "
+                                    "OpenAI-compatible HTTP frontend (--http-port) as child processes. Settings "
+                                    "flags given here are handed on to the children whose service uses them; "
+                                    "--metrics-port N gives the i-th child N+i.")
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (default: 1)")
     up.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
     up.add_argument("--kvstore", type=int, default=1,
@@ -32,16 +39,43 @@ def add_up_parser(sub: argparse._SubParsersAction, settings_note: str, demo_prom
 
 
 def run_up(args: argparse.Namespace, settings: Settings, overrides: dict[str, Any]) -> int:
-    """``overrides``: the settings flags given (flat name -> value), handed on to the children."""
+    """``overrides``: the settings flags given (flat name -> value), handed on to the children.
+
+    Everything that can be refused is refused before anything starts, each in one line: a usage
+    problem (a model that cannot load, a fixed port taken) exits 2, a data dir another ``up`` holds 1."""
+    from tandem.runstate import AlreadyRunning, claim, nats_dir
     from tandem.services.common.runtime import run_async, setup_logging
     from tandem.shared.infra.natsserver import NatsServerError
-    from tandem.supervisor import Supervisor
+    from tandem.supervisor import Supervisor, UsageError
 
     setup_logging(settings.log_level)
+    problem = usage_problem(settings)
+    if problem:
+        print(f"tandem up: {problem}", file=sys.stderr)
+        return 2
+    try:
+        held = claim(settings.data_dir)
+    except AlreadyRunning as exc:
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a data dir it may not write to (or a file where the folder should be)
+        print(f"tandem up: --data-dir {settings.data_dir}: cannot keep its run state there "
+              f"({exc.strerror or exc}: {exc.filename})", file=sys.stderr)
+        return 2
+    if held.removed:
+        log.info("removed %s, left by a tandem up that was killed", " and ".join(held.removed))
     sup = Supervisor(settings, num_prefill=args.prefill, num_decode=args.decode, num_kvstore=args.kvstore,
-                     overrides=overrides, planner=args.planner,
+                     overrides=overrides, planner=args.planner, frontend=True,
+                     nats_workdir=None if settings.bus.nats_url else nats_dir(settings.data_dir),
                      min_prefill=overrides.get("planner_min_prefill"), max_prefill=overrides.get("planner_max_prefill"),
                      min_decode=overrides.get("planner_min_decode"), max_decode=overrides.get("planner_max_decode"))
+    try:
+        sup.check_ports()
+    except UsageError as exc:
+        held.release()
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 2
+
     def on_signal(_signum, _frame):
         raise KeyboardInterrupt  # SIGTERM stops as cleanly as Ctrl-C
 
@@ -53,9 +87,10 @@ def run_up(args: argparse.Namespace, settings: Settings, overrides: dict[str, An
         run_async(sup.wait_ready())
         sup.write_state()
         scaling = "planner on, prefill {}..{}, decode {}..{}".format(*sup.limits("prefill"), *sup.limits("decode"))
-        print(f"tandem up: NATS at {sup.url} (router, {args.prefill} prefill, {args.decode} decode, "
-              f"{args.kvstore} kvstore; {scaling if args.planner else 'planner off'}; Ctrl-C stops)",
-              flush=True)
+        http = f", HTTP at {sup.http_url}" if sup.http_url else ""
+        print(f"tandem up: NATS at {sup.url}{http} (router, {args.prefill} prefill, {args.decode} decode, "
+              f"{args.kvstore} kvstore; {scaling if args.planner else 'planner off'}; Ctrl-C stops)", flush=True)
+        print("\n".join(sup.url_lines()), flush=True)
         if args.demo:
             run_async(demo(sup.url, args.demo))
             weights_note(sup.settings)
@@ -69,7 +104,25 @@ def run_up(args: argparse.Namespace, settings: Settings, overrides: dict[str, An
         return 1
     finally:
         sup.stop()
+        held.release()
         print("tandem up: stopped", flush=True)
+
+
+def usage_problem(settings: Settings) -> str:
+    """Why these settings cannot run, in one line naming the flag ("" when they can). The model is
+    read as the workers will read it (config and tokenizer, no weights, no torch), so a bad
+    ``--model`` is refused before the server and every worker start only to fail the same way."""
+    from tandem.shared.model.meta import load_model_meta
+
+    if settings.bus.nats_url and settings.supervisor.nats_port:
+        return (f"--port {settings.supervisor.nats_port} and --nats-url {settings.bus.nats_url}: --port is the "
+                "embedded server's, --nats-url means no embedded server; give one")
+    try:
+        load_model_meta(settings.model, settings.data_dir)
+    except Exception as exc:  # a config or tokenizer that does not parse raises its library's own errors
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        return f"--model {settings.model}: {reason}"
+    return ""
 
 
 async def demo(url: str, prompt: str) -> None:

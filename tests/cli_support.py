@@ -20,8 +20,10 @@ TANDEM = [sys.executable, "-m", "tandem.cli"]
 
 
 def tandem_env(data_dir: Path) -> dict[str, str]:
-    """The environment of a ``tandem`` command with its own data dir and no NATS URL from outside."""
-    env = dict(os.environ, TANDEM_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1", TANDEM_LOG_LEVEL="WARNING")
+    """The environment of a ``tandem`` command with its own data dir, no NATS URL from outside, and a
+    free port for the HTTP API (tests run beside each other and beside whatever holds port 8000)."""
+    env = dict(os.environ, TANDEM_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1", TANDEM_LOG_LEVEL="WARNING",
+               TANDEM_HTTP_PORT="0")
     env.pop("TANDEM_NATS_URL", None)
     return env
 

@@ -28,12 +28,17 @@ def status_text(state: ConsoleState, paused: bool, filter_text: str) -> Text:
         text.append("● connected ", "bold green").append(state.url or "")
         if state.discovered:
             text.append(f"  ·  {len(state.services)} services")
+    elif state.connection == "no-url" and state.follow:
+        text.append(f"✖ no `tandem up` running on data dir {state.follow}: waiting for one (or pass --nats-url)",
+                    "bold red")
     elif state.connection == "no-url":
         text.append("✖ no running `tandem up` found and no --nats-url given: start one, or pass the URL",
                     "bold red")
     elif state.connection == "unreachable":
         text.append(f"✖ NATS unreachable at {state.url}", "bold red")
         text.append(f" ({state.connection_error}); retrying every 2 s" if state.connection_error else "; retrying")
+        if state.follow:
+            text.append(", and following the `tandem up` state file")
     else:
         text.append(f"… connecting to {state.url}", "yellow")
     if paused:

