@@ -11,8 +11,9 @@ Arrivals: gaps drawn from a gamma distribution with shape ``burstiness`` and mea
 (burstiness 1 is a Poisson process; lower is burstier); rate ``inf`` sends everything at once.
 
 Statistics per request: TTFT, TPOT (``(e2e - ttft) / (output tokens - 1)``), ITL (every gap
-between tokens), end-to-end latency; goodput is DistServe's: requests per second that met every
-SLO given (``ttft``, ``tpot``, ``e2el`` in milliseconds).
+between tokens), end-to-end latency; over the run, the first failed request's reason too. Goodput
+is DistServe's: requests per second that met every SLO given (``ttft``, ``tpot``, ``e2el`` in
+milliseconds).
 """
 
 from __future__ import annotations
@@ -95,13 +96,18 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 
 def parse_goodput(items: list[str]) -> dict[str, float]:
-    """``["ttft:500", "tpot:50"]`` -> {"ttft": 0.5, "tpot": 0.05} (seconds)."""
+    """``["ttft:500", "tpot:50"]`` -> {"ttft": 0.5, "tpot": 0.05} (seconds); ``ValueError`` naming the
+    item that is not ``KEY:MS`` with a known key and a finite MS > 0."""
     slos = {}
     for item in items:
         key, _, value = item.partition(":")
-        if key not in ("ttft", "tpot", "e2el") or not value:
-            raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, not {item!r}")
-        slos[key] = float(value) / 1e3
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = math.nan
+        if key not in ("ttft", "tpot", "e2el") or not 0 < ms < math.inf:
+            raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS with MS > 0, not {item!r}")
+        slos[key] = ms / 1e3
     return slos
 
 
@@ -124,6 +130,8 @@ def summarize(results: list[RequestResult], duration_s: float, slos: dict[str, f
         "tpot_ms": _stats([r.tpot for r in ok if r.output_len > 1]),
         "itl_ms": _stats([gap for r in ok for gap in r.itls]),
         "e2el_ms": _stats([r.e2e for r in ok]),
+        # In request order: with every request failing alike, the first says why for all of them.
+        "first_failure": next((r.error for r in results if not r.ok), None),
     }
     if slos:
         good = sum(meets(r, slos) for r in results)

@@ -4,15 +4,20 @@
               [--planner] [--min-prefill N] [--max-prefill N] [--min-decode N] [--max-decode N]
     tandem serve router|prefill|decode|kvstore|planner|trainer --nats-url URL [its settings flags]
     tandem train [--default] [--model tiny|1b|3b|7b|DIR] [--steps N] [--batch-size B] [--seq-len S] ...
-    tandem generate PROMPT [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
+    tandem generate PROMPT|-|@FILE [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
                            [--stop S ...] [--json] [--nats-url URL]
-    tandem bench serve [--dataset-name random|prefix] [--request-rate R] [--goodput ttft:MS tpot:MS] ...
+    tandem bench serve [--dataset-name random|prefix] [--request-rate R] [--goodput ttft:MS tpot:MS]
+                       [--base-url http://HOST:PORT] ...
     tandem bench compare [--concurrency 1 8 32 64] [--requests N] [--json-out FILE]   (also: plain `tandem bench`)
     tandem console [--nats-url URL]
+    tandem services [--json] [--nats-url URL]
+    tandem --version
 
 The settings flags are generated from :mod:`tandem.shared.infra.config` (:mod:`tandem.flags`): every
 one is also a ``TANDEM_*`` environment variable, and ``tandem serve <service> --help`` lists each
-with its default.
+with its default. Every other flag's help ends with its default too. Flags are never abbreviated
+(``--n`` is an error, not ``--nats-url``), and a command line that cannot run gets one line naming
+what to change, exit status 2.
 """
 
 from __future__ import annotations
@@ -20,10 +25,24 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any, TextIO
 
+from tandem import __version__
 from tandem.bench_serve import add_arguments as add_bench_serve
-from tandem.flags import CLIENT, SERVICE_SETTINGS, add_settings, given, settings_from
+from tandem.flags import (
+    CLIENT,
+    SERVICE_SETTINGS,
+    Parser,
+    add_settings,
+    given,
+    invalid_value,
+    settings_from,
+    show_defaults,
+)
 
 SERVICES = tuple(SERVICE_SETTINGS)
 SERVICE_HELP = {
@@ -38,6 +57,18 @@ SERVICE_HELP = {
 DEMO_PROMPT = "def fibonacci(n):"
 SETTINGS_NOTE = ("Each flag is also a TANDEM_ environment variable (shown after its default); "
                  "a flag wins over its variable. The settings: shared/infra/config.py.")
+# generate's flag for each SamplingParams field: a refused value is reported by its flag.
+SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                  "top_k": "--top-k", "seed": "--seed", "stop": "--stop", "ignore_eos": "--ignore-eos"}
+INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+
+
+class UsageError(Exception):
+    """A command line that cannot run as given; ``str()`` is the one line naming what to change (exit 2)."""
+
+
+class UnreachableError(Exception):
+    """The NATS server a command was pointed at does not answer; ``str()`` says which (exit 1)."""
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -46,7 +77,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n\n")[0])
+    # Parser (tandem.flags): no abbreviated flags, one-line errors; every subparser below, those
+    # tandem/up.py and tandem/train_cli.py add included, is made of the same class by argparse.
+    root = Parser(prog="tandem", description=__doc__.split("\n\n")[0])
+    root.add_argument("--version", action="version", version=f"tandem {__version__}")
     sub = root.add_subparsers(dest="command", required=True)
 
     from tandem.up import add_up_parser
@@ -62,26 +96,41 @@ def parser() -> argparse.ArgumentParser:
                                   description=f"tandem serve {name}: {SERVICE_HELP[name]}.")
         add_settings(one, *specs)
 
-    gen = sub.add_parser("generate", help="generate text from a prompt")
-    gen.add_argument("prompt")
+    gen = sub.add_parser("generate", help="generate text from a prompt",
+                         description="Generate from PROMPT on the running tandem, streaming the text as it comes. "
+                                     "Ctrl-C stops it and cancels the request on the workers.")
+    gen.add_argument("prompt", help="the prompt; - reads it from standard input, @FILE from a file (as is, "
+                                    "trailing newline included)")
     add_common(gen)
     gen.add_argument("--model", help="model name (default: the router's)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--timeout", type=float, default=60.0)
+    gen.add_argument("--max-tokens", metavar="N", type=int, default=64, help="stop after this many tokens")
+    gen.add_argument("--temperature", metavar="T", type=float, default=1.0, help="0: greedy")
+    gen.add_argument("--top-p", metavar="P", type=float, default=1.0,
+                     help="keep the most likely tokens holding this much probability; 1: off")
+    gen.add_argument("--top-k", metavar="K", type=int, default=-1, help="keep the K most likely tokens; -1: off")
+    gen.add_argument("--seed", metavar="S", type=int,
+                     help="samples depend only on the seed and the output position (default: unset, a different "
+                          "sample each run)")
+    gen.add_argument("--stop", metavar="TEXT", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="go on past the model's end-of-sequence token")
+    gen.add_argument("--timeout", metavar="SECONDS", type=float, default=60.0,
+                     help="seconds without output before giving up")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
     from tandem.train_cli import add_train_parser
 
     add_train_parser(sub, add_common)
+    describe_train_defaults(sub.choices["train"])
 
     console = sub.add_parser("console", help="the ops console (a terminal UI) for a running tandem")
     add_common(console)
+
+    listing = sub.add_parser("services", help="list the service instances of a running tandem ($SRV discovery)",
+                             description="Every service instance that answers $SRV.INFO on the running tandem's "
+                                         "NATS server: name, instance id, version, host, pid and URLs.")
+    add_common(listing)
+    listing.add_argument("--json", action="store_true", help="print one JSON list instead of the table")
+    listing.add_argument("--wait", type=float, default=0.5, help="seconds to collect answers")
 
     bench = sub.add_parser("bench", help="load benchmarks").add_subparsers(dest="bench_command", required=True)
     serve_bench = bench.add_parser("serve", help="load a running tandem, report latency and goodput (vllm bench serve)")
@@ -89,12 +138,44 @@ def parser() -> argparse.ArgumentParser:
     add_bench_serve(serve_bench)
     compare = bench.add_parser("compare", help="bus path versus in-process engine, same run", epilog=SETTINGS_NOTE)
     add_settings(compare, "model", *CLIENT, "engine", "kv_ring")
-    compare.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    compare.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64],
+                         help="requests in flight, one level each")
     compare.add_argument("--requests", type=int, default=0, help="requests per level (default: 4x concurrency, >= 32)")
-    compare.add_argument("--input-len", type=int, default=64)
-    compare.add_argument("--output-len", type=int, default=64)
-    compare.add_argument("--json-out")
+    compare.add_argument("--input-len", type=int, default=64, help="prompt tokens")
+    compare.add_argument("--output-len", type=int, default=64, help="output tokens, exactly")
+    compare.add_argument("--json-out", help="write the figures here (default: not written)")
+    show_defaults(root)
     return root
+
+
+def describe_train_defaults(train: argparse.ArgumentParser) -> None:
+    """Put each job flag's default in its help. The flags themselves default to None (a flag left out
+    takes the TrainJob field's default, or the tiny run's with --default: train_cli.DEFAULT_JOB), so
+    the generic ``(default: ...)`` of :func:`show_defaults` would say "unset" for all of them."""
+    from tandem.shared.protocol.training import TrainJob
+    from tandem.train_cli import DEFAULT_JOB, JOB_FLAGS
+
+    for action in train._actions:
+        text = action.help or ""
+        if action.dest not in JOB_FLAGS or action.nargs == 0 or "default" in text:
+            continue
+        value = TrainJob.model_fields[action.dest].default
+        shown = "unset" if value is None else str(value)
+        tiny = DEFAULT_JOB.get(action.dest)
+        if tiny is not None and tiny != value:
+            shown += f"; {tiny} with --default"
+        action.help = f"{text} (default: {shown})".strip().replace("%", "%%")
+
+
+def command_parser(root: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the subcommand ``args`` ran (``tandem generate``'s for ``tandem generate ...``)."""
+    current = root
+    while True:
+        subs = [a for a in current._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs else None
+        if name is None:
+            return current
+        current = subs[0].choices[name]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -126,49 +207,180 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run_up(args, settings_from(args), given(args))
 
 
+def read_prompt(arg: str, stdin: TextIO | None = None) -> str:
+    """The prompt ``arg`` gives: itself, standard input for ``-``, a file's text for ``@FILE``;
+    :class:`UsageError` for a file that cannot be read or an empty prompt."""
+    if arg == "-":
+        prompt, where = (stdin or sys.stdin).read(), "standard input"
+    elif arg.startswith("@"):
+        path = Path(arg[1:])
+        try:
+            prompt = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise UsageError(f"the prompt file {path} is not UTF-8 text") from None
+        except OSError as exc:
+            raise UsageError(f"cannot read the prompt file {path}: {exc.strerror or exc}") from None
+        where = f"the prompt file {path}"
+    else:
+        prompt, where = arg, "the command line"
+    if not prompt:
+        raise UsageError(f"the prompt from {where} is empty")
+    return prompt
+
+
+def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
+    """generate's sampling flags as SamplingParams fields, checked against its bounds first: a value
+    out of bounds is :class:`UsageError` naming the flag and the bound the model declares."""
+    from pydantic import ValidationError
+
+    from tandem.shared.protocol.serving import SamplingParams
+
+    params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    try:
+        SamplingParams(**params)
+    except ValidationError as exc:
+        raise UsageError(invalid_value(exc, SamplingParams, SAMPLING_FLAGS)) from None
+    if not args.timeout > 0:
+        raise UsageError("--timeout must be > 0")
+    return params
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from tandem.client import TandemError, connect
     from tandem.runstate import find_running_url
     from tandem.services.common.runtime import run_async
 
+    prog = "tandem generate"
+    try:
+        params = sampling_params(args)
+        prompt = read_prompt(args.prompt)
+    except UsageError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
     settings = settings_from(args)
     url = settings.bus.nats_url or find_running_url(settings.data_dir)
     if url is None:
-        print("tandem generate: no running tandem found; start one with `tandem up` or pass --nats-url",
-              file=sys.stderr)
+        print(f"{prog}: no running tandem found; start one with `tandem up` or pass --nats-url", file=sys.stderr)
         return 2
-    params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    streamed = False  # text went out: an interrupted stream still ends its line
 
     async def run() -> None:
+        nonlocal streamed
         async with connect(url, request_timeout_s=args.timeout) as client:
             if args.json:
-                result = await client.complete(args.prompt, model=args.model, **params)
+                result = await client.complete(prompt, model=args.model, **params)
                 print(json.dumps({
                     "request_id": result.request_id, "text": result.text,
                     "prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids,
                     "finish_reason": result.finish_reason, "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
                 }))
                 return
-            async for chunk in client.generate(args.prompt, model=args.model, **params):
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
+            # Closed on every way out (Ctrl-C cancels this task, a closed stdout raises): closing a
+            # stream that has not finished sends its cancel, so the workers free the request at once.
+            stream = client.generate(prompt, model=args.model, **params)
+            async with aclosing(stream):
+                async for chunk in stream:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                    streamed = True
             sys.stdout.write("\n")
 
     try:
         run_async(run())
     except TandemError as exc:
-        print(f"tandem generate: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if streamed:
+            print(flush=True)
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    return 0
+
+
+async def discover(url: str, wait_s: float) -> list[dict]:
+    """Every ``$SRV.INFO`` answer on the NATS server at ``url`` within ``wait_s``."""
+    import nats
+
+    from tandem.discovery import service_infos
+
+    async def quiet(_exc: Exception) -> None:
+        pass  # nats-py would log each connection error with its traceback; the one line below says it
+
+    try:
+        # Two tries, then NoServersError: nats-py retries an initial connect forever with
+        # max_reconnect_attempts 0, and allow_reconnect=False does not stop that loop either.
+        nc = await nats.connect(url, name="tandem-services", connect_timeout=3, max_reconnect_attempts=1,
+                                reconnect_time_wait=0.2, error_cb=quiet)
+    except Exception as exc:  # nats-py raises several kinds for a server it cannot reach
+        raise UnreachableError(f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from None
+    try:
+        return await service_infos(nc, wait_s=wait_s)
+    finally:
+        await nc.close()
+
+
+def service_rows(infos: list[dict]) -> list[dict[str, Any]]:
+    """One row per service instance, sorted by service and instance id: the fields ``tandem
+    services`` shows (``http_url`` None where the instance serves no HTTP API), plus its whole metadata."""
+    rows = []
+    for info in infos:
+        meta = info.get("metadata") or {}
+        pid = str(meta.get("pid", ""))
+        instance = meta.get("instance_id") or info.get("id", "")
+        rows.append({"service": str(info.get("name", "")), "instance": str(instance),
+                     "version": str(info.get("version", "")), "host": str(meta.get("host", "")),
+                     "pid": int(pid) if pid.isdigit() else None, "metrics_url": meta.get("metrics_url") or None,
+                     "http_url": meta.get("http_url") or None, "id": info.get("id"), "metadata": meta})
+    return sorted(rows, key=lambda r: (r["service"], r["instance"]))
+
+
+def services_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as aligned columns; the HTTP column only when an instance serves one."""
+    columns = [("SERVICE", "service"), ("INSTANCE", "instance"), ("VERSION", "version"), ("HOST", "host"),
+               ("PID", "pid"), ("METRICS", "metrics_url")]
+    if any(r["http_url"] for r in rows):
+        columns.append(("HTTP", "http_url"))
+    cells = [[title for title, _ in columns]]
+    cells += [["-" if r[key] is None or r[key] == "" else str(r[key]) for _, key in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def cmd_services(args: argparse.Namespace) -> int:
+    from tandem.runstate import find_running_url
+    from tandem.services.common.runtime import run_async
+
+    prog = "tandem services"
+    if not args.wait > 0:
+        print(f"{prog}: --wait must be > 0", file=sys.stderr)
+        return 2
+    settings = settings_from(args)
+    url = settings.bus.nats_url or find_running_url(settings.data_dir)
+    if url is None:
+        print(f"{prog}: no running tandem found; start one with `tandem up` or pass --nats-url", file=sys.stderr)
+        return 2
+    try:
+        rows = service_rows(run_async(discover(url, args.wait)))
+    except UnreachableError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif rows:
+        print(services_table(rows))
+    if not rows:
+        print(f"{prog}: no service answered $SRV.INFO on {url} within {args.wait:g}s", file=sys.stderr)
         return 1
     return 0
 
 
 def cmd_console(args: argparse.Namespace) -> int:
     from tandem.console.app import run_console
-    from tandem.runstate import find_running_url
 
     settings = settings_from(args)
-    return run_console(settings.bus.nats_url or find_running_url(settings.data_dir))
+    return run_console(settings.bus.nats_url, settings.data_dir)  # no URL: follow the running up, restarts included
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -194,11 +406,24 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] not in ("serve", "compare", "-h", "--help")):
         argv.insert(1, "compare")  # plain `tandem bench` is the comparison it always was
-    args = parser().parse_args(argv)
+    root = parser()
+    args, extras = root.parse_known_args(argv)
+    command = command_parser(root, args)
+    if extras:  # reported by the subcommand they were given to: `tandem generate: unrecognized ...`
+        command.error(f"unrecognized arguments: {' '.join(extras)}")
     logging.captureWarnings(True)
     handler = {"up": cmd_up, "serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench,
-               "console": cmd_console, "train": cmd_train}[args.command]
-    return handler(args)
+               "console": cmd_console, "train": cmd_train, "services": cmd_services}[args.command]
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        print(f"{command.prog}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    except BrokenPipeError:
+        # The reader left (`tandem services --json | head`): say nothing, and keep the interpreter's
+        # last flush of stdout from failing again on the way out.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -9,15 +9,20 @@ up`` takes them all and hands the given ones on to each child in the child's ser
 
 A flag left out is ``None`` in the namespace, so :func:`settings_from` passes on only the given
 ones and the precedence stays flags, then ``TANDEM_*`` variables, then defaults.
+
+Every ``tandem`` parser is a :class:`Parser` (no abbreviated flags, errors in one line), every
+option's help ends with its default (:func:`show_defaults`), and a value a pydantic model refuses is
+reported as the flag and the bound the model declares (:func:`invalid_value`).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, NoReturn
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from tandem.shared.infra.config import FIELDS, Knob, Settings, describe_errors, load_settings
 
@@ -115,3 +120,112 @@ def argv(values: dict[str, Any], *specs: str, skip: Iterable[str] = ()) -> list[
         else:
             out += [knob.flag, str(value)]
     return out
+
+
+class Parser(argparse.ArgumentParser):
+    """tandem's argument parser: no abbreviated flags and one-line errors.
+
+    argparse takes ``--n`` for any one flag it begins (``--nats-url``) unless abbreviations are off;
+    here they are always off, so a mistyped flag is an error and adding a flag never changes what
+    an old command line means. ``add_subparsers`` makes its parsers of the parent's class, so every
+    subcommand's parser (those ``tandem/up.py`` and ``tandem/train_cli.py`` add too) is one of these.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        # argparse prints the whole usage first; one line naming the problem is what a user reads.
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _walk(parser: argparse.ArgumentParser) -> Iterable[argparse.ArgumentParser]:
+    """``parser`` and every subcommand's parser below it, each once (aliases share one)."""
+    yield parser
+    seen: set[int] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                if id(sub) not in seen:
+                    seen.add(id(sub))
+                    yield from _walk(sub)
+
+
+def parsers(root: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """``root`` and every parser below it (``tandem``, ``tandem serve``, ``tandem serve router``, ...)."""
+    return list(_walk(root))
+
+
+def shown_action_default(action: argparse.Action) -> str:
+    """An option's default as its help shows it: ``off``/``on`` for a switch, ``unset`` for None."""
+    value = action.default
+    if action.nargs == 0:  # store_true and its kind: the flag given or not
+        return "on" if value else "off"
+    if value is None:
+        # An optional value with a const (``--demo [PROMPT]``): not given means the feature is off.
+        return "off" if action.nargs == argparse.OPTIONAL and action.const is not None else "unset"
+    if isinstance(value, list | tuple):
+        return " ".join(map(str, value)) if value else "none"
+    return str(value) if value != "" else "empty"
+
+
+def show_defaults(root: argparse.ArgumentParser) -> None:
+    """End the help of every option of ``root`` and its subcommands with ``(default: X)``, unless
+    the help already says its default (the settings flags do, and some defaults need words:
+    ``default: the router's``)."""
+    for parser in _walk(root):
+        for action in parser._actions:
+            if (not action.option_strings or action.help == argparse.SUPPRESS
+                    or isinstance(action, argparse._HelpAction | argparse._VersionAction)):
+                continue
+            text = action.help or ""
+            if "default" not in text:
+                shown = shown_action_default(action).replace("%", "%%")  # help is a %-format string
+                action.help = f"{text} (default: {shown})".lstrip()
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def field_bounds(info: FieldInfo) -> str | None:
+    """A field's numeric bounds as a user reads them (``in (0, 1]``, ``>= 1``, ``< 100``); None when
+    it has none. Read from the field's own constraints, so the message cannot drift from the check."""
+    lo = hi = None
+    for item in info.metadata:  # annotated_types' Gt, Ge, Lt, Le: one attribute each, named as the bound
+        if getattr(item, "gt", None) is not None:
+            lo = ("(", item.gt)
+        elif getattr(item, "ge", None) is not None:
+            lo = ("[", item.ge)
+        elif getattr(item, "lt", None) is not None:
+            hi = (")", item.lt)
+        elif getattr(item, "le", None) is not None:
+            hi = ("]", item.le)
+    if lo and hi:
+        return f"in {lo[0]}{_number(lo[1])}, {_number(hi[1])}{hi[0]}"
+    if lo:
+        return f"{'>' if lo[0] == '(' else '>='} {_number(lo[1])}"
+    if hi:
+        return f"{'<' if hi[0] == ')' else '<='} {_number(hi[1])}"
+    return None
+
+
+def invalid_value(exc: ValidationError, model: type[BaseModel], flags: Mapping[str, str]) -> str:
+    """``exc``'s first finding in terms of the flag that gave the value: ``--top-p must be in (0, 1]``
+    for a bounded field (whatever was wrong with the value, NaN included), otherwise the flag and
+    pydantic's words. ``flags``: field name -> flag."""
+    err = exc.errors()[0]
+    field = str(err["loc"][0]) if err["loc"] else ""
+    flag = flags.get(field) or (f"--{field.replace('_', '-')}" if field else "a value")
+    info = model.model_fields.get(field)
+    bounds = field_bounds(info) if info is not None and len(err["loc"]) == 1 else None
+    if bounds:
+        return f"{flag} must be {bounds}"
+    msg = err["msg"].replace(" after validation", "")
+    for lead in ("Input should ", "String should ", "List should ", "Value should "):
+        if msg.startswith(lead):
+            return f"{flag} must {msg.removeprefix(lead)}"
+    return f"{flag}: {msg}"

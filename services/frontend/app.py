@@ -61,7 +61,7 @@ class Frontend:
     model: ServedModel
     api_key: str | None
     max_concurrent_requests: int
-    router_models: Callable[[], Awaitable[list[str]]]  # the models the running routers serve
+    router_models: Callable[[], Awaitable[dict[str, int | None]]]  # the routers' models -> their vocab sizes
     max_model_len: Callable[[str], int | None]  # a bus model's context, from its decode workers' heartbeats
     router_alive: Callable[[], Awaitable[bool]]
     metrics: FrontendMetrics | None = None
@@ -279,10 +279,10 @@ def build_app(frontend: Frontend) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> schemas.ModelList:
         cards = []
-        for bus_name in await frontend.router_models():
+        for bus_name, vocab_size in (await frontend.router_models()).items():
             name = frontend.model.served_name if bus_name == frontend.model.bus_name else bus_name
             cards.append(schemas.ModelCard(id=name, created=frontend.created, root=bus_name,
-                                           max_model_len=frontend.max_model_len(bus_name)))
+                                           max_model_len=frontend.max_model_len(bus_name), vocab_size=vocab_size))
         return schemas.ModelList(data=cards)
 
     @app.post("/v1/completions")

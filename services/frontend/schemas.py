@@ -213,6 +213,7 @@ class ModelCard(BaseModel):
     owned_by: str = "tandem"
     root: str | None = None  # the model the router loads (a directory, or "tiny")
     max_model_len: int | None = None
+    vocab_size: int | None = None  # token ids in a prompt must be below it (a benchmark's random prompts)
 
 
 class ModelList(BaseModel):

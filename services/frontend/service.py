@@ -86,7 +86,7 @@ class FrontendService(ServiceRuntime):
         self.server: QuietServer | None = None
         self.server_task: asyncio.Task | None = None
         self.context: dict[str, int] = {}  # bus model -> max_model_len, from decode workers' heartbeats
-        self._router_models: tuple[float, list[str]] = (0.0, [])
+        self._router_models: tuple[float, dict[str, int | None]] = (0.0, {})
 
     def metadata(self) -> dict[str, str]:
         return {**super().metadata(), "http_url": self.http_url, "model": self.meta.name,
@@ -129,13 +129,18 @@ class FrontendService(ServiceRuntime):
         if beat.service == "decode" and beat.max_model_len:
             self.context[beat.model] = beat.max_model_len
 
-    async def router_models(self) -> list[str]:
-        """The models the running routers serve (their ``$SRV.INFO`` metadata), asked at most every
-        ``ROUTER_MODELS_TTL_S``."""
+    async def router_models(self) -> dict[str, int | None]:
+        """The models the running routers serve and their vocabulary sizes (from the routers'
+        ``$SRV.INFO`` metadata), asked at most every ``ROUTER_MODELS_TTL_S``."""
         asked_at, models = self._router_models
         if time.monotonic() - asked_at > ROUTER_MODELS_TTL_S:
-            infos = await service_infos(self.nc, wait_s=0.2, name="tandem-router")
-            models = sorted({i.get("metadata", {}).get("model", "") for i in infos} - {""})
+            models = {}
+            for info in await service_infos(self.nc, wait_s=0.2, name="tandem-router"):
+                meta = info.get("metadata", {})
+                if meta.get("model"):
+                    vocab = meta.get("vocab_size", "")
+                    models[meta["model"]] = int(vocab) if vocab.isdigit() else None
+            models = dict(sorted(models.items()))
             self._router_models = (time.monotonic(), models)
         return models
 

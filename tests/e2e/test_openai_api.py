@@ -214,7 +214,8 @@ async def test_models_health_version_and_metrics(api):
     async with httpx.AsyncClient() as http:
         base = api.http["frontend-plain"]
         models = (await http.get(f"{base}/v1/models")).json()
-        assert [(m["id"], m["object"], m["max_model_len"]) for m in models["data"]] == [("tiny", "model", CONTEXT)]
+        assert [(m["id"], m["object"], m["max_model_len"], m["vocab_size"]) for m in models["data"]] == [
+            ("tiny", "model", CONTEXT, 259)]
         assert (await http.get(f"{base}/health")).status_code == 200
         assert (await http.get(f"{base}/version")).json()["version"]
         page = (await http.get(f"{base}/metrics")).text

@@ -1,0 +1,246 @@
+"""The ``tandem`` client surface as a user meets it, in real processes against real services: the
+prompt from standard input or a file, Ctrl-C in ``generate`` (one line, exit 130, the request
+cancelled on the workers), ``tandem services``, ``tandem bench serve`` over NATS and over the HTTP
+frontend (``--base-url``), its first failure's reason, and ``benchmarks/frontend_overhead.py``.
+
+One system per module (router, prefill, decode on the session's nats-server) with one frontend;
+the failure test has a server and a router of its own, so no worker can answer there."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import nats
+import pytest
+from cli_support import TANDEM, launch, run_sync, service_env, tandem_env, wait_for
+
+from tandem import __version__
+from tandem.discovery import scrape_services, service_infos
+from tandem.runstate import find_running
+from tandem.shared.infra.natsserver import NatsServer
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.codec import decode
+from tandem.shared.protocol.serving import Cancel
+from tandem.supervisor import wait_until_ready
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+FRONTEND = "frontend-surface"
+
+
+async def frontend_url(url: str, instance: str) -> str:
+    nc = await nats.connect(url)
+    try:
+        infos = await service_infos(nc, name="tandem-frontend")
+    finally:
+        await nc.close()
+    return next(i["metadata"]["http_url"] for i in infos if i["metadata"]["instance_id"] == instance)
+
+
+@pytest.fixture(scope="module")
+def system(start_system):
+    """Router, prefill, decode and a frontend; ``system.http`` is the frontend's URL."""
+    system = start_system(prefill=1, decode=1)
+    system.processes[FRONTEND] = launch(system.url, "frontend", FRONTEND, system.logdir, system.env,
+                                        ["--http-port", "0"])
+    run_sync(wait_until_ready(system.url, {"frontend": 1}, system.check_alive, 60))
+    system.http = run_sync(frontend_url(system.url, FRONTEND))
+    wait_for(lambda: httpx.get(f"{system.http}/v1/models", timeout=5).status_code == 200, 30, "the frontend's API")
+    yield system
+    if FRONTEND in system.processes:
+        system.stop(FRONTEND)
+
+
+@pytest.fixture(scope="module")
+def lonely_router(tmp_path_factory):
+    """The NATS URL of a server of its own with a router and no worker: every request gets no_workers."""
+    server = NatsServer.start()
+    logdir = tmp_path_factory.mktemp("lonely")
+    router = launch(server.url, "router", "router-lonely", logdir, service_env(logdir), [])
+
+    def check() -> None:
+        assert router.poll() is None, (logdir / "router-lonely.log").read_text()[-2000:]
+
+    try:
+        run_sync(wait_until_ready(server.url, {"router": 1}, check, 60))
+        yield server.url
+    finally:
+        router.send_signal(signal.SIGTERM)
+        try:
+            router.wait(20)
+        except subprocess.TimeoutExpired:
+            router.kill()
+            router.wait()
+        server.stop()
+
+
+def tandem(args: list[str], tmp_path: Path, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    """``tandem ARGS`` as a user runs it, with a data dir where no tandem runs."""
+    return subprocess.run([*TANDEM, *args], env=tandem_env(tmp_path), capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+@pytest.mark.parametrize(("args", "code", "stdout", "stderr"), [
+    (["--version"], 0, f"tandem {__version__}\n", ""),
+    (["generate", "--n", "4", "x"], 2, "",
+     "tandem generate: unrecognized arguments: --n x (see tandem generate --help)\n"),
+    (["generate", "--top-p", "0", "x"], 2, "", "tandem generate: --top-p must be in (0, 1]\n"),
+    (["generate", "@/no/such/prompt.txt"], 2, "",
+     "tandem generate: cannot read the prompt file /no/such/prompt.txt: No such file or directory\n"),
+    (["bench", "serve", "--num-prompts", "0"], 2, "", "tandem bench serve: --num-prompts must be >= 1\n"),
+    (["services"], 2, "",
+     "tandem services: no running tandem found; start one with `tandem up` or pass --nats-url\n"),
+])
+def test_command_line_answers_in_one_line(args, code, stdout, stderr, tmp_path):
+    done = tandem(args, tmp_path)
+    assert (done.returncode, done.stdout, done.stderr) == (code, stdout, stderr)
+
+
+@pytest.mark.parametrize("source", ["stdin", "file"])
+def test_generate_takes_the_prompt_from_stdin_or_a_file(system, source, tmp_path):
+    prompt = "def add(a, b):\n    return"  # the newline must survive: the prompt is read as is
+    path = tmp_path / "prompt.txt"
+    path.write_text(prompt)
+    arg, stdin = ("-", prompt) if source == "stdin" else (f"@{path}", None)
+    done = tandem(["generate", arg, "--nats-url", system.url, "--max-tokens", "4", "--temperature", "0",
+                   "--ignore-eos", "--json"], tmp_path, input=stdin)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["prompt_token_ids"] == list(prompt.encode()), "the byte-level tiny model: one token per byte"
+    assert len(result["token_ids"]) == 4
+
+
+def abort_count(url: str) -> float:
+    """Requests the decode workers ended as aborted (cancelled or their client gone)."""
+    async def scrape() -> float:
+        nc = await nats.connect(url)
+        try:
+            pages = await scrape_services(nc, ("tandem-decode",))
+        finally:
+            await nc.close()
+        return sum(v for page in pages.values() for k, v in page[0].items()
+                   if k.startswith("tandem:request_success_total") and 'finished_reason="abort"' in k)
+
+    return run_sync(scrape())
+
+
+async def test_ctrl_c_in_generate_cancels_the_request(system, tmp_path):
+    aborted = abort_count(system.url)
+    nc = await nats.connect(system.url)
+    cancels = await nc.subscribe(subjects.CANCEL)
+    proc = subprocess.Popen([*TANDEM, "generate", "def f(x):", "--nats-url", system.url, "--max-tokens", "2000",
+                             "--ignore-eos"], env=tandem_env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        # Tokens streaming from the decode worker (2000 of them take half a minute here): stop it mid-way.
+        first = await asyncio.to_thread(proc.stdout.read, 32)
+        assert len(first) == 32, proc.stderr.read().decode()
+        proc.send_signal(signal.SIGINT)
+        msg = await cancels.next_msg(timeout=10)
+        code = await asyncio.to_thread(proc.wait, 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await nc.close()
+    rest, err = proc.communicate()
+    assert code == 130, err.decode()
+    assert err.decode() == "tandem generate: interrupted\n", "one line, no traceback"
+    assert decode(msg.data, Cancel).request_id, "the client sent the request's cancel"
+    assert rest.endswith(b"\n"), "the interrupted output still ends its line"
+    wait_for(lambda: abort_count(system.url) > aborted, 10, "the decode worker to abort the request")
+
+
+def test_services_lists_every_instance(system, tmp_path):
+    done = tandem(["services", "--nats-url", system.url, "--json"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = {r["instance"]: r for r in json.loads(done.stdout)}
+    for name, proc in system.processes.items():
+        assert name in rows, f"{name} missing from tandem services: {sorted(rows)}"
+        row = rows[name]
+        assert row["service"] == f"tandem-{name.split('-')[0]}" and row["version"] == __version__, row
+        assert row["pid"] == proc.pid and row["host"], row
+        assert httpx.get(row["metrics_url"], timeout=5).status_code == 200, f"{name}'s metrics_url answers"
+    assert rows[FRONTEND]["http_url"] == system.http
+    assert all(r["http_url"] is None for n, r in rows.items() if n != FRONTEND)
+
+    table = tandem(["services", "--nats-url", system.url], tmp_path)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["SERVICE", "INSTANCE", "VERSION", "HOST", "PID", "METRICS", "HTTP"]
+    (frontend,) = [line for line in lines if FRONTEND in line]
+    assert frontend.split()[-1] == system.http
+
+
+def test_services_against_no_server_is_one_line(tmp_path):
+    done = tandem(["services", "--nats-url", "nats://127.0.0.1:1"], tmp_path)
+    assert done.returncode == 1 and done.stderr.startswith("tandem services: cannot reach NATS at nats://127.0.0.1:1")
+    assert done.stderr.count("\n") == 1, done.stderr
+
+
+def test_bench_serve_over_http_measures_the_frontend(system, tmp_path):
+    out_file = tmp_path / "http.json"
+    done = tandem(["bench", "serve", "--base-url", system.http, "--nats-url", system.url, "--input-len", "64",
+                   "--output-len", "6", "--num-prompts", "8", "--max-concurrency", "2", "--no-progress",
+                   "--json-out", str(out_file)], tmp_path, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for line in ("Successful requests:", "Mean TTFT (ms):", "Median ITL (ms):", "Services' own TTFT"):
+        assert line in done.stdout, f"table lacks {line!r}:\n{done.stdout}"
+    result = json.loads(out_file.read_text())
+    s = result["summary"]
+    assert (result["backend"], result["url"], s["completed"], s["failed"]) == ("http", system.http, 8, 0), s
+    assert all(r["output_len"] == r["max_tokens"] == 6 for r in result["requests"]), "ignore_eos: exact lengths"
+    assert s["server_ttft_count"] == 8, "the workers' histograms count exactly the measured requests"
+    assert s["server_ttft_mean_ms"] <= s["ttft_ms"]["mean"], "the services' TTFT starts later than the client's"
+
+
+def test_bench_serve_says_why_requests_failed(lonely_router, tmp_path):
+    done = tandem(["bench", "serve", "--nats-url", lonely_router, "--num-prompts", "3", "--num-warmups", "0",
+                   "--input-len", "8", "--output-len", "2", "--no-progress"], tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Failed requests:                                           3" in done.stdout, done.stdout
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("tandem bench serve: 3 of 3 requests failed; first failure: no_workers: "), done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def check_overhead(stdout: str, json_out: Path, levels: list[int], n: int) -> None:
+    rows = [line.split() for line in stdout.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == levels, stdout
+    result = json.loads(json_out.read_text())
+    for level, row in zip(levels, result["levels"]):
+        assert row["concurrency"] == level and row["requests"] == n
+        nats_, http = row["nats"], row["http"]
+        assert (nats_["completed"], nats_["failed"], http["completed"], http["failed"]) == (n, 0, n, 0), row
+        assert nats_["total_output_tokens"] == http["total_output_tokens"] == n * 4, "the same workload on both"
+        assert row["ttft_p50_diff_ms"] == pytest.approx(http["ttft_ms"]["median"] - nats_["ttft_ms"]["median"])
+        assert row["throughput_ratio"] == pytest.approx(http["output_throughput"] / nats_["output_throughput"])
+
+
+def test_frontend_overhead_benchmark_drives_both_paths(system, tmp_path):
+    out_file = tmp_path / "overhead.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "frontend_overhead.py"), "--nats-url", system.url,
+                           "--base-url", system.http, "--concurrency", "1", "4", "--num-prompts", "4",
+                           "--input-len", "16", "--output-len", "4", "--num-warmups", "1", "--no-progress",
+                           "--json-out", str(out_file)], env=tandem_env(tmp_path), capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "TTFT p50 NATS" in done.stdout and "HTTP/NATS" in done.stdout, done.stdout
+    check_overhead(done.stdout, out_file, [1, 4], 4)
+
+
+@pytest.mark.slow
+def test_frontend_overhead_benchmark_starts_its_own_tandem_up(tmp_path):
+    out_file = tmp_path / "overhead.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "frontend_overhead.py"), "--concurrency", "2",
+                           "--num-prompts", "4", "--input-len", "16", "--output-len", "4", "--num-warmups", "1",
+                           "--no-progress", "--json-out", str(out_file)], env=tandem_env(tmp_path),
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "frontend_overhead: starting -m tandem up --http-port 0" in done.stderr, done.stderr
+    check_overhead(done.stdout, out_file, [2], 4)
+    assert find_running(tmp_path) is None, "the tandem up it started is stopped again"
