@@ -8,16 +8,13 @@ Against the system at ``--nats-url`` and ``--base-url`` (its NATS server and its
 running ``tandem up`` (its state file) when it serves HTTP, else a ``tandem up --http-port 0`` this
 script starts as a child and stops at the end. At each concurrency it sends random token-id prompts
 of ``--input-len`` tokens for exactly ``--output-len`` greedy tokens (``ignore_eos``) with that many
-requests in flight, first through ``tandem.client`` (NATS), then as OpenAI streaming completions
-(HTTP), measured as ``tandem bench serve`` measures (its pieces: :mod:`tandem.bench_serve`). The two
-paths get prompts of the same shape but different tokens, so the second never finds the first's
-blocks in the prefix cache. Prints, per concurrency, TTFT p50 over NATS and over HTTP and their
+requests in flight, through ``tandem.client`` (NATS) and as OpenAI streaming completions (HTTP), in
+two rounds of half the requests each, ordered NATS, HTTP, HTTP, NATS so that drift within a level
+weighs on both alike; measured as ``tandem bench serve`` measures (its pieces:
+:mod:`tandem.bench_serve`). Every round gets prompts of the same shape but different tokens, so none
+finds another's blocks in the prefix cache. Prints, per concurrency, TTFT p50 over NATS and over HTTP and their
 difference in ms, and output tokens/s over each and their ratio HTTP/NATS; ``--json-out`` saves
 both paths' full summaries.
-
-The frontend counts as a token only a chunk with text (a byte-level model's partial UTF-8 byte waits
-for the next), so its TTFT is that of the first visible text, a little later than NATS's first token
-when the model starts with such a byte.
 """
 
 from __future__ import annotations
@@ -144,17 +141,29 @@ async def measure(args: argparse.Namespace, nats_url: str, base_url: str) -> lis
         for level in args.concurrency:
             n = args.num_prompts or max(16, 4 * level)
             row: dict = {"concurrency": level, "requests": n}
-            for i, backend in enumerate((bus, http)):
-                # Same shape, other tokens: the second path must not find the first's prompts cached.
-                requests = make_requests("random", n, args.input_len, args.output_len, vocab, seed=2 * level + i)
-                progress = Progress(n, not args.no_progress, label=f"c={level} {backend.kind:<4} ")
-                results, duration = await drive(backend, requests, max_concurrency=level, timeout_s=args.timeout,
+            # Two rounds of n/2 requests in the order NATS, HTTP, HTTP, NATS: whatever drifts during a
+            # level (caches warming, the other path's leftovers draining) weighs on both paths alike.
+            results = {"nats": [], "http": []}
+            durations = {"nats": 0.0, "http": 0.0}
+            halves = (n // 2, n - n // 2)
+            for round_index, order in enumerate(((bus, http), (http, bus))):
+                for backend in order:
+                    # Same shape, other tokens: neither path nor round finds another's prompts cached.
+                    seed = 4 * level + 2 * round_index + (backend is http)
+                    requests = make_requests("random", halves[round_index], args.input_len, args.output_len, vocab,
+                                             seed=seed)
+                    progress = Progress(len(requests), not args.no_progress,
+                                        label=f"c={level} {backend.kind:<4} {round_index + 1}/2 ")
+                    got, duration = await drive(backend, requests, max_concurrency=level, timeout_s=args.timeout,
                                                 progress=progress)
-                summary = summarize(results, duration, {})
+                    results[backend.kind] += got
+                    durations[backend.kind] += duration
+            for kind in ("nats", "http"):
+                summary = summarize(results[kind], durations[kind], {})
                 if summary["failed"]:
-                    print(f"{PROG}: {backend.kind} at concurrency {level}: {summary['failed']} of {n} failed; "
+                    print(f"{PROG}: {kind} at concurrency {level}: {summary['failed']} of {n} failed; "
                           f"first failure: {summary['first_failure']}", file=sys.stderr, flush=True)
-                row[backend.kind] = summary
+                row[kind] = summary
             nats, web = row["nats"], row["http"]
             row["ttft_p50_diff_ms"] = web["ttft_ms"]["median"] - nats["ttft_ms"]["median"]
             row["throughput_ratio"] = (web["output_throughput"] / nats["output_throughput"]

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from tandem.runstate import find_running
+
 
 def matmul_tflops() -> float:
     """Dense bf16 8192^3 matmul rate of GPU 0 (the anchors' method)."""
@@ -82,15 +84,15 @@ def main() -> None:
                 print(json.dumps(record), flush=True)
     data_dir = out_dir / "data"
     env = {**os.environ, "TANDEM_DATA_DIR": str(data_dir)}
-    up_args = [sys.executable, "-m", "tandem", "up", "--model", model, "--no-planner", "--prefill", "1",
-               "--decode", "1", "--max-model-len", "2048", "--max-num-seqs", "256",
+    up_args = [sys.executable, "-m", "tandem", "up", "--model", model, "--no-planner", "--http-port", "0",
+               "--prefill", "1", "--decode", "1", "--max-model-len", "2048", "--max-num-seqs", "256",
                "--max-num-batched-tokens", "8192"]
     log = open(out_dir / "up.log", "w")
     up = subprocess.Popen(up_args, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
-        for line in up.stdout:  # the ready line names the NATS URL
+        for line in up.stdout:  # once the ready line is out, the state file names the URLs
             if line.startswith("tandem up: NATS at"):
-                url = line.split()[4]
+                url = find_running(data_dir).nats_url
                 break
         else:
             raise SystemExit(f"tandem up exited before it was ready; see {out_dir / 'up.log'}")

@@ -218,6 +218,46 @@ class Tally:
             metrics.finished(self.prompt_tokens // max(1, len(self.reasons)), self.tokens.get(index, 0), reason)
 
 
+class Gate:
+    """Pure ASGI middleware (no BaseHTTPMiddleware: that one copies every streamed body through a
+    memory channel, a delay per SSE event): the API key on /v1/ routes, and every answer counted
+    by route and status."""
+
+    def __init__(self, app, frontend: Frontend) -> None:  # noqa: ANN001 - any ASGI app
+        self.app = app
+        self.frontend = frontend
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - the ASGI signature
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        key = self.frontend.api_key
+        if key and path.startswith("/v1/") and not self.authorized(scope, key):
+            error = APIError(401, "missing or wrong API key: send it as `Authorization: Bearer KEY`",
+                             "invalid_request_error", None, "invalid_api_key")
+            await error_response(error)(scope, receive, send)
+            self.count(path, 401)
+            return
+
+        async def counted(message) -> None:  # noqa: ANN001
+            if message["type"] == "http.response.start":
+                self.count(path, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+    @staticmethod
+    def authorized(scope, key: str) -> bool:  # noqa: ANN001
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
+        token = given[7:] if given[:7].lower() == "bearer " else ""
+        return hmac.compare_digest(token.encode(), key.encode())
+
+    def count(self, path: str, status: int) -> None:
+        if self.frontend.metrics is not None:
+            self.frontend.metrics.http.labels(path if path in KNOWN_PATHS else "other", str(status)).inc()
+
+
 def build_app(frontend: Frontend) -> FastAPI:
     app = FastAPI(title="tandem", version=__version__, docs_url="/docs", redoc_url=None)
 
@@ -241,25 +281,7 @@ def build_app(frontend: Frontend) -> FastAPI:
             frontend.log.exception("unhandled error")
         return error_response(APIError(500, f"internal error: {type(exc).__name__}", "server_error"))
 
-    @app.middleware("http")
-    async def authenticate_and_count(request: Request, call_next) -> Response:
-        path = request.url.path
-        if frontend.api_key and path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), frontend.api_key.encode()):
-                response = error_response(APIError(401, "missing or wrong API key: send it as "
-                                                        "`Authorization: Bearer KEY`", "invalid_request_error",
-                                                   None, "invalid_api_key"))
-                count(path, response.status_code)
-                return response
-        response = await call_next(request)
-        count(path, response.status_code)
-        return response
-
-    def count(path: str, status: int) -> None:
-        if frontend.metrics is not None:
-            frontend.metrics.http.labels(path if path in KNOWN_PATHS else "other", str(status)).inc()
+    app.add_middleware(Gate, frontend=frontend)
 
     @app.get("/health")
     async def health() -> Response:
@@ -383,8 +405,8 @@ def build_app(frontend: Frontend) -> FastAPI:
             try:
                 async for i, chunk in merged(streams):
                     tally.on_chunk(frontend.metrics, i, chunk)
-                    if not chunk.text and chunk.finish_reason is None:
-                        continue
+                    if not chunk.token_ids and not chunk.text and chunk.finish_reason is None:
+                        continue  # a token whose text is incomplete still goes out (empty), as vLLM sends it
                     if chat:
                         yield sse(chat_chunk(request_id, created, model, i, schemas.ChatDelta(content=chunk.text),
                                              chunk.finish_reason))
