@@ -212,12 +212,14 @@ class RequestStream:
             return
         client = self.client
         inbox = self.request.stream_subject
+        queue = self._queue  # the callback holds the queue, not the stream: nats-py keeps callbacks alive,
+        # and a stream it kept alive would never be dropped, so never cancelled, by a ``break``
 
         async def on_message(msg) -> None:
             if msg.reply:  # a worker's liveness probe
                 await msg.respond(b"ok")
                 return
-            self._queue.put_nowait(msg.data)
+            queue.put_nowait(msg.data)
 
         try:
             self._sub = await client.nc.subscribe(inbox, cb=on_message)
