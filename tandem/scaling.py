@@ -13,7 +13,15 @@
   after ``drain_timeout_s`` gets SIGTERM, and SIGKILL 15 s later;
 - once a second, when the live children changed (a restart or a scaling step: new instance ids and,
   with free ports, new URLs), their URLs are read again from ``$SRV.INFO`` and the state file
-  rewritten, so what it says stays what serves.
+  rewritten, so what it says stays what serves;
+- health, not only exit codes: a child that has answered ``$SRV.PING`` (asked every ``PING_S``) or
+  sent heartbeats, and then stays silent on both for ``--health-timeout-s``, is off the bus though
+  its process lives (a connection closed for good, a hung loop): it is stopped (SIGKILL
+  ``HEALTH_KILL_AFTER_S`` after SIGTERM) and replaced. A worker whose heartbeats say it drains
+  without the supervisor having asked (an operator's ``DrainRequest``, ``exit`` or not) takes no
+  new requests: a replacement starts at once, and the drained one is stopped after
+  ``drain_timeout_s`` if it does not leave by itself. A child that exits with code 0 unasked left on
+  its own (a drain with ``exit``): it is replaced without the crash back-off.
 """
 
 from __future__ import annotations
@@ -28,10 +36,11 @@ import nats
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from tandem.discovery import gather_replies
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ProtocolError
 from tandem.shared.protocol.codec import decode, encode
-from tandem.shared.protocol.fleet import DrainRequest, ScalingDecision
+from tandem.shared.protocol.fleet import DrainRequest, Heartbeat, ScalingDecision
 
 if TYPE_CHECKING:
     from tandem.supervisor import Child, Supervisor
@@ -40,6 +49,8 @@ log = logging.getLogger("tandem.up")
 
 TICK_S = 0.25
 URLS_S = 1.0
+PING_S = 1.0
+HEALTH_KILL_AFTER_S = 3.0  # a child off the bus may be hung: it gets less time to honour SIGTERM
 KILL_AFTER_S = 15.0
 CRASH_WINDOW_S = 60.0
 
@@ -50,11 +61,16 @@ class Scaler:
         self.crashes: dict[str, list[float]] = {}  # service -> monotonic times of recent crashes
         self.not_before: dict[str, float] = {}  # service -> earliest restart time
         self.decisions = 0
+        self.heard: dict[str, float] = {}  # instance id -> monotonic time it last pinged back or beat
+        self.draining: set[str] = set()  # instance ids whose heartbeats say they drain
+        self.stale_after_s = sup.settings.supervisor.health_timeout_s
 
     async def run(self) -> None:
         nc = await nats.connect(self.sup.url, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
         # Only a supervisor that wrote a state file keeps it current (the benchmarks write none).
         tracker = asyncio.create_task(self.track_urls(nc)) if self.sup.state is not None else None
+        pinger = asyncio.create_task(self.ping_loop(nc))
+        await nc.subscribe(subjects.HEARTBEAT_ALL, cb=self.on_beat)
         try:
             if self.sup.planner:
                 await nc.subscribe(subjects.PLANNER_DECISIONS, cb=self.on_decision)
@@ -62,6 +78,8 @@ class Scaler:
                 await self.reconcile(nc)
                 await asyncio.sleep(TICK_S)
         finally:
+            pinger.cancel()
+            await asyncio.gather(pinger, return_exceptions=True)
             if tracker is not None:
                 tracker.cancel()
                 await asyncio.gather(tracker, return_exceptions=True)
@@ -94,6 +112,47 @@ class Scaler:
             if not missing:  # else a child still starting: read again next round
                 recorded = current
 
+    async def on_beat(self, msg) -> None:
+        try:
+            beat = decode(msg.data, Heartbeat)
+        except ProtocolError:
+            return
+        self.heard[beat.instance_id] = time.monotonic()
+        if beat.draining:
+            self.draining.add(beat.instance_id)
+        else:
+            self.draining.discard(beat.instance_id)
+
+    async def ping_loop(self, nc: nats.NATS) -> None:
+        """Which children answer ``$SRV.PING`` (their metadata names their instance id)."""
+        while True:
+            if nc.is_connected:
+                try:
+                    pongs = await gather_replies(nc, "$SRV.PING", wait_s=0.3)
+                except Exception:  # the bus went mid-ask: the next round asks again
+                    pongs = []
+                now = time.monotonic()
+                for pong in pongs:
+                    instance = (pong.get("metadata") or {}).get("instance_id") if isinstance(pong, dict) else None
+                    if instance:
+                        self.heard[instance] = now
+            await asyncio.sleep(PING_S)
+
+    def check_health(self, child: Child, now: float) -> None:
+        """Stop a child that went silent on the bus; replace one drained from outside (see the module)."""
+        if child.leaving:
+            return
+        if child.instance_id in self.draining:
+            log.warning("%s %s is draining, not asked by tandem up; starting a replacement", child.service,
+                        child.instance_id)
+            child.draining_since = now
+            return
+        heard = self.heard.get(child.instance_id)
+        if heard is not None and now - heard > self.stale_after_s:
+            log.warning("%s %s (pid %d) is off the bus: silent for %.0fs; restarting it", child.service,
+                        child.instance_id, child.process.pid, now - heard)
+            self.terminate(child, kill_after_s=HEALTH_KILL_AFTER_S)
+
     async def on_decision(self, msg) -> None:
         try:
             decision = decode(msg.data, ScalingDecision)
@@ -114,11 +173,17 @@ class Scaler:
         for child in list(self.sup.children):
             code = child.process.poll()
             if code is None:
+                self.check_health(child, now)
                 self.hurry(child, now)
                 continue
             self.sup.children.remove(child)
+            self.heard.pop(child.instance_id, None)
+            self.draining.discard(child.instance_id)
             if child.leaving:
                 log.info("%s %s left (exit code %d)", child.service, child.instance_id, code)
+            elif code == 0:
+                log.info("%s %s left on its own (exit code 0, a drain from outside); starting a replacement",
+                         child.service, child.instance_id)
             else:
                 self.crashed(child, code, now)
         for service, want in self.sup.wanted.items():
@@ -150,7 +215,7 @@ class Scaler:
     def hurry(self, child: Child, now: float) -> None:
         """SIGTERM a drain that takes too long, SIGKILL a stop that does."""
         if child.stop_sent is not None:
-            if now - child.stop_sent > KILL_AFTER_S:
+            if now - child.stop_sent > (child.kill_after_s or KILL_AFTER_S):
                 log.warning("%s %s ignored SIGTERM; killing it", child.service, child.instance_id)
                 child.process.kill()
             return
@@ -160,6 +225,7 @@ class Scaler:
                         now - child.draining_since)
             self.terminate(child)
 
-    def terminate(self, child: Child) -> None:
+    def terminate(self, child: Child, kill_after_s: float = KILL_AFTER_S) -> None:
         child.stop_sent = time.monotonic()
+        child.kill_after_s = kill_after_s
         child.process.send_signal(signal.SIGTERM)

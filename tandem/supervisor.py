@@ -67,6 +67,7 @@ class Child:
     metrics_slot: int = 0  # its metrics port is the base plus this (with a fixed --metrics-port)
     draining_since: float | None = None  # monotonic time a drain was asked
     stop_sent: float | None = None  # monotonic time SIGTERM went out
+    kill_after_s: float | None = None  # SIGKILL this long after SIGTERM (None: the scaler's default)
 
     @property
     def leaving(self) -> bool:

@@ -56,6 +56,7 @@ class ServiceRuntime:
         self._service = None
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
+        self.exit_code = 0  # 1: the process ends because it lost the bus, not because it was asked to
         self.prom = MetricsRegistry()  # declare metrics here; served on --metrics-port, published on NATS
 
     # -- for subclasses -------------------------------------------------------------------------
@@ -132,16 +133,47 @@ class ServiceRuntime:
         self._stop.set()
 
     # -- lifecycle --------------------------------------------------------------------------------
-    async def run(self) -> None:
-        if not self.settings.bus.nats_url:
-            raise SystemExit(f"tandem serve {self.name}: --nats-url (or TANDEM_NATS_URL) is required")
-        self.nc = await nats.connect(
+    async def _connect(self) -> nats.NATS | None:
+        """The NATS connection, or None when a stop was asked first (an unreachable server is retried
+        forever, and SIGTERM must still end the process at once). A connection nats-py closes for
+        good (it gave up reconnecting, or the server refused a publish) ends the process with exit
+        code 1, so the supervisor restarts it: a service off the bus that lives on would look alive."""
+
+        async def on_closed() -> None:
+            if not self._stop.is_set():
+                self.log.error("the NATS connection closed for good; exiting so this service is restarted")
+                self.exit_code = 1
+                self._stop.set()
+
+        async def on_error(exc: Exception) -> None:
+            self.log.warning("nats: %s: %s", type(exc).__name__, exc)
+
+        connecting = asyncio.ensure_future(nats.connect(
             self.settings.bus.nats_url,
             name=f"tandem-{self.name}-{self.instance_id}",
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             pending_size=256 * 1024 * 1024,
-        )
+            closed_cb=on_closed,
+            error_cb=on_error,
+        ))
+        stopping = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait([connecting, stopping], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not connecting.done():
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+            return None
+        return connecting.result()
+
+    async def run(self) -> None:
+        if not self.settings.bus.nats_url:
+            raise SystemExit(f"tandem serve {self.name}: --nats-url (or TANDEM_NATS_URL) is required")
+        self.nc = await self._connect()
+        if self.nc is None:  # asked to stop before the server could be reached
+            self.log.info("%s %s stopped before reaching NATS at %s", self.name, self.instance_id,
+                          self.settings.bus.nats_url)
+            return
         if self.settings.metrics.port >= 0:  # before registering: the URL goes into the micro metadata
             self.log.info("metrics at %s", self.prom.serve(self.settings.metrics.port, self.settings.metrics.host))
         self._service = await add_service(
@@ -213,7 +245,7 @@ async def _serve(service: ServiceRuntime) -> None:
     # cancellation when the server vanished during shutdown, which would hang the loop's own
     # clean-up; a service process has nothing left to do, so it leaves here.
     logging.shutdown()
-    os._exit(0)
+    os._exit(service.exit_code)
 
 
 def run_service(service: ServiceRuntime) -> None:

@@ -131,7 +131,7 @@ class EngineWorker(ServiceRuntime):
                                      lambda: self.thread.busy_s if self.thread else 0.0,
                                      lambda: self.thread.steps if self.thread else 0, lambda: self.draining)
         self.thread: EngineThread | None = None
-        self._outbox: list[tuple[str, bytes]] = []
+        self._outbox: list[tuple[str, str, bytes]] = []  # (request id, its stream subject, a chunk)
         cfg = self.loaded.config
         self.kv_namespace = kv_namespace(f"{self.model_name}@{self.loaded.weights_id}", self.dtype, cfg.num_layers,
                                          cfg.num_kv_heads, cfg.head_dim, settings.engine.block_size)
@@ -271,14 +271,20 @@ class EngineWorker(ServiceRuntime):
                             text=text, finish_reason=finish_reason, error=error)
         stream.next_index += len(token_ids)
         # One task per engine step publishes every chunk of that step, not one task per chunk.
-        self._outbox.append((stream.subject, encode(chunk)))
+        self._outbox.append((request_id, stream.subject, encode(chunk)))
         if len(self._outbox) == 1:
             self.spawn(self._flush_outbox(), "publish chunks")
 
     async def _flush_outbox(self) -> None:
         batch, self._outbox = self._outbox, []
-        for subject, payload in batch:
-            await self.nc.publish(subject, payload)
+        for request_id, subject, payload in batch:
+            try:
+                await self.nc.publish(subject, payload)
+            except Exception as exc:  # one request's bad subject must not drop the other requests' chunks
+                if request_id in self.streams:
+                    self.log.warning("cannot publish to %s's stream (%s: %s); aborting it", request_id,
+                                     type(exc).__name__, exc)
+                    self.thread.abort(request_id)
 
     def fail(self, request_id: str, stream: Stream, exc: BaseException) -> None:
         error = ErrorReply(code=ErrorCode.WORKER_FAILURE, message=f"{type(exc).__name__}: {exc}", request_id=request_id)

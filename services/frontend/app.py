@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import json
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -345,6 +346,9 @@ def build_app(frontend: Frontend) -> FastAPI:
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 events = stream_events(streams, tally, request_id, model, chat, include_usage, release)
+                # A client gone before the first event leaves the generator unstarted, so its finally
+                # never runs: its collection still releases the slot (release is idempotent).
+                weakref.finalize(events, release)
                 return StreamingResponse(events, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             texts = await collect_unless_disconnected(request, streams, tally)

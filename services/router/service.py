@@ -40,6 +40,8 @@ from tandem.shared.protocol.fleet import Heartbeat, RouteCandidate, RoutingDecis
 from tandem.shared.protocol.kv import KVEvent
 from tandem.shared.protocol.serving import DecodeRequest, GenerateAccepted, GenerateRequest, PrefillRequest, RequestSpec
 
+THREAD_TOKENIZE_CHARS = 32768  # longer prompts tokenize in a thread (7.5M characters stalled the loop ~0.3 s)
+
 
 def request_spec(msg: GenerateRequest, prompt_token_ids: list[int], model: str, accepted_at: float,
                  max_model_len: int) -> RequestSpec:
@@ -209,14 +211,18 @@ class Router(ServiceRuntime):
             self.log.debug("rejected %s: %s %s", request_id, reply.code.value, reply.message)
         await request.respond(encode(reply))
 
-    def tokenize(self, msg: GenerateRequest) -> list[int]:
+    async def tokenize(self, msg: GenerateRequest) -> list[int]:
         model = msg.model or self.meta.name
         if model != self.meta.name:
             raise ProtocolError(ErrorCode.UNKNOWN_MODEL,
                                 f"unknown model {model!r}; this router serves {self.meta.name!r}", "model")
         if (msg.prompt is None) == (msg.prompt_token_ids is None):
             raise ProtocolError(ErrorCode.INVALID_REQUEST, "give exactly one of prompt and prompt_token_ids", "prompt")
-        ids = self.meta.tokenizer.encode(msg.prompt) if msg.prompt is not None else list(msg.prompt_token_ids)
+        if msg.prompt is not None and len(msg.prompt) > THREAD_TOKENIZE_CHARS:
+            # A long prompt tokenizes off the event loop: the requests behind it must not wait.
+            ids = await asyncio.to_thread(self.meta.tokenizer.encode, msg.prompt)
+        else:
+            ids = self.meta.tokenizer.encode(msg.prompt) if msg.prompt is not None else list(msg.prompt_token_ids)
         if not ids:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, "the prompt is empty", "prompt")
         if max(ids) >= self.meta.config.vocab_size:
@@ -239,11 +245,16 @@ class Router(ServiceRuntime):
         return [(by_id[c.instance_id], c) for c in rank(len(hashes), rows, self.settings.router.load_weight)]
 
     async def place_valid(self, msg: GenerateRequest, accepted_at: float) -> GenerateAccepted:
-        ids = self.tokenize(msg)
-        prompt = PromptBlocks(ids)
-        ranked_decode = self.ranked(self.alive("decode", self.meta.name), prompt)
-        if not ranked_decode:
+        ids = await self.tokenize(msg)
+        decoders = self.alive("decode", self.meta.name)
+        if not decoders:
             raise ProtocolError(ErrorCode.NO_WORKERS, f"no decode worker serves {self.meta.name!r}")
+        longest = max(w.beat.max_model_len for w in decoders)
+        if len(ids) >= longest:  # before hashing a prompt no worker could hold
+            raise ProtocolError(ErrorCode.PROMPT_TOO_LONG,
+                                f"prompt has {len(ids)} tokens; the context holds {longest}", "prompt")
+        prompt = PromptBlocks(ids)
+        ranked_decode = self.ranked(decoders, prompt)
         for decode_worker, choice in ranked_decode:
             spec = request_spec(msg, ids, self.meta.name, accepted_at, decode_worker.beat.max_model_len)
             # Counted before the round trips, so requests placed meanwhile already see this load.

@@ -93,6 +93,8 @@ class SupervisorSettings:
                                                        "then the one on PATH)")
     drain_timeout_s: float = Field(60.0, gt=0, description="tandem up: a draining worker still busy after this many "
                                                            "seconds is stopped")
+    health_timeout_s: float = Field(10.0, gt=0, description="tandem up: a child that answered on the bus and then "
+                                                             "stays silent this many seconds is restarted")
     nats_port: int = Field(0, ge=0, le=65535, description="tandem up: the port of the nats-server it embeds (0: a "
                                                            "free one)", json_schema_extra={"flag": "--port"})
 

@@ -26,6 +26,11 @@ def _utf8(value: str) -> str:
 
 # A request id becomes one token of the client's stream subject: no dots, wildcards or whitespace.
 RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\s.*>]+$"), AfterValidator(_utf8)]
+MAX_SUBJECT_CHARS = 256  # far below nats-server's 4 KiB control line, whose overflow closes the publisher's connection
+# Where workers publish a request's tokens: a subject they can publish to (dot-separated tokens, none
+# empty, no wildcards, no whitespace), or one publish could fail a worker's every other stream.
+StreamSubject = Annotated[str, Field(min_length=1, max_length=MAX_SUBJECT_CHARS,
+                                     pattern=r"^[^\s.*>]+(\.[^\s.*>]+)*$"), AfterValidator(_utf8)]
 
 
 class SamplingParams(BaseModel):
@@ -60,7 +65,7 @@ class GenerateRequest(WireMessage):
     prompt_token_ids: list[TokenId] | None = None
     params: SamplingParams = Field(default_factory=SamplingParams)
     model: str | None = None
-    stream_subject: str = Field(min_length=1)
+    stream_subject: StreamSubject
 
 
 class GenerateAccepted(WireMessage):
@@ -83,7 +88,7 @@ class RequestSpec(BaseModel):
     request_id: RequestId
     prompt_token_ids: list[TokenId] = Field(min_length=1)
     params: SamplingParams
-    stream_subject: str = Field(min_length=1)  # where the workers publish the request's tokens
+    stream_subject: StreamSubject  # where the workers publish the request's tokens
     model: str
     # Unix time the router accepted it (time to first token is measured from it).
     arrival_time: float = Field(0.0, ge=0.0, allow_inf_nan=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import msgpack
 import nats
 import pytest
@@ -94,6 +96,20 @@ def unknown_model(msg: dict) -> bytes:
     return with_request(msg, model="no-such-model")
 
 
+# Stream subjects a worker could not publish to: over nats-server's 4 KiB control line (that -ERR closed
+# the worker's connection for good), with a space (BadSubjectError dropped every stream's chunks of
+# that step), a wildcard, an empty token.
+BAD_STREAM_SUBJECTS = ["_INBOX." + "x" * 5000, "_INBOX.a b", "_INBOX.>", "_INBOX.*.x", "_INBOX..x", "_INBOX.x."]
+
+
+def with_stream_subject(subject: str):
+    def mutate(msg: dict) -> bytes:
+        return msgpack.packb({**msg, **({"spec": {**msg["spec"], "stream_subject": subject}} if "spec" in msg
+                                        else {"stream_subject": subject})})
+    mutate.__name__ = f"stream_subject={value_id(subject)[:24]}"
+    return mutate
+
+
 # (payload from a valid message, expected error code, text the reply's message must name)
 CASES = [
     (garbage, "bad_frame", ""),
@@ -105,6 +121,7 @@ CASES = [
     *[(with_prompt_ids(ids), "invalid_request", "prompt_token_ids") for ids in BAD_PROMPT_TOKEN_IDS],
     (too_long_prompt, "prompt_too_long", ""),
     (unknown_model, "unknown_model", ""),
+    *[(with_stream_subject(subject), "invalid_request", "stream_subject") for subject in BAD_STREAM_SUBJECTS],
 ]
 
 
@@ -165,6 +182,26 @@ async def test_admit_with_missing_corrupt_or_foreign_kv_is_refused(system):
     transfer = KVTransfer(transfer_id="bent", num_blocks=1, block_bytes=4, checksums=[12345])
     reply = await ask(system.url, subjects.decode_admit(dec), encode(DecodeRequest(**{**msg, "transfer": transfer})))
     assert isinstance(reply, ErrorReply) and reply.code.value == "bad_frame", reply
+
+
+async def test_a_bad_stream_subject_hurts_no_other_request(system):
+    """Defects 1 and 2 of the trust-boundary trial: a 5 KiB stream subject once closed a worker's
+    connection for good, a space in one dropped the chunks of every request in that step. Sent to the
+    router and straight to both workers while eight good requests stream, each is refused, every good
+    request completes, and both workers keep beating."""
+    bad = [(kind, with_stream_subject(subject)(valid_message(kind, system)))
+           for kind in ("generate", "prefill", "decode") for subject in ("_INBOX." + "x" * 5000, "_INBOX.a b")]
+
+    async def good(i: int):
+        async with connect(system.url) as client:
+            return await client.complete(prompt_of(30, salt=i), max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    results = await asyncio.gather(*(good(i) for i in range(8)),
+                                   *(ask(system.url, subject_for(kind, system), payload) for kind, payload in bad))
+    assert all(len(r.token_ids) == 24 for r in results[:8]), "a good request lost chunks beside a bad subject"
+    assert all(isinstance(r, ErrorReply) and r.code.value == "invalid_request" for r in results[8:]), results[8:]
+    beats = await worker_beats(system.url, wait_s=1.0)
+    assert {system.instance("prefill"), system.instance("decode")} <= set(beats), "a worker left the bus"
 
 
 async def test_services_still_answer_after_bad_input(system):

@@ -127,3 +127,19 @@ async def test_client_refuses_a_request_id_unfit_for_its_subject_before_sending(
     would subscribe to other streams or to none."""
     with pytest.raises(InvalidRequestError, match="request_id"):
         await Client(NoBus()).complete("hello", request_id=request_id)
+
+
+@pytest.mark.parametrize("subject", ["_INBOX." + "x" * 300, "_INBOX.a b", "_INBOX.>", "_INBOX.*", "_INBOX..x",
+                                     "_INBOX.x.", ".x", "", "_INBOX.\ud800"],
+                         ids=["overlong", "space", "gt", "star", "empty-token", "trailing-dot", "leading-dot",
+                              "empty", "lone-surrogate"])
+def test_a_stream_subject_workers_could_not_publish_to_is_refused(subject: str) -> None:
+    """A worker publishes each request's tokens to its stream subject: one it cannot publish to once
+    closed the worker's connection for good (over 4 KiB) or dropped every other stream's chunks (a space)."""
+    with pytest.raises(ValueError, match="stream_subject"):
+        GenerateRequest(request_id="r-1", prompt="x", stream_subject=subject)
+
+
+@pytest.mark.parametrize("subject", ["_INBOX.tandem.abc.r-1", "reply", "a.b-c.d_e.f:g"])
+def test_ordinary_stream_subjects_pass(subject: str) -> None:
+    assert GenerateRequest(request_id="r-1", prompt="x", stream_subject=subject).stream_subject == subject

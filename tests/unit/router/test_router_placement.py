@@ -172,3 +172,23 @@ async def test_no_decode_worker_is_a_typed_error(router) -> None:
     await workers(bus, service.meta.name, ("prefill", "prefill-p", 0))
     reply = await place(bus, generate())
     assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.NO_WORKERS and reply.request_id == "r1"
+
+
+@pytest.mark.parametrize("chars,in_thread", [(100, False), (40_000, True)])
+async def test_a_long_prompt_is_tokenized_off_the_event_loop(router, monkeypatch, chars, in_thread):
+    """Defect 5 of the trust-boundary trial: a 7.5M-character prompt, tokenized on the router's
+    event loop, held every other request up for ~0.3 s before it was refused."""
+    import threading
+
+    _, service = router
+    seen: list[bool] = []
+    encode_text = service.meta.tokenizer.encode
+
+    def recording(text: str) -> list[int]:
+        seen.append(threading.current_thread() is not threading.main_thread())
+        return encode_text(text)
+
+    monkeypatch.setattr(service.meta.tokenizer, "encode", recording)
+    msg = GenerateRequest(request_id="long", prompt="x" * chars, stream_subject="_INBOX.c.long")
+    assert len(await service.tokenize(msg)) == chars
+    assert seen == [in_thread], f"{chars} characters tokenized {'in a thread' if seen[0] else 'on the loop'}"
