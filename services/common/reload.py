@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from tandem.services.common.paths import under_data_dir
 from tandem.shared.kvcache.cache import kv_namespace
 from tandem.shared.model.config import ModelConfig
 from tandem.shared.model.loader import load_model
@@ -39,8 +40,14 @@ async def subscribe_weight_updates(worker) -> None:  # noqa: ANN001 - an EngineW
         except ProtocolError as exc:
             worker.log.warning("ignored bad weights-updated event: %s", exc)
             return
-        if update.model == worker.model_name:
-            worker.spawn(reload_weights(worker, update, lock), f"weights reload {update.version}")
+        if update.model != worker.model_name:
+            return
+        try:
+            under_data_dir(update.path, worker.settings.data_dir, "path")
+        except ProtocolError as exc:
+            worker.log.warning("ignored weights-updated event %s: %s", update.version, exc.message)
+            return
+        worker.spawn(reload_weights(worker, update, lock), f"weights reload {update.version}")
 
     await worker.nc.subscribe(subjects.WEIGHTS_UPDATED, cb=on_update)
 

@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.services.common.paths import under_data_dir
 from tandem.services.common.runtime import ServiceRuntime, run_service
 from tandem.shared.infra.config import Settings
 from tandem.shared.model.config import ModelLoadError
@@ -113,6 +114,8 @@ class TrainerService(ServiceRuntime):
         msg = decode(request.data, TrainStart)
         if msg.job_id in self.jobs:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"job id {msg.job_id!r} is already in use")
+        if msg.job.output_dir is not None:
+            under_data_dir(msg.job.output_dir, self.settings.data_dir, "job.output_dir")
         await asyncio.to_thread(validate_job, msg.job)
         record = self.jobs[msg.job_id] = JobRecord(msg.job_id, msg.job)
         self._queue.put(record)

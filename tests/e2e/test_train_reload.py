@@ -33,11 +33,12 @@ def solo(start_system):
 
 
 @pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    """The served tiny model's reference outputs, and a new checkpoint with its own."""
+def weights(data_dir):
+    """The served tiny model's reference outputs, and a new checkpoint with its own (in the data dir,
+    where a trainer writes: a worker loads weights from nowhere else)."""
     old = load_model("tiny")
     path = save_hf_checkpoint(build_random_model(ModelConfig.tiny(), seed=77), ModelConfig.tiny(),
-                              tmp_path_factory.mktemp("new-weights") / "tiny")
+                              data_dir / "train" / "new-weights" / "tiny")
     new = load_model(str(path))
     ids = old.tokenizer.encode(PROMPT)
     old_long, _ = reference_generate(old.model, ids, LONG)
@@ -56,6 +57,11 @@ async def test_in_flight_finishes_on_old_weights_new_requests_use_new(solo, weig
     served = load_model_meta("tiny").weights_id()  # the shipped checkpoint (the data dir holds none)
     assert before and all(ns.startswith(f"tiny@{served}/") for ns in before), before
     nc = await nats.connect(solo.url)
+    # A path outside the data dir is ignored (anyone on the bus could name any folder).
+    outside = save_hf_checkpoint(build_random_model(ModelConfig.tiny(), seed=78), ModelConfig.tiny(),
+                                 path.parents[3] / "outside-weights")
+    await nc.publish(subjects.WEIGHTS_UPDATED,
+                     encode(WeightsUpdated(model="tiny", path=str(outside), step=1, version="evil")))
     # An event for another model is ignored.
     await nc.publish(subjects.WEIGHTS_UPDATED,
                      encode(WeightsUpdated(model="other", path=str(path), step=1, version="x")))

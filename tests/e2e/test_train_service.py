@@ -46,7 +46,7 @@ def trainer(nats_server, data_dir, tmp_path_factory):
         await nc.close()
 
     run_sync(ready())
-    yield nats_server.url, tmp_path_factory.mktemp("trainer-out")
+    yield nats_server.url, data_dir / "trainer-out"  # bus jobs write under the data dir only
     proc.terminate()
     proc.wait(30)
 
@@ -136,6 +136,10 @@ async def test_bad_input_gets_typed_errors_and_the_trainer_lives_on(trainer):
         (subjects.TRAINER_START, encode(TrainStart(job_id="bad-model", job=small_job(out, model="nope"))),
          ErrorCode.INVALID_REQUEST),
         (subjects.TRAINER_START, encode(TrainStart(job_id="bad-data", job=small_job(out, dataset="/no/such/dir"))),
+         ErrorCode.INVALID_REQUEST),
+        (subjects.TRAINER_START, encode(TrainStart(job_id="escape", job=small_job(out / ".." / ".." / "etc-tandem"))),
+         ErrorCode.INVALID_REQUEST),
+        (subjects.TRAINER_START, encode(TrainStart(job_id="abs", job=small_job("/tmp/anywhere"))),
          ErrorCode.INVALID_REQUEST),
         (subjects.TRAINER_START, msgpack.packb({"v": SCHEMA_VERSION, "kind": "train_start", "job_id": "zero",
                                                 "job": {"steps": 0}}), ErrorCode.INVALID_REQUEST),
