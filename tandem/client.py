@@ -378,7 +378,8 @@ class Client:
             if sub is not None:
                 await sub.unsubscribe()
             if cancel_id is not None and self.nc.is_connected:
-                await self.nc.publish(subjects.CANCEL, encode(Cancel(request_id=cancel_id)))
+                inbox = subjects.stream_inbox(self.client_id, cancel_id)  # the owner's proof: see Cancel
+                await self.nc.publish(subjects.CANCEL, encode(Cancel(request_id=cancel_id, stream_subject=inbox)))
         except NatsError:
             pass  # the connection is gone: the workers find the client gone by their liveness probe
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import os
 import time
 from collections.abc import Sequence
@@ -238,9 +239,15 @@ class EngineWorker(ServiceRuntime):
         except ProtocolError as exc:
             self.log.warning("ignored bad cancel: %s", exc)
             return
-        if cancel.request_id in self.streams:
-            self.log.debug("cancel %s", cancel.request_id)
-            self.thread.abort(cancel.request_id)
+        stream = self.streams.get(cancel.request_id)
+        if stream is None:
+            return
+        if not hmac.compare_digest(stream.subject.encode(), cancel.stream_subject.encode()):
+            self.log.warning("ignored a cancel of %s that does not name its stream (not its owner's)",
+                             cancel.request_id)
+            return
+        self.log.debug("cancel %s", cancel.request_id)
+        self.thread.abort(cancel.request_id)
 
     # -- outputs ----------------------------------------------------------------------------------
     def on_outputs(self, outputs: list[RequestOutput]) -> None:

@@ -145,5 +145,10 @@ class Probe(WireMessage):
 
 
 class Cancel(WireMessage):
+    """Stop a request. Only its owner can: it must name the request's stream subject too, which holds
+    the sending client's random id and appears in no message but the request itself (the routing
+    decisions everybody may read name request ids only)."""
+
     kind: Literal["cancel"] = "cancel"
     request_id: str
+    stream_subject: str

@@ -94,3 +94,24 @@ async def test_breaking_out_sends_the_cancel_at_once_while_connected(start_syste
             assert sorted(cancels) == sorted(ids), f"cancels seen within 1 s while connected: {cancels}"
     finally:
         await watcher.close()
+
+
+async def test_only_the_owner_can_cancel_a_request(start_system):
+    """The routing decisions anyone may read name every request id; a cancel must also name the
+    request's stream subject, which holds its client's random id. A forged one changes nothing."""
+    system = start_system(prefill=0, decode=1)
+    attacker = await nats.connect(system.url)
+    try:
+        async with connect(system.url) as client:
+            tokens = []
+            async for chunk in client.generate(prompt_of(20), max_tokens=40, temperature=0.0, ignore_eos=True,
+                                               request_id="victim-1"):
+                if not tokens:
+                    for forged in ("_INBOX.tandem.attacker.victim-1", "victim-1"):
+                        await attacker.publish(subjects.CANCEL, encode(Cancel(request_id="victim-1",
+                                                                              stream_subject=forged)))
+                    await attacker.flush()
+                tokens += chunk.token_ids
+        assert len(tokens) == 40, f"a forged cancel stopped the request after {len(tokens)} tokens"
+    finally:
+        await attacker.close()
