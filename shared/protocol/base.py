@@ -55,8 +55,16 @@ class Ack(WireMessage):
     request_id: str | None = None
 
 
+MAX_ERROR_CHARS = 500  # an error quotes the bad input: never all of it (an 8 MiB value made an unsendable reply)
+
+
+def shortened(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text``, cut to ``limit`` characters with a mark saying how much was left out."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
 def first_error(exc: ValidationError) -> str:
     """``field.path: what is wrong`` for a validation error's first finding: the one line a typed
-    error carries."""
+    error carries, the bad value's quotation cut short."""
     first = exc.errors()[0]
-    return f"{'.'.join(str(part) for part in first['loc'])}: {first['msg']}"
+    return shortened(f"{'.'.join(shortened(str(part), 100) for part in first['loc'])}: {first['msg']}")

@@ -11,7 +11,15 @@ from typing import Annotated
 import msgpack
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
-from tandem.shared.protocol.base import SCHEMA_VERSION, Ack, ErrorCode, ErrorReply, ProtocolError, first_error
+from tandem.shared.protocol.base import (
+    SCHEMA_VERSION,
+    Ack,
+    ErrorCode,
+    ErrorReply,
+    ProtocolError,
+    first_error,
+    shortened,
+)
 from tandem.shared.protocol.fleet import (
     DrainRequest,
     Heartbeat,
@@ -80,7 +88,8 @@ def decode(data: bytes, expect: type[BaseModel] | tuple[type[BaseModel], ...] | 
         raise ProtocolError(ErrorCode.BAD_FRAME, "payload is not a msgpack map")
     if raw.get("v") != SCHEMA_VERSION:
         raise ProtocolError(
-            ErrorCode.UNSUPPORTED_VERSION, f"schema version {raw.get('v')!r} is not supported (want {SCHEMA_VERSION})"
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"schema version {shortened(repr(raw.get('v')), 40)} is not supported (want {SCHEMA_VERSION})"
         )
     try:
         message = _adapter.validate_python(raw)
@@ -91,12 +100,14 @@ def decode(data: bytes, expect: type[BaseModel] | tuple[type[BaseModel], ...] | 
         code = ErrorCode.BAD_SCHEMA if shape_error else ErrorCode.INVALID_REQUEST
         raise ProtocolError(code, first_error(exc)) from None
     if expect is not None and not isinstance(message, expect):
-        raise ProtocolError(ErrorCode.BAD_SCHEMA, f"unexpected message kind {message.kind!r} here")
+        raise ProtocolError(ErrorCode.BAD_SCHEMA, f"unexpected message kind {shortened(repr(message.kind), 60)} here")
     return message
 
 
 def error_reply(exc: Exception, request_id: str | None = None) -> ErrorReply:
     """The reply for an exception raised while handling a message."""
     if isinstance(exc, ProtocolError):
-        return ErrorReply(code=exc.code, message=exc.message, request_id=request_id, param=exc.param)
-    return ErrorReply(code=ErrorCode.WORKER_FAILURE, message=f"{type(exc).__name__}: {exc}", request_id=request_id)
+        return ErrorReply(code=exc.code, message=shortened(exc.message), request_id=shortened(request_id or "", 128)
+                          or None, param=exc.param)
+    return ErrorReply(code=ErrorCode.WORKER_FAILURE, message=shortened(f"{type(exc).__name__}: {exc}"),
+                      request_id=shortened(request_id or "", 128) or None)

@@ -143,3 +143,19 @@ def test_a_stream_subject_workers_could_not_publish_to_is_refused(subject: str) 
 @pytest.mark.parametrize("subject", ["_INBOX.tandem.abc.r-1", "reply", "a.b-c.d_e.f:g"])
 def test_ordinary_stream_subjects_pass(subject: str) -> None:
     assert GenerateRequest(request_id="r-1", prompt="x", stream_subject=subject).stream_subject == subject
+
+
+@pytest.mark.parametrize("field", ["v", "kind", "request_id"])
+def test_an_error_quotes_a_huge_bad_value_only_in_part(field: str) -> None:
+    """Found by the bus fuzz: an error that quoted an 8 MiB value whole was itself over the server's
+    max_payload, so the sender got no reply at all."""
+    import msgpack
+
+    from tandem.shared.protocol.base import MAX_ERROR_CHARS
+    from tandem.shared.protocol.codec import error_reply
+
+    raw = {**generate_request().model_dump(), field: "q" * (8 << 20)}
+    with pytest.raises(ProtocolError) as caught:
+        decode(msgpack.packb(raw))
+    reply = error_reply(caught.value, "r-1")
+    assert len(encode(reply)) < 2 * MAX_ERROR_CHARS, f"a {len(encode(reply))}-byte error reply"
