@@ -42,6 +42,8 @@ from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError, fi
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.serving import Cancel, GenerateAccepted, GenerateRequest, Probe, SamplingParams, StreamChunk
 
+log = logging.getLogger("tandem.client")
+
 
 class TandemError(Exception):
     """Base of every error the client raises."""
@@ -309,7 +311,7 @@ class Client:
                timeout_s: float | None = None, **params) -> RequestStream:
         """One request as a :class:`RequestStream` (placed on first use). ``params`` are
         :class:`SamplingParams` fields; a bad one raises :class:`InvalidRequestError` here."""
-        request_id = str(uuid.uuid4().hex) if request_id is None else request_id
+        request_id = uuid.uuid4().hex if request_id is None else request_id
         inbox = subjects.stream_inbox(self.client_id, request_id) if isinstance(request_id, str) else "-"
         request = self._request(prompt, model, request_id, inbox, params)
         return RequestStream(self, request, timeout_s or self.request_timeout_s)
@@ -420,9 +422,6 @@ def resolve_url(url: str | None) -> str:
     if not found:
         raise TandemError("no running tandem found: start one with `tandem up`, or pass its NATS URL to connect()")
     return found
-
-
-log = logging.getLogger("tandem.client")
 
 
 @asynccontextmanager

@@ -18,7 +18,6 @@ from tandem.client import (
     RequestTimeoutError,
     TandemError,
     UnknownModelError,
-    WorkerFailureError,
 )
 from tandem.services.frontend.schemas import ErrorBody, ErrorResponse
 
@@ -73,6 +72,4 @@ def from_tandem(exc: TandemError, param: str | None = None) -> APIError:
         return APIError(503, message, "service_unavailable_error", None, exc.code.value)
     if isinstance(exc, RequestTimeoutError):
         return APIError(504, message, "timeout_error", None, exc.code.value)
-    if isinstance(exc, WorkerFailureError):
-        return APIError(500, message, "server_error", None, exc.code.value)
-    return APIError(500, message, "server_error", None, exc.code.value)
+    return APIError(500, message, "server_error", None, exc.code.value)  # a worker failed, or worse
