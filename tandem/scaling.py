@@ -74,7 +74,7 @@ class Scaler:
         try:
             if self.sup.planner:
                 await nc.subscribe(subjects.PLANNER_DECISIONS, cb=self.on_decision)
-            while True:
+            while not self.sup.stop_requested:  # (the signal's KeyboardInterrupt itself can be lost)
                 await self.reconcile(nc)
                 await asyncio.sleep(TICK_S)
         finally:

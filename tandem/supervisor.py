@@ -97,6 +97,7 @@ class Supervisor:
     url: str = ""
     wanted: dict[str, int] = field(default_factory=dict)
     gpus: list[str] | None = None  # CUDA ids handed out one per worker (None: detect at start)
+    stop_requested: bool = False  # set by up's signal handler; every loop here ends on it
     frontend: bool = False  # one HTTP frontend too (tandem up; the benchmarks talk NATS and need none)
     nats_workdir: Path | None = None  # the embedded server's folder (None: a temporary one)
     http_url: str = ""  # the frontend's, from its $SRV.INFO metadata
@@ -286,6 +287,8 @@ class Supervisor:
         return state_file(self.settings.data_dir)
 
     def check_children(self) -> None:
+        if self.stop_requested:
+            raise KeyboardInterrupt
         for child in self.children:
             code = child.process.poll()
             if code is not None:

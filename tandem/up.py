@@ -77,7 +77,10 @@ def run_up(args: argparse.Namespace, settings: Settings, overrides: dict[str, An
         return 2
 
     def on_signal(_signum, _frame):
-        raise KeyboardInterrupt  # SIGTERM stops as cleanly as Ctrl-C
+        # SIGTERM stops as cleanly as Ctrl-C. The flag as well: an exception raised here is lost when
+        # the signal lands inside a weakref callback or a __del__, and the supervisor's loops check it.
+        sup.stop_requested = True
+        raise KeyboardInterrupt
 
     # Both explicitly: a shell that starts `up` in the background hands it SIGINT ignored.
     signal.signal(signal.SIGTERM, on_signal)
@@ -97,6 +100,7 @@ def run_up(args: argparse.Namespace, settings: Settings, overrides: dict[str, An
             if args.exit_after_demo:
                 return 0
         run_async(sup.supervise())  # restarts crashed children, carries out the planner's decisions
+        return 0  # the stop flag ended it (its signal's KeyboardInterrupt was lost)
     except KeyboardInterrupt:
         return 0
     except (NatsServerError, RuntimeError) as exc:
