@@ -31,6 +31,18 @@ def up_env(data_dir) -> dict[str, str]:
             "TANDEM_WORKER_TIMEOUT_S": "1.5"}
 
 
+def stop_up(proc: subprocess.Popen) -> int:
+    """SIGINT, as Ctrl-C; an ``up`` that does not stop in 60 s is killed (its children die with it),
+    so a failing test leaves nothing running, and the failure says so."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError("tandem up did not stop within 60 s of SIGINT") from None
+
+
 def start_up(data_dir, *flags: str) -> tuple[subprocess.Popen, str]:
     log = open(data_dir / "up.log", "w")
     proc = subprocess.Popen([*TANDEM, "up", "--kvstore", "0", *flags], env=up_env(data_dir), stdout=log,
@@ -138,8 +150,7 @@ async def test_planner_scales_prefill_with_a_step_load_and_crashed_workers_come_
             assert all(len(r.token_ids) == 5 and r.decode_worker != victim for r in after)
     finally:
         await nc.close()
-        proc.send_signal(signal.SIGINT)
-        proc.wait(60)
+        stop_up(proc)
     log = (tmp_path / "up.log").read_text()
     assert "exited with code -9; restarting" in log and "draining prefill" in log, log[-3000:]
 
@@ -157,8 +168,7 @@ async def test_without_the_planner_counts_stay_and_crashes_restart(tmp_path):
         assert len(watch.live("prefill")) == 1 and len(watch.live("decode")) == 1 and not watch.decisions
     finally:
         await nc.close()
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
+        assert stop_up(proc) == 0
 
 
 def test_gpus_decode_on_0_prefill_on_1_then_the_least_used():
