@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tandem.access import bus_options
 from tandem.bench_data import make_requests, summarize
 from tandem.bench_serve import BenchError, Progress, drive, http_backend, nats_backend, one, strict_json
 from tandem.client import TandemError
@@ -130,8 +131,12 @@ def system(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
 async def measure(args: argparse.Namespace, nats_url: str, base_url: str) -> list[dict]:
     """Every level through both paths: one dict per concurrency with both summaries and the comparison."""
     levels = []
-    async with nats_backend(nats_url, timeout_s=args.timeout) as bus, \
-            http_backend(base_url, timeout_s=args.timeout, api_key=args.api_key, nats_url=nats_url) as http:
+    data_dir = args.data_dir or None  # the keys of a tandem up started or found there
+    operator = bus_options("operator", PROG, nats_url, data_dir=data_dir)
+    async with nats_backend(nats_url, timeout_s=args.timeout, auth={"data_dir": data_dir},
+                            watch_options=operator) as bus, \
+            http_backend(base_url, timeout_s=args.timeout, api_key=args.api_key, nats_url=nats_url,
+                         nats_options=operator) as http:
         (model, vocab), _ = await asyncio.gather(bus.describe(), http.describe())
         print(f"{PROG}: model {model} (vocab {vocab}), input {args.input_len}, output {args.output_len} tokens; "
               f"NATS {nats_url}, HTTP {http.url}", file=sys.stderr, flush=True)

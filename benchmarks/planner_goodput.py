@@ -27,6 +27,7 @@ from pathlib import Path
 
 import nats
 
+from tandem.access import bus_options
 from tandem.bench_data import meets, percentile, summarize
 from tandem.bench_serve import one, router_model
 from tandem.client import connect
@@ -64,15 +65,15 @@ def start_up(flags: list[str], data_dir: Path) -> tuple[subprocess.Popen, str]:
     return proc, json.loads(state.read_text())["nats_url"]
 
 
-async def drive(url: str, args: argparse.Namespace) -> tuple[list, list[ScalingDecision], float]:
+async def drive(url: str, args: argparse.Namespace, data_dir: Path) -> tuple[list, list[ScalingDecision], float]:
     decisions: list[ScalingDecision] = []
-    nc = await nats.connect(url)
+    nc = await nats.connect(url, **bus_options("operator", "planner-goodput", url, data_dir=data_dir))
 
     async def on_decision(msg) -> None:
         decisions.append(decode(msg.data, ScalingDecision))
 
     await nc.subscribe(subjects.PLANNER_DECISIONS, cb=on_decision)
-    async with connect(url, request_timeout_s=300) as client:
+    async with connect(url, request_timeout_s=300, data_dir=str(data_dir)) as client:
         _model, vocab = await router_model(client.nc)
         for _ in range(2):  # warm-up
             await one(client, [1] * args.short_len, args.output_len, 300)
@@ -138,7 +139,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="tandem-goodput-") as tmp:
             proc, url = start_up(flags, Path(tmp))
             try:
-                results, decisions, duration = asyncio.run(drive(url, args))
+                results, decisions, duration = asyncio.run(drive(url, args, Path(tmp)))
             finally:
                 proc.send_signal(signal.SIGINT)
                 proc.wait(60)

@@ -31,10 +31,10 @@ def make_prompts(n: int, length: int, shared: float, seed: int = 0) -> list[list
     return [prefix + [rng.randrange(32, 127) for _ in range(length - len(prefix))] for _ in range(n)]
 
 
-async def drive(url: str, prompts: list[list[int]], concurrency: int, output_len: int) -> dict:
+async def drive(url: str, prompts: list[list[int]], concurrency: int, output_len: int, creds: str | None) -> dict:
     sem = asyncio.Semaphore(concurrency)
     done = 0
-    async with connect(url, request_timeout_s=300) as client:
+    async with connect(url, request_timeout_s=300, creds=creds) as client:
         async def one(prompt):
             nonlocal done
             async with sem:
@@ -61,8 +61,9 @@ def run_system(caching: bool, prompts: list[list[int]], args: argparse.Namespace
         sup.start()
         run_async(sup.wait_ready())
         print(f"prefix caching {'on' if caching else 'off'}: system on {sup.url}", file=sys.stderr, flush=True)
-        run_async(drive(sup.url, prompts[:2], 1, args.output_len))  # warm-up (and, with caching, the prefix)
-        return run_async(drive(sup.url, prompts, args.concurrency, args.output_len))
+        # warm-up (and, with caching, the prefix)
+        run_async(drive(sup.url, prompts[:2], 1, args.output_len, sup.client_creds()))
+        return run_async(drive(sup.url, prompts, args.concurrency, args.output_len, sup.client_creds()))
     finally:
         sup.stop()
 

@@ -25,6 +25,7 @@ from tandem.console.screens.scaling import ScalingScreen
 from tandem.console.screens.services import ServicesScreen
 from tandem.console.source import NatsSource, Source
 from tandem.console.state import ConsoleState
+from tandem.shared.infra.config import Settings
 
 PANES = ("services", "blocks", "overlap", "scaling", "routing")
 REFRESH_S = 0.5
@@ -99,11 +100,16 @@ class ConsoleApp(App):
         self.exit()
 
 
-def run_console(url: str | None, data_dir: Path | str | None = None) -> int:
+def run_console(url: str | None, data_dir: Path | str | None = None, settings: Settings | None = None) -> int:
     """Run the console against ``url`` (an explicit --nats-url: that server only), else against the
-    ``tandem up`` running on ``data_dir``, following it across restarts (neither: say so on screen)."""
+    ``tandem up`` running on ``data_dir``, following it across restarts (neither: say so on screen).
+    It connects as the operator (``settings``' --creds and TLS flags, else up's key)."""
+    from tandem.access import operator_options
+
+    settings = settings or Settings()
     try:
-        ConsoleApp(NatsSource(url, follow=data_dir)).run()
+        ConsoleApp(NatsSource(url, follow=data_dir,
+                              options=lambda at: operator_options(settings, "tandem-console", at))).run()
     except KeyboardInterrupt:  # a SIGINT from outside (in the app, Ctrl+C is a key)
         return 130
     return 0

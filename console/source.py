@@ -25,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import nats
@@ -73,8 +75,10 @@ class NatsSource(Source):
     """Reads a tandem system over NATS into the state: the one at ``url``, or (``url`` None) the
     ``tandem up`` running on the data dir ``follow``, whichever that is at the time."""
 
-    def __init__(self, url: str | None, follow: Path | str | None = None) -> None:
+    def __init__(self, url: str | None, follow: Path | str | None = None,
+                 options: Callable[[str], dict[str, Any]] | None = None) -> None:
         self.url = url
+        self.options = options or (lambda _url: {})  # nats.connect's identity and TLS for a URL
         self.follow = Path(follow) if follow is not None and not url else None
         self.nc: nats.NATS | None = None
         self._tasks: list[asyncio.Task] = []
@@ -147,12 +151,18 @@ class NatsSource(Source):
 
         # Made first and connected after, so that a cancelled first attempt (a follower switching to a
         # new URL while this one is unreachable) still has a client to close.
+        try:
+            options = self.options(url)
+        except ValueError as exc:  # a credentials or TLS file that cannot be used: say so on screen
+            st.connection, st.connection_error = "unreachable", str(exc)
+            st.changed()
+            return
         nc = self.nc = NATS()
         blocks: asyncio.Task | None = None
         try:
             await nc.connect(url, name="tandem-console", connect_timeout=2, max_reconnect_attempts=-1,
                              reconnect_time_wait=2, allow_reconnect=True, error_cb=on_error,
-                             disconnected_cb=on_disconnect, reconnected_cb=on_reconnect)
+                             disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, **options)
             await on_reconnect()
             for subject, handler in ((subjects.ROUTER_DECISIONS, self._on_routing),
                                      (subjects.PLANNER_DECISIONS, self._on_decision),

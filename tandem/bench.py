@@ -99,11 +99,12 @@ def run_in_process(engine, prompts: list[list[int]], concurrency: int, output_le
     return summarize("in-process", concurrency, wall, ttfts, tpots, sum(len(t) for t in times.values()))
 
 
-async def run_bus(url: str, prompts: list[list[int]], concurrency: int, output_len: int) -> Result:
+async def run_bus(url: str, prompts: list[list[int]], concurrency: int, output_len: int,
+                  creds: str | None = None) -> Result:
     from tandem.client import connect
 
     sem = asyncio.Semaphore(concurrency)
-    async with connect(url, request_timeout_s=120) as client:
+    async with connect(url, request_timeout_s=120, creds=creds) as client:
         async def one(prompt):
             async with sem:
                 return await client.complete(prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True)
@@ -164,7 +165,7 @@ def run_bench(args: argparse.Namespace, settings: Settings, overrides: dict[str,
                 local.path = f"in-process {threads} thr"
                 results.append(local)
             torch.set_num_threads(all_threads)
-            results.append(run_async(run_bus(sup.url, prompts, level, args.output_len)))
+            results.append(run_async(run_bus(sup.url, prompts, level, args.output_len, sup.client_creds())))
             levels.append(results)
             print(f"bench: concurrency {level}: " + ", ".join(f"{r.path} {r.tokens_per_s:.1f} tok/s" for r in results),
                   file=sys.stderr, flush=True)

@@ -174,8 +174,9 @@ class NatsBackend:
     kind = "nats"
 
     def __init__(self, client, url: str, model: str | None = None,  # noqa: ANN001 - a tandem.client.Client
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, watch=None) -> None:  # noqa: ANN001 - a nats.NATS
         self.client, self.url, self.model, self.vocab_size = client, url, model, vocab_size
+        self.watch = watch  # an operator's connection, to read the workers' metrics (None: not allowed)
 
     async def describe(self) -> tuple[str, int]:
         model, vocab = await router_model(self.client.nc)
@@ -190,7 +191,7 @@ class NatsBackend:
                 yield Tokens(len(chunk.token_ids))
 
     async def services_ttft(self) -> dict[str, tuple[float, int]] | None:
-        return await server_ttft(self.client.nc)
+        return await server_ttft(self.watch) if self.watch is not None else None
 
 
 def base_of(url: str) -> str:
@@ -318,21 +319,41 @@ class HttpBackend:
 
 
 @asynccontextmanager
-async def nats_backend(url: str, *, timeout_s: float, model: str | None = None,
-                       vocab_size: int | None = None) -> AsyncIterator[NatsBackend]:
+async def nats_backend(url: str, *, timeout_s: float, model: str | None = None, vocab_size: int | None = None,
+                       auth: dict[str, Any] | None = None,
+                       watch_options: dict[str, Any] | None = None) -> AsyncIterator[NatsBackend]:
+    """A :class:`NatsBackend` through ``tandem.client`` (``auth``: its ``connect``'s identity
+    arguments), and with ``watch_options`` (an operator's identity) a second connection that reads
+    the workers' metrics: a client's role may not ask the workers, so without it the run has no
+    server-side TTFT."""
+    import nats
+
     from tandem.client import connect
 
-    async with connect(url, request_timeout_s=timeout_s) as client:
-        yield NatsBackend(client, url, model, vocab_size)
+    watch = None
+    if watch_options is not None:
+        try:
+            watch = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=1, **watch_options)
+        except Exception as exc:  # the figures from the client side stand alone
+            print(f"tandem bench serve: no server-side TTFT ({exc or type(exc).__name__})", file=sys.stderr)
+    try:
+        async with connect(url, request_timeout_s=timeout_s, **(auth or {})) as client:
+            yield NatsBackend(client, url, model, vocab_size, watch)
+    finally:
+        if watch is not None:
+            await watch.close()
 
 
 @asynccontextmanager
 async def http_backend(base_url: str, *, timeout_s: float, api_key: str | None = None, model: str | None = None,
-                       vocab_size: int | None = None, nats_url: str | None = None) -> AsyncIterator[HttpBackend]:
+                       vocab_size: int | None = None, nats_url: str | None = None,
+                       nats_options: dict[str, Any] | None = None) -> AsyncIterator[HttpBackend]:
     """An :class:`HttpBackend`; with ``nats_url``, also connected to that system's NATS (the router's
-    vocabulary size, the services' TTFT)."""
+    vocabulary size, the services' TTFT) with ``nats_options`` (an operator's identity)."""
     import httpx
     import nats
+
+    from tandem.access import refusal
 
     async with AsyncExitStack() as stack:
         # No pool limit: a bench of N requests in flight must not queue them in the client; and no
@@ -342,14 +363,18 @@ async def http_backend(base_url: str, *, timeout_s: float, api_key: str | None =
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)))
         nc = None
         if nats_url:
-            async def quiet(_exc: Exception) -> None:
-                pass  # nats-py reports connection trouble here; the run reports what it costs
+            seen: list[Exception] = []
+
+            async def quiet(exc: Exception) -> None:  # nats-py reports connection trouble here
+                if len(seen) < 8:
+                    seen.append(exc)
 
             try:
                 nc = await nats.connect(nats_url, connect_timeout=5, max_reconnect_attempts=3, reconnect_time_wait=0.5,
-                                        error_cb=quiet)
+                                        error_cb=quiet, **(nats_options or {}))
             except Exception as exc:  # nats-py raises several kinds for an unreachable server
-                raise BenchError(f"cannot reach NATS at {nats_url}: {exc or type(exc).__name__}") from None
+                raise BenchError(refusal(nats_url, nats_options or {}, exc, *seen)
+                                 or f"cannot reach NATS at {nats_url}: {exc or type(exc).__name__}") from None
             stack.push_async_callback(nc.close)
         yield HttpBackend(http, base_url, api_key=api_key, model=model, vocab_size=vocab_size, nc=nc)
 
@@ -514,9 +539,11 @@ def nats_url_for_http(base_url: str, settings: Settings) -> str | None:
 
 
 def run_bench_serve(args: argparse.Namespace, settings: Settings) -> int:
+    from tandem.access import command_auth, operator_options
     from tandem.client import TandemError
     from tandem.runstate import find_running_url
     from tandem.services.common.runtime import run_async
+    from tandem.shared.auth.credentials import CredentialsError
 
     prog = "tandem bench serve"
     problem = check_args(args)
@@ -527,15 +554,27 @@ def run_bench_serve(args: argparse.Namespace, settings: Settings) -> int:
         if not args.base_url.startswith(("http://", "https://")):
             print(f"{prog}: --base-url must start with http:// or https://, not {args.base_url!r}", file=sys.stderr)
             return 2
+        nats_url = nats_url_for_http(args.base_url, settings)
+        try:
+            options = operator_options(settings, "tandem-bench", nats_url) if nats_url else None
+        except CredentialsError as exc:
+            print(f"{prog}: {exc}", file=sys.stderr)
+            return 2
         opened = http_backend(args.base_url, timeout_s=args.timeout, api_key=args.api_key, model=args.model,
-                              vocab_size=args.vocab_size, nats_url=nats_url_for_http(args.base_url, settings))
+                              vocab_size=args.vocab_size, nats_url=nats_url, nats_options=options)
     else:
         url = settings.bus.nats_url or find_running_url(settings.data_dir)
         if url is None:
             print(f"{prog}: no running tandem found; start one with `tandem up`, or pass --nats-url or --base-url",
                   file=sys.stderr)
             return 2
-        opened = nats_backend(url, timeout_s=args.timeout, model=args.model, vocab_size=args.vocab_size)
+        try:
+            watch_options = operator_options(settings, "tandem-bench", url)
+        except CredentialsError as exc:
+            print(f"{prog}: {exc}", file=sys.stderr)
+            return 2
+        opened = nats_backend(url, timeout_s=args.timeout, model=args.model, vocab_size=args.vocab_size,
+                              auth=command_auth(settings), watch_options=watch_options)
 
     async def main() -> dict:
         async with opened as backend:

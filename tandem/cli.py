@@ -247,6 +247,7 @@ def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from tandem.access import command_auth
     from tandem.client import TandemError, connect
     from tandem.runstate import find_running_url
     from tandem.services.common.runtime import run_async
@@ -267,7 +268,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         nonlocal streamed
-        async with connect(url, request_timeout_s=args.timeout) as client:
+        async with connect(url, request_timeout_s=args.timeout, **command_auth(settings)) as client:
             if args.json:
                 result = await client.complete(prompt, model=args.model, **params)
                 print(json.dumps({
@@ -299,22 +300,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-async def discover(url: str, wait_s: float) -> list[dict]:
-    """Every ``$SRV.INFO`` answer on the NATS server at ``url`` within ``wait_s``."""
+async def discover(url: str, wait_s: float, options: dict[str, Any] | None = None) -> list[dict]:
+    """Every ``$SRV.INFO`` answer on the NATS server at ``url`` within ``wait_s``; ``options``:
+    ``nats.connect``'s (the identity, TLS)."""
     import nats
 
+    from tandem.access import refusal
     from tandem.discovery import service_infos
 
-    async def quiet(_exc: Exception) -> None:
-        pass  # nats-py would log each connection error with its traceback; the one line below says it
+    seen: list[Exception] = []
+
+    async def quiet(exc: Exception) -> None:
+        seen.append(exc)  # nats-py would log each with its traceback; the one line below says it
 
     try:
         # Two tries, then NoServersError: nats-py retries an initial connect forever with
         # max_reconnect_attempts 0, and allow_reconnect=False does not stop that loop either.
         nc = await nats.connect(url, name="tandem-services", connect_timeout=3, max_reconnect_attempts=1,
-                                reconnect_time_wait=0.2, error_cb=quiet)
+                                reconnect_time_wait=0.2, error_cb=quiet, **(options or {}))
     except Exception as exc:  # nats-py raises several kinds for a server it cannot reach
-        raise UnreachableError(f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from None
+        raise UnreachableError(refusal(url, options or {}, exc, *seen)
+                               or f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from None
     try:
         return await service_infos(nc, wait_s=wait_s)
     finally:
@@ -349,8 +355,10 @@ def services_table(rows: list[dict[str, Any]]) -> str:
 
 
 def cmd_services(args: argparse.Namespace) -> int:
+    from tandem.access import operator_options
     from tandem.runstate import find_running_url
     from tandem.services.common.runtime import run_async
+    from tandem.shared.auth.credentials import CredentialsError
 
     prog = "tandem services"
     if not args.wait > 0:
@@ -362,8 +370,8 @@ def cmd_services(args: argparse.Namespace) -> int:
         print(f"{prog}: no running tandem found; start one with `tandem up` or pass --nats-url", file=sys.stderr)
         return 2
     try:
-        rows = service_rows(run_async(discover(url, args.wait)))
-    except UnreachableError as exc:
+        rows = service_rows(run_async(discover(url, args.wait, operator_options(settings, "tandem-services", url))))
+    except (UnreachableError, CredentialsError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
     if args.json:
@@ -380,7 +388,8 @@ def cmd_console(args: argparse.Namespace) -> int:
     from tandem.console.app import run_console
 
     settings = settings_from(args)
-    return run_console(settings.bus.nats_url, settings.data_dir)  # no URL: follow the running up, restarts included
+    # No URL: follow the running up, restarts included.
+    return run_console(settings.bus.nats_url, settings.data_dir, settings)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -36,7 +36,9 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
 
+from tandem.access import bus_options, refusal
 from tandem.runstate import find_running_url
+from tandem.shared.auth.credentials import CredentialsError
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError, first_error
 from tandem.shared.protocol.codec import decode, encode
@@ -276,6 +278,7 @@ class Client:
         self.request_timeout_s = request_timeout_s
         self.worker_timeout_s = worker_timeout_s  # a worker silent this long has died with our request
         self.client_id = uuid.uuid4().hex[:12]
+        self._inbox_prefix = ""
         self._last_beat: dict[str, float] = {}
         self._beats = None
         self._open: dict[str, asyncio.Queue] = {}  # request id -> its stream's queue, while it streams
@@ -307,14 +310,22 @@ class Client:
         for queue in self._open.values():
             queue.put_nowait(_LOST)
 
+    @property
+    def inbox_prefix(self) -> str:
+        """The connection's inbox prefix: ``_INBOX``, or ``_INBOX.<user key>`` on a bus with identities."""
+        if not self._inbox_prefix:
+            self._inbox_prefix = self.nc.new_inbox().rsplit(".", 1)[0]
+        return self._inbox_prefix
+
     def stream(self, prompt: str | list[int], *, model: str | None = None, request_id: str | None = None,
                timeout_s: float | None = None, **params) -> RequestStream:
         """One request as a :class:`RequestStream` (placed on first use). ``params`` are
         :class:`SamplingParams` fields; a bad one raises :class:`InvalidRequestError` here."""
         request_id = uuid.uuid4().hex if request_id is None else request_id
-        inbox = subjects.stream_inbox(self.client_id, request_id) if isinstance(request_id, str) else "-"
-        request = self._request(prompt, model, request_id, inbox, params)
-        return RequestStream(self, request, timeout_s or self.request_timeout_s)
+        request = self._request(prompt, model, request_id, params)
+        inbox = subjects.stream_inbox(self.inbox_prefix, self.client_id, request.request_id)  # made of checked parts
+        return RequestStream(self, request.model_copy(update={"stream_subject": inbox}),
+                             timeout_s or self.request_timeout_s)
 
     def generate(self, prompt: str | list[int], *, model: str | None = None, request_id: str | None = None,
                  timeout_s: float | None = None, **params) -> RequestStream:
@@ -340,7 +351,7 @@ class Client:
         return Completion("".join(text), ids, accepted.prompt_token_ids, reason, ttft, tpot, accepted.request_id,
                           accepted.decode_worker, accepted.prefill_worker, times)
 
-    def _request(self, prompt, model, request_id, inbox: str, params: dict) -> GenerateRequest:
+    def _request(self, prompt, model, request_id, params: dict) -> GenerateRequest:
         """The request to send, or :class:`InvalidRequestError` naming the first field out of its
         bounds (checked before anything is sent: no value msgpack cannot carry reaches ``encode``)."""
         shown = request_id if isinstance(request_id, str) else None
@@ -350,7 +361,7 @@ class Client:
             raise InvalidRequestError(f"invalid sampling parameters: {_first_error(exc)}", shown) from None
         try:
             return GenerateRequest(
-                request_id=request_id, params=sampling, model=model, stream_subject=inbox,
+                request_id=request_id, params=sampling, model=model, stream_subject="_INBOX.unset",
                 prompt=prompt if isinstance(prompt, str) else None,
                 prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
             )
@@ -380,7 +391,8 @@ class Client:
             if sub is not None:
                 await sub.unsubscribe()
             if cancel_id is not None and self.nc.is_connected:
-                inbox = subjects.stream_inbox(self.client_id, cancel_id)  # the owner's proof: see Cancel
+                # The stream's subject is the owner's proof (see Cancel).
+                inbox = subjects.stream_inbox(self.inbox_prefix, self.client_id, cancel_id)
                 await self.nc.publish(subjects.CANCEL, encode(Cancel(request_id=cancel_id, stream_subject=inbox)))
         except NatsError:
             pass  # the connection is gone: the workers find the client gone by their liveness probe
@@ -425,14 +437,27 @@ def resolve_url(url: str | None) -> str:
 
 
 @asynccontextmanager
-async def connect(url: str | None = None, *, request_timeout_s: float = 30.0,
-                  worker_timeout_s: float = 3.0) -> AsyncIterator[Client]:
-    """Connect to the NATS server of a tandem deployment (``url`` unset: see :func:`resolve_url`).
+async def connect(url: str | None = None, *, request_timeout_s: float = 30.0, worker_timeout_s: float = 3.0,
+                  creds: str | None = None, data_dir: str | None = None, tls_ca: str | None = None,
+                  tls_cert: str | None = None, tls_key: str | None = None) -> AsyncIterator[Client]:
+    """Connect to the NATS server of a tandem deployment (``url`` unset: see :func:`resolve_url`)
+    as a client: with ``creds`` (a role key or NATS user credentials file; else
+    ``TANDEM_NATS_CREDS``, else the client key of the ``tandem up`` serving that URL from
+    ``data_dir`` or the default one, see :mod:`tandem.access`) and the TLS files given.
     nats-py's own error reports go to the ``tandem.client`` logger at DEBUG, not as tracebacks."""
     url = resolve_url(url)
+    try:
+        options = bus_options("client", "tandem-client", url, creds=creds, data_dir=data_dir, tls_ca=tls_ca,
+                              tls_cert=tls_cert, tls_key=tls_key)
+    except CredentialsError as exc:
+        raise TandemError(str(exc)) from None
     holder: list[Client] = []
 
+    seen: list[Exception] = []
+
     async def on_error(exc: Exception) -> None:
+        if len(seen) < 8:  # while connecting: the reason a refused connect gives (see refusal)
+            seen.append(exc)
         log.debug("nats: %s: %s", type(exc).__name__, exc)
 
     async def on_disconnect() -> None:
@@ -442,9 +467,10 @@ async def connect(url: str | None = None, *, request_timeout_s: float = 30.0,
     try:
         nc = await nats.connect(url, name="tandem-client", connect_timeout=5, max_reconnect_attempts=3,
                                 allow_reconnect=True, reconnect_time_wait=0.5, error_cb=on_error,
-                                disconnected_cb=on_disconnect, closed_cb=on_disconnect)
+                                disconnected_cb=on_disconnect, closed_cb=on_disconnect, **options)
     except Exception as exc:
-        raise TandemError(f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from None
+        raise TandemError(refusal(url, options, exc, *seen) or f"cannot reach NATS at {url}: {exc or type(exc).__name__}") \
+            from None
     client = Client(nc, request_timeout_s, worker_timeout_s, url)
     holder.append(client)
     try:

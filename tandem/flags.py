@@ -27,7 +27,8 @@ from pydantic.fields import FieldInfo
 from tandem.shared.infra.config import FIELDS, Knob, Settings, describe_errors, load_settings
 
 PROCESS = ("model", "data_dir", "instance_id", "log_level")  # every service's own fields
-CLIENT = ("bus.nats_url", "data_dir", "log_level")  # commands that talk to a running tandem
+# commands that talk to a running tandem: where, and who they are there (credentials, TLS)
+CLIENT = ("bus.nats_url", "bus.nats_creds", "bus.tls_ca", "bus.tls_cert", "bus.tls_key", "data_dir", "log_level")
 SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "router": (*PROCESS, "bus", "router", "metrics"),
     "prefill": (*PROCESS, "bus", "engine", "kv_ring", "metrics"),

@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from tandem.shared.auth.keyring import write_private
 from tandem.shared.infra.config import default_data_dir
 
 
@@ -38,6 +39,9 @@ class RunState:
     metrics_urls: dict[str, str] = field(default_factory=dict)  # instance id -> its /metrics page
     nats_monitor_url: str = ""  # the embedded nats-server's monitoring port ("" with --nats-url)
     data_dir: str = ""
+    # role -> its role key (RoleKey.to_text's fields), for the commands that connect to this up
+    # (tandem.access); empty with --insecure. Why the file is written 0600.
+    keys: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def run_dir(data_dir: Path | str) -> Path:
@@ -77,6 +81,8 @@ def read_state(data_dir: Path | str) -> RunState | None:
         state = RunState(**{k: v for k, v in raw.items() if k in known})
         state.pid, state.nats_url, state.http_url = int(state.pid), str(state.nats_url), str(state.http_url)
         state.metrics_urls = {str(k): str(v) for k, v in dict(state.metrics_urls).items()}
+        state.keys = {str(role): {str(k): str(v) for k, v in dict(key).items()}
+                      for role, key in dict(state.keys).items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     return state
@@ -98,7 +104,7 @@ def write_state(data_dir: Path | str, state: RunState) -> None:
     path = state_file(data_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"up.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(state)))
+    write_private(tmp, json.dumps(asdict(state)))  # it holds role keys: readable by this user only
     tmp.replace(path)  # readers never see half a file
 
 

@@ -66,7 +66,8 @@ class Scaler:
         self.stale_after_s = sup.settings.supervisor.health_timeout_s
 
     async def run(self) -> None:
-        nc = await nats.connect(self.sup.url, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        nc = await nats.connect(self.sup.url, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                **self.sup.bus_options("tandem-up-scaler"))
         # Only a supervisor that wrote a state file keeps it current (the benchmarks write none).
         tracker = asyncio.create_task(self.track_urls(nc)) if self.sup.state is not None else None
         pinger = asyncio.create_task(self.ping_loop(nc))

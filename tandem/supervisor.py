@@ -21,6 +21,7 @@ its URL stays the same), since one fixed port cannot serve several children.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -37,10 +38,14 @@ from typing import Any
 
 import nats
 
+from tandem.access import bus_options
 from tandem.discovery import gather_replies, service_infos
 from tandem.flags import SERVICE_SETTINGS, argv
 from tandem.gpus import memory_share, pick_gpu, visible_gpus
 from tandem.runstate import RunState, remove_state, state_file, write_state
+from tandem.shared.auth.credentials import connect_options
+from tandem.shared.auth.keyring import Keyring
+from tandem.shared.auth.roles import role_for_service
 from tandem.shared.infra.config import Settings
 from tandem.shared.infra.natsserver import NatsServer, die_with_parent
 from tandem.shared.protocol import subjects
@@ -53,8 +58,8 @@ ENGINE_SERVICES = ("prefill", "decode")
 SILENT = ("router", "frontend")  # they answer $SRV.PING but publish no heartbeats
 NATS_HOST = "127.0.0.1"  # where the embedded server listens (natsserver's config)
 # Settings the supervisor decides for each child itself (so a value given to `up` is not handed on as is).
-DECIDED_HERE = ("nats_url", "nats_binary", "model", "log_level", "instance_id", "data_dir", "torch_threads",
-                "gpu_memory_utilization", "metrics_port", "planner_min_prefill", "planner_max_prefill",
+DECIDED_HERE = ("nats_url", "nats_creds", "nats_binary", "model", "log_level", "instance_id", "data_dir",
+                "torch_threads", "gpu_memory_utilization", "metrics_port", "planner_min_prefill", "planner_max_prefill",
                 "planner_min_decode", "planner_max_decode")
 
 
@@ -103,6 +108,8 @@ class Supervisor:
     http_url: str = ""  # the frontend's, from its $SRV.INFO metadata
     metrics_urls: dict[str, str] = field(default_factory=dict)  # instance id -> /metrics, likewise
     state: RunState | None = None  # as last written to the state file (None: not written)
+    keyring: Keyring | None = None  # the embedded server's identities (None: --insecure or --nats-url)
+    role_keys: dict[str, Path] = field(default_factory=dict)  # role -> its key file, handed to the children
 
     def limits(self, service: str) -> tuple[int, int]:
         """(min, max) workers of ``service``: as given, else ``min(1, count)`` .. ``max(count, 2)``."""
@@ -117,9 +124,14 @@ class Supervisor:
         if self.settings.bus.nats_url:
             self.url = self.settings.bus.nats_url
         else:
+            if not self.settings.supervisor.insecure:
+                self.keyring = Keyring.generate()
             self.server = NatsServer.start(binary=self.settings.supervisor.nats_binary,
-                                           port=self.settings.supervisor.nats_port, workdir=self.nats_workdir)
+                                           port=self.settings.supervisor.nats_port, workdir=self.nats_workdir,
+                                           auth_config=self.keyring.server_config() if self.keyring else "")
             self.url = self.server.url
+            if self.keyring is not None:
+                self.role_keys = self.keyring.write_role_keys(self.server.workdir / "auth")
         if self.gpus is None:
             self.gpus = visible_gpus(self.settings.engine.device)
         self.wanted = {"kvstore": self.num_kvstore, "decode": self.num_decode, "prefill": self.num_prefill,
@@ -128,6 +140,20 @@ class Supervisor:
             if service != "planner":  # started by wait_ready() once the workers are up: it counts them
                 for _ in range(self.wanted[service]):
                     self.spawn(service)
+
+    def bus_options(self, name: str) -> dict[str, Any]:
+        """``nats.connect`` options for up's own connections: the operator's identity (with
+        ``--nats-url``, the credentials given with ``--creds``, as the children get them)."""
+        if self.keyring is not None:
+            return connect_options(self.keyring.role_key("operator"), name)
+        bus = self.settings.bus
+        return bus_options("operator", name, self.url, creds=bus.nats_creds, tls_ca=bus.tls_ca,
+                           tls_cert=bus.tls_cert, tls_key=bus.tls_key)
+
+    def client_creds(self) -> str | None:
+        """The credentials file a client of this system connects with (the client role's key;
+        with ``--nats-url``, whatever ``--creds`` gave)."""
+        return str(self.role_keys["client"]) if self.role_keys else self.settings.bus.nats_creds
 
     def most_children(self) -> int:
         """The most children alive at once (so the most metrics ports taken)."""
@@ -196,7 +222,9 @@ class Supervisor:
         and what the supervisor decides per child (URL, id, threads, GPU share, metrics port, limits)."""
         specs = SERVICE_SETTINGS[service]
         decided = {"nats_url": self.url, "model": self.settings.model, "log_level": self.settings.log_level,
-                   "instance_id": instance_id, "metrics_port": self.metrics_port(slot)}
+                   "instance_id": instance_id, "metrics_port": self.metrics_port(slot),
+                   "nats_creds": (str(self.role_keys[role_for_service(service)]) if self.role_keys
+                                  else self.settings.bus.nats_creds)}
         cmd = [sys.executable, "-m", "tandem.cli", "serve", service, *argv(decided, *specs)]
         cmd += argv(self.overrides, *specs, skip=DECIDED_HERE)
         if service == "planner":
@@ -237,11 +265,12 @@ class Supervisor:
         """Until every child answers ``$SRV.PING`` and the router has heard from every worker; then
         the planner (it counts the workers when it starts) and every child's URLs."""
         want = {s: sum(c.service == s for c in self.children) for s in SERVICE_ORDER}
-        await wait_until_ready(self.url, want, self.check_children, timeout_s)
+        options = self.bus_options("tandem-up")
+        await wait_until_ready(self.url, want, self.check_children, timeout_s, options)
         if self.wanted.get("planner") and not any(c.service == "planner" for c in self.children):
             self.spawn("planner")
-            await wait_until_ready(self.url, {"planner": 1}, self.check_children, timeout_s)
-        nc = await nats.connect(self.url)
+            await wait_until_ready(self.url, {"planner": 1}, self.check_children, timeout_s, options)
+        nc = await nats.connect(self.url, **options)
         try:
             missing = await self.read_urls(nc)
             deadline = time.monotonic() + 10.0
@@ -281,6 +310,11 @@ class Supervisor:
         if self.server is not None and self.server.monitor_port:
             lines.append(f"  nats monitoring: http://{NATS_HOST}:{self.server.monitor_port}")
         lines.append(f"  state: {self.state_path()} (these URLs as JSON)")
+        if self.keyring is not None:
+            lines.append("  bus: identities required (anonymous connections are refused); tandem commands on this "
+                         "machine use the keys in the state file, mode 0600")
+        elif self.server is not None:
+            lines.append("  bus: --insecure: no identities, anyone who reaches the NATS port may do anything")
         return lines
 
     def state_path(self) -> Path:
@@ -305,12 +339,18 @@ class Supervisor:
         monitor = f"http://{NATS_HOST}:{self.server.monitor_port}" if self.server and self.server.monitor_port else ""
         state = RunState(pid=os.getpid(), nats_url=self.url, http_url=self.http_url,
                          metrics_urls=dict(self.metrics_urls), nats_monitor_url=monitor,
-                         data_dir=str(self.settings.data_dir))
+                         data_dir=str(self.settings.data_dir), keys=self.command_keys())
         if state == self.state:
             return False
         write_state(self.settings.data_dir, state)
         self.state = state
         return True
+
+    def command_keys(self) -> dict[str, dict[str, str]]:
+        """The role keys the commands that find this up connect with (see :mod:`tandem.access`)."""
+        if self.keyring is None:
+            return {}
+        return {role: dataclasses.asdict(self.keyring.role_key(role)) for role in ("client", "operator")}
 
     def stop(self, timeout_s: float = 15.0) -> None:
         for service in SERVICE_ORDER:
@@ -330,13 +370,14 @@ class Supervisor:
         remove_state(self.settings.data_dir, os.getpid())
 
 
-async def wait_until_ready(url: str, want: dict[str, int], check: Callable[[], None], timeout_s: float) -> None:
+async def wait_until_ready(url: str, want: dict[str, int], check: Callable[[], None], timeout_s: float,
+                           options: dict[str, Any] | None = None) -> None:
     """Wait until ``want[service]`` instances of each service answer ``$SRV.PING`` and then until a
     heartbeat from each worker arrives: the router was subscribed before it answered the ping, so it
     has heard those heartbeats too and can place work (the router and the frontend send none).
-    ``check`` raises if a child died."""
+    ``check`` raises if a child died; ``options``: ``nats.connect``'s (the identity to ask with)."""
     workers = sum(n for s, n in want.items() if s not in SILENT)
-    nc = await nats.connect(url)
+    nc = await nats.connect(url, **(options or {}))
     try:
         deadline = time.monotonic() + timeout_s
         seen: dict[str, int] = {}

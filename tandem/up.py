@@ -95,7 +95,7 @@ def run_up(args: argparse.Namespace, settings: Settings, overrides: dict[str, An
               f"{args.kvstore} kvstore; {scaling if args.planner else 'planner off'}; Ctrl-C stops)", flush=True)
         print("\n".join(sup.url_lines()), flush=True)
         if args.demo:
-            run_async(demo(sup.url, args.demo))
+            run_async(demo(sup.url, args.demo, sup.client_creds()))
             weights_note(sup.settings)
             if args.exit_after_demo:
                 return 0
@@ -129,12 +129,12 @@ def usage_problem(settings: Settings) -> str:
     return ""
 
 
-async def demo(url: str, prompt: str) -> None:
+async def demo(url: str, prompt: str, creds: str | None) -> None:
     """One sampled generation through the whole system, printed in one piece with its timings
     (streaming it would interleave with the services' log lines on the same terminal)."""
     from tandem.client import connect
 
-    async with connect(url) as client:
+    async with connect(url, creds=creds) as client:
         result = await client.complete(prompt, max_tokens=64, temperature=0.8, top_k=40, seed=0)
     print(f"--- demo: {prompt!r} (temperature 0.8, top-k 40, seed 0, 64 tokens)\n{prompt}{visible(result.text)}\n"
           f"--- {len(result.token_ids)} tokens, finish {result.finish_reason}, first token after "

@@ -54,6 +54,13 @@ def launch(url: str, service: str, instance_id: str, logdir: Path, env: dict[str
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
+def operator_options(url: str, data_dir: Path) -> dict:
+    """``nats.connect`` options of an operator of the ``tandem up`` on ``data_dir`` (its state file's key)."""
+    from tandem.access import bus_options
+
+    return bus_options("operator", "tandem-test", url, data_dir=data_dir)
+
+
 def run_sync(coro):
     """Run a coroutine to the end on a private loop in another thread: callers may be sync fixtures
     or async tests whose own loop is running."""

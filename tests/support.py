@@ -64,9 +64,10 @@ def prompt_of(length: int, salt: int = 0) -> str:
     return text
 
 
-async def worker_beats(url: str, wait_s: float = 0.6) -> dict[str, Heartbeat]:
+async def worker_beats(url: str, wait_s: float = 0.6, options: dict | None = None) -> dict[str, Heartbeat]:
+    """Every worker's latest heartbeat within ``wait_s`` (``options``: nats.connect's, an identity)."""
     beats: dict[str, Heartbeat] = {}
-    nc = await nats.connect(url)
+    nc = await nats.connect(url, **(options or {}))
 
     async def on_beat(msg):
         beat = decode(msg.data, Heartbeat)

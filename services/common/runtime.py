@@ -22,6 +22,7 @@ from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, ServiceConfig
 
 from tandem import __version__
+from tandem.shared.auth.credentials import CredentialsError, connect_options, load_credentials, tls_context
 from tandem.shared.infra.config import Settings
 from tandem.shared.infra.metrics import MetricsPublisher, MetricsRegistry
 from tandem.shared.protocol import subjects
@@ -56,6 +57,7 @@ class ServiceRuntime:
         self._service = None
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
+        self.bus_options: dict = {}  # nats.connect's identity and TLS options, from the bus settings
         self.exit_code = 0  # 1: the process ends because it lost the bus, not because it was asked to
         self.prom = MetricsRegistry()  # declare metrics here; served on --metrics-port, published on NATS
 
@@ -150,6 +152,7 @@ class ServiceRuntime:
 
         connecting = asyncio.ensure_future(nats.connect(
             self.settings.bus.nats_url,
+            **self.bus_options,
             name=f"tandem-{self.name}-{self.instance_id}",
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
@@ -167,8 +170,15 @@ class ServiceRuntime:
         return connecting.result()
 
     async def run(self) -> None:
-        if not self.settings.bus.nats_url:
+        bus = self.settings.bus
+        if not bus.nats_url:
             raise SystemExit(f"tandem serve {self.name}: --nats-url (or TANDEM_NATS_URL) is required")
+        try:  # the identity is this instance's own: a role key signs a user named after its id
+            creds = load_credentials(bus.nats_creds) if bus.nats_creds else None
+            self.bus_options = connect_options(creds, self.instance_id,
+                                               tls=tls_context(bus.tls_ca, bus.tls_cert, bus.tls_key))
+        except CredentialsError as exc:
+            raise SystemExit(f"tandem serve {self.name}: {exc}") from None
         self.nc = await self._connect()
         if self.nc is None:  # asked to stop before the server could be reached
             self.log.info("%s %s stopped before reaching NATS at %s", self.name, self.instance_id,

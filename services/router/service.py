@@ -139,7 +139,10 @@ class Router(ServiceRuntime):
         try:
             await ensure_kv_events_stream(js)
             last = (await js.stream_info(subjects.KV_EVENTS_STREAM)).state.last_seq
-            await js.subscribe(subjects.KV_EVENTS_ALL, cb=self.on_kv_event, ordered_consumer=True)
+            # The stream named: looking it up by subject would need $JS.API.STREAM.NAMES, which the
+            # router's role does not grant (see shared/auth/roles.py).
+            await js.subscribe(subjects.KV_EVENTS_ALL, stream=subjects.KV_EVENTS_STREAM, cb=self.on_kv_event,
+                               ordered_consumer=True)
         except Exception as exc:  # a server without JetStream: live events only, no rebuild
             self.log.warning("KV events stream unavailable (%s); indexing live events only", exc)
             await self.nc.subscribe(subjects.KV_EVENTS_ALL, cb=self.on_kv_event)

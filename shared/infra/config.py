@@ -81,6 +81,14 @@ class BusSettings:
     probe_interval_s: float = Field(2.0, gt=0,
                                     description="decode: seconds between checks that a client still listens")
     kv_window: int = Field(8, ge=1, description="KV frames in flight per transfer")
+    nats_creds: str | None = Field(None, description="credentials to connect with: a tandem role key (tandem auth "
+                                                     "init) or a NATS user .creds file (unset: tandem up's, else "
+                                                     "none)", json_schema_extra={"flag": "--creds"})
+    tls_ca: str | None = Field(None, description="PEM file of the CA that signed the NATS server's certificate "
+                                                 "(TLS to the server; a tls:// URL with no CA uses the system's)")
+    tls_cert: str | None = Field(None, description="PEM client certificate for a server that asks for one "
+                                                   "(with --tls-key)")
+    tls_key: str | None = Field(None, description="PEM private key of --tls-cert")
 
 
 @dataclass(config=SECTION)
@@ -97,6 +105,9 @@ class SupervisorSettings:
                                                              "stays silent this many seconds is restarted")
     nats_port: int = Field(0, ge=0, le=65535, description="tandem up: the port of the nats-server it embeds (0: a "
                                                            "free one)", json_schema_extra={"flag": "--port"})
+    insecure: bool = Field(False, description="tandem up: run the embedded nats-server without identities or "
+                                              "permissions, so anyone who reaches its port may do anything "
+                                              "(development only)")
 
 
 @dataclass(config=SECTION)

@@ -86,9 +86,11 @@ class NatsServer:
 
     @classmethod
     def start(cls, *, binary: str | None = None, timeout_s: float = 15.0, jetstream: bool = True, port: int = 0,
-              workdir: Path | None = None) -> NatsServer:
+              workdir: Path | None = None, auth_config: str = "") -> NatsServer:
         """``port`` 0: a free one. ``workdir``: the server's folder, made here and removed by
-        :meth:`stop` (it must not hold anything else); None: a new temporary folder."""
+        :meth:`stop` (it must not hold anything else); None: a new temporary folder.
+        ``auth_config``: config lines that make the server require identities
+        (``Keyring.server_config``); empty: anyone who reaches the port may do anything."""
         binary = binary or find_nats_server()
         if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
             raise NatsServerError(f"nats-server binary {binary} does not exist or is not executable")
@@ -109,7 +111,9 @@ class NatsServer:
         ]
         if jetstream:
             lines.append(f'jetstream {{ store_dir: "{store}" }}')
-        config.write_text("\n".join(lines) + "\n")
+        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold account JWTs
+        with os.fdopen(fd, "w") as out:
+            out.write("\n".join(lines) + "\n" + auth_config)
         logfile = open(workdir / "nats.log", "wb")
         try:
             process = subprocess.Popen(

@@ -28,9 +28,11 @@ def _utf8(value: str) -> str:
 RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\s.*>]+$"), AfterValidator(_utf8)]
 MAX_SUBJECT_CHARS = 256  # far below nats-server's 4 KiB control line, whose overflow closes the publisher's connection
 # Where workers publish a request's tokens: a subject they can publish to (dot-separated tokens, none
-# empty, no wildcards, no whitespace), or one publish could fail a worker's every other stream.
+# empty, no wildcards, no whitespace), or one publish could fail a worker's every other stream; and
+# an inbox, the only kind of subject a stream may name, so no request can make a worker publish on a
+# service's subject (a forged heartbeat, a drain) in its own name.
 StreamSubject = Annotated[str, Field(min_length=1, max_length=MAX_SUBJECT_CHARS,
-                                     pattern=r"^[^\s.*>]+(\.[^\s.*>]+)*$"), AfterValidator(_utf8)]
+                                     pattern=r"^_INBOX(\.[^\s.*>]+)+$"), AfterValidator(_utf8)]
 
 
 class SamplingParams(BaseModel):

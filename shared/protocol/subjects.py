@@ -50,9 +50,11 @@ def decode_kv(instance_id: str) -> str:
     return f"{PREFIX}.decode.{instance_id}.kv"
 
 
-def stream_inbox(client_id: str, request_id: str) -> str:
-    """A client's token stream for one request (the client subscribes before asking)."""
-    return f"_INBOX.tandem.{client_id}.{request_id}"
+def stream_inbox(inbox_prefix: str, client_id: str, request_id: str) -> str:
+    """A client's token stream for one request (the client subscribes before asking): under its
+    connection's inbox prefix (``_INBOX.<user key>`` on a bus with identities, the only inbox it
+    may read), and the client's random id, which makes the subject its owner's secret (see Cancel)."""
+    return f"{inbox_prefix}.{client_id}.{request_id}"
 
 
 def kv_events(service: str, instance_id: str) -> str:

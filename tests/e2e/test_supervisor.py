@@ -13,7 +13,7 @@ import time
 
 import nats
 import pytest
-from cli_support import TANDEM, tandem_env, wait_for
+from cli_support import TANDEM, operator_options, tandem_env, wait_for
 
 from tandem.client import connect
 from tandem.gpus import memory_share, pick_gpu
@@ -61,8 +61,8 @@ class Watch:
         self.beats: dict[str, tuple[float, Heartbeat]] = {}
         self.decisions: list[ScalingDecision] = []
 
-    async def start(self, url: str) -> nats.NATS:
-        nc = await nats.connect(url)
+    async def start(self, url: str, data_dir) -> nats.NATS:
+        nc = await nats.connect(url, **operator_options(url, data_dir))
 
         async def on_beat(msg) -> None:
             beat = decode(msg.data, Heartbeat)
@@ -94,9 +94,9 @@ async def test_planner_scales_prefill_with_a_step_load_and_crashed_workers_come_
                          "--planner-cooldown-s", "2", "--ttft-target-ms", "100", "--min-prefill", "1",
                          "--max-prefill", "2", "--max-decode", "1")
     watch, outcomes = Watch(), []
-    nc = await watch.start(url)
+    nc = await watch.start(url, tmp_path)
     try:
-        async with connect(url, request_timeout_s=60) as client:
+        async with connect(url, request_timeout_s=60, data_dir=str(tmp_path)) as client:
             async def send(prompt: str, tokens: int) -> None:
                 try:
                     r = await client.complete(prompt, max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -158,7 +158,7 @@ async def test_planner_scales_prefill_with_a_step_load_and_crashed_workers_come_
 async def test_without_the_planner_counts_stay_and_crashes_restart(tmp_path):
     proc, url = start_up(tmp_path, "--no-planner")
     watch = Watch()
-    nc = await watch.start(url)
+    nc = await watch.start(url, tmp_path)
     try:
         await watch.until(lambda: watch.live("prefill") and watch.live("decode"), 20, "workers")
         assert "planner" not in {b.service for _, b in watch.beats.values()}

@@ -16,7 +16,7 @@ import subprocess
 
 import nats
 import pytest
-from cli_support import TANDEM, run_sync, tandem_env, wait_for
+from cli_support import TANDEM, operator_options, run_sync, tandem_env, wait_for
 from support import prompt_of, worker_beats
 
 from tandem.client import connect
@@ -38,19 +38,21 @@ def up(tmp_path_factory):
     assert proc.poll() is None, (data_dir / "up.log").read_text()[-3000:]
     proc.log = data_dir / "up.log"
     proc.url = state.nats_url
+    proc.data_dir = data_dir
     yield proc
     proc.send_signal(signal.SIGINT)
     proc.wait(60)
     log.close()
 
 
-def decode_ids(url: str) -> set[str]:
-    return {i for i, b in run_sync(worker_beats(url)).items() if b.service == "decode" and not b.draining}
+def decode_ids(up) -> set[str]:
+    beats = run_sync(worker_beats(up.url, options=operator_options(up.url, up.data_dir)))
+    return {i for i, b in beats.items() if b.service == "decode" and not b.draining}
 
 
-def serves(url: str) -> bool:
+def serves(up) -> bool:
     async def one() -> int:
-        async with connect(url, request_timeout_s=10) as client:
+        async with connect(up.url, request_timeout_s=10, data_dir=str(up.data_dir)) as client:
             return len((await client.complete(prompt_of(20), max_tokens=4, temperature=0.0, ignore_eos=True)).token_ids)
 
     try:
@@ -59,9 +61,9 @@ def serves(url: str) -> bool:
         return False
 
 
-def drain(url: str, instance: str, exit_after: bool) -> None:
+def drain(up, instance: str, exit_after: bool) -> None:
     async def ask() -> None:
-        nc = await nats.connect(url)
+        nc = await nats.connect(up.url, **operator_options(up.url, up.data_dir))
         try:
             await nc.request(subjects.drain("decode", instance), encode(DrainRequest(exit=exit_after)), timeout=5)
         finally:
@@ -72,22 +74,22 @@ def drain(url: str, instance: str, exit_after: bool) -> None:
 
 @pytest.mark.parametrize("exit_after", [False, True], ids=["stays-idle", "exits"])
 def test_an_outside_drain_gets_a_replacement(up, exit_after):
-    (old,) = wait_for(lambda: decode_ids(up.url) if len(decode_ids(up.url)) == 1 else None, 30, "one decode worker")
-    drain(up.url, old, exit_after)
-    new = wait_for(lambda: decode_ids(up.url) - {old}, 60, "a replacement decode worker")
+    (old,) = wait_for(lambda: decode_ids(up) if len(decode_ids(up)) == 1 else None, 30, "one decode worker")
+    drain(up, old, exit_after)
+    new = wait_for(lambda: decode_ids(up) - {old}, 60, "a replacement decode worker")
     assert new, "no replacement"
-    assert wait_for(lambda: serves(up.url), 30, "requests served again")
+    assert wait_for(lambda: serves(up), 30, "requests served again")
     # Seen draining in a heartbeat, or (a quick exit) only leaving with code 0: either way no crash.
     said = (f"{old} is draining, not asked by tandem up", f"{old} left on its own")
     log = wait_for(lambda: any(s in up.log.read_text() for s in said) and up.log.read_text(), 20,
                    f"{said} in up's log")
     assert not re.search(rf"{old} \(pid \d+\) exited with code", log), "a drain with exit is no crash"
-    wait_for(lambda: old not in run_sync(worker_beats(up.url)), 30, "the drained worker gone")
+    wait_for(lambda: old not in run_sync(worker_beats(up.url, options=operator_options(up.url, up.data_dir))), 30, "the drained worker gone")
 
 
 def test_a_child_silent_on_the_bus_is_restarted(up):
     async def router_pids() -> dict[str, int]:
-        nc = await nats.connect(up.url)
+        nc = await nats.connect(up.url, **operator_options(up.url, up.data_dir))
         try:
             infos = await service_infos(nc, name="tandem-router")
         finally:
@@ -105,4 +107,4 @@ def test_a_child_silent_on_the_bus_is_restarted(up):
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
-    assert wait_for(lambda: serves(up.url), 30, "requests served again")
+    assert wait_for(lambda: serves(up), 30, "requests served again")

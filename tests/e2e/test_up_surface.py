@@ -25,7 +25,7 @@ from pathlib import Path
 
 import nats
 import pytest
-from cli_support import TANDEM, tandem_env, wait_for
+from cli_support import TANDEM, operator_options, tandem_env, wait_for
 
 from tandem.client import connect
 from tandem.discovery import service_infos
@@ -156,13 +156,13 @@ async def test_a_second_up_on_the_data_dir_is_refused_and_the_first_keeps_servin
     assert second.stdout == ""
     assert (up.data_dir / "run" / "up.json").read_bytes() == before, "the refused up touched the state file"
     assert up.proc.poll() is None
-    async with connect(state["nats_url"], request_timeout_s=60) as client:
+    async with connect(state["nats_url"], request_timeout_s=60, data_dir=str(up.data_dir)) as client:
         result = await client.complete("def add(a, b):", max_tokens=4, temperature=0, ignore_eos=True)
     assert len(result.token_ids) == 4
 
 
 async def test_a_killed_frontend_comes_back_on_its_ports(up):
-    nc = await nats.connect(up.state()["nats_url"])
+    nc = await nats.connect(up.state()["nats_url"], **operator_options(up.state()["nats_url"], up.data_dir))
     try:
         (info,) = await service_infos(nc, name="tandem-frontend")
         old_id = info["metadata"]["instance_id"]

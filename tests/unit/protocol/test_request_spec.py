@@ -130,17 +130,20 @@ async def test_client_refuses_a_request_id_unfit_for_its_subject_before_sending(
 
 
 @pytest.mark.parametrize("subject", ["_INBOX." + "x" * 300, "_INBOX.a b", "_INBOX.>", "_INBOX.*", "_INBOX..x",
-                                     "_INBOX.x.", ".x", "", "_INBOX.\ud800"],
+                                     "_INBOX.x.", ".x", "", "_INBOX.\ud800", "_INBOX", "reply",
+                                     "tandem.v1.heartbeat.decode.d-1", "tandem.v1.decode.d-1.drain", "x._INBOX.y"],
                          ids=["overlong", "space", "gt", "star", "empty-token", "trailing-dot", "leading-dot",
-                              "empty", "lone-surrogate"])
+                              "empty", "lone-surrogate", "bare-inbox", "not-an-inbox", "a-heartbeat", "a-drain",
+                              "inbox-inside"])
 def test_a_stream_subject_workers_could_not_publish_to_is_refused(subject: str) -> None:
     """A worker publishes each request's tokens to its stream subject: one it cannot publish to once
-    closed the worker's connection for good (over 4 KiB) or dropped every other stream's chunks (a space)."""
+    closed the worker's connection for good (over 4 KiB) or dropped every other stream's chunks (a space);
+    one not an inbox would have the worker publish on a service's subject in its own name."""
     with pytest.raises(ValueError, match="stream_subject"):
         GenerateRequest(request_id="r-1", prompt="x", stream_subject=subject)
 
 
-@pytest.mark.parametrize("subject", ["_INBOX.tandem.abc.r-1", "reply", "a.b-c.d_e.f:g"])
+@pytest.mark.parametrize("subject", ["_INBOX.tandem.abc.r-1", "_INBOX.UABC.c1.r-1", "_INBOX.b-c.d_e.f:g"])
 def test_ordinary_stream_subjects_pass(subject: str) -> None:
     assert GenerateRequest(request_id="r-1", prompt="x", stream_subject=subject).stream_subject == subject
 

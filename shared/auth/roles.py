@@ -1,0 +1,91 @@
+"""Who may do what on the bus: one permission set per role, in nats-server's own terms.
+
+Each role is a scoped signing key of the tandem account (see :mod:`keyring`): a process holding a
+role's key signs a user for itself, and nats-server gives that user exactly the role's permissions,
+with ``{{name()}}`` replaced by the user's name (a service's instance id) and ``{{subject()}}`` by
+its public key (so an inbox ``_INBOX.<key>.>`` can be read by the connection that holds the key
+and by nothing else). Least privilege, as the trust-boundary issue asks:
+
+* a **client** publishes only generate requests, cancels (a cancel names its stream, which only
+  the owner knows: see ``Cancel``) and ``$SRV`` questions to the routers (which model, what
+  vocabulary), and reads only its own inbox and the heartbeats (so a request whose worker died
+  fails at once; they carry load figures and ids, no request data);
+* only **workers** publish heartbeats, metrics and KV events, each under its own id; only the
+  **router** sends prefill and admit requests;
+* drain, scale, trainer control and ``models.updated`` belong to the **operator** (``tandem up``,
+  the console, ``tandem train``), which may do anything;
+* JetStream's API is granted per stream to the roles that keep or replay that stream.
+
+Replies to requests (``$SRV`` pings, endpoint answers) go out through ``allow_responses``; token
+streams and KV frames go to ``_INBOX.`` subjects the requester named, which only workers, the
+router and the KV store may publish to.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.shared.protocol import subjects as s
+
+ME = "{{name()}}"  # the user's name: a service's instance id
+OWN_INBOX = "_INBOX.{{subject()}}.>"  # the connection's inbox prefix is _INBOX.<its public key>
+ANY_INBOX = "_INBOX.>"
+REPLIES = {"max": 1, "ttl": 0}  # allow_responses: one reply per request received, no time limit
+
+ROLES = ("client", "frontend", "router", "prefill", "decode", "kvstore", "planner", "trainer", "operator")
+SERVICE_ROLES = ("frontend", "router", "prefill", "decode", "kvstore", "planner", "trainer")
+
+
+def stream_api(stream: str, *, consume: bool = False) -> list[str]:
+    """The JetStream API subjects that keep ``stream`` (make it, read its info) and, with
+    ``consume``, replay it through an ordered consumer."""
+    api = [f"$JS.API.STREAM.{verb}.{stream}" for verb in ("CREATE", "UPDATE", "INFO")]
+    if consume:
+        api += [f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
+                f"$JS.API.CONSUMER.DELETE.{stream}.>", f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.FC.{stream}.>"]
+    return api
+
+
+def _service(role: str, pub: list[str], sub: list[str]) -> dict[str, Any]:
+    """A service: registered with ``$SRV`` (answers pings), beating and publishing metrics under its
+    own id, serving its own instance subjects (drain, blocks, ...), reading its own inbox."""
+    return {
+        "pub": {"allow": [s.heartbeat(role, ME), s.metrics(role, ME), *pub]},
+        "sub": {"allow": ["$SRV.>", f"{s.PREFIX}.{role}.{ME}.>", OWN_INBOX, *sub]},
+        "resp": REPLIES,
+    }
+
+
+# The routers' $SRV answers (alive? which model, what vocabulary?), for clients that size requests.
+ASK_ROUTERS = ["$SRV.PING.tandem-router", "$SRV.INFO.tandem-router"]
+KV_FRAMES_TO_DECODE = s.decode_kv("*")
+KVSTORE_ANY = f"{s.PREFIX}.kvstore.>"  # lookups, gets, puts and frames to any store
+_WORKER_PUB = [ANY_INBOX, KV_FRAMES_TO_DECODE, KVSTORE_ANY, s.KV_TRANSFERS, *stream_api(s.KV_EVENTS_STREAM)]
+_WORKER_SUB = [s.CANCEL, s.WEIGHTS_UPDATED, s.HEARTBEAT_ALL]
+
+PERMISSIONS: dict[str, dict[str, Any]] = {
+    "client": {
+        "pub": {"allow": [s.ROUTER_GENERATE, s.CANCEL, *ASK_ROUTERS]},
+        "sub": {"allow": [OWN_INBOX, s.HEARTBEAT_ALL]},
+    },
+    "frontend": _service("frontend", [s.ROUTER_GENERATE, s.CANCEL, *ASK_ROUTERS], [s.HEARTBEAT_ALL]),
+    "router": _service("router", [s.prefill("*"), s.decode_admit("*"), s.ROUTER_DECISIONS, ANY_INBOX,
+                                  *stream_api(s.KV_EVENTS_STREAM, consume=True)],
+                       [s.ROUTER_GENERATE, s.HEARTBEAT_ALL, s.KV_EVENTS_ALL]),
+    "prefill": _service("prefill", [s.decode_admit("*"), s.kv_events("prefill", ME), *_WORKER_PUB], _WORKER_SUB),
+    "decode": _service("decode", [s.kv_events("decode", ME), *_WORKER_PUB], _WORKER_SUB),
+    "kvstore": _service("kvstore", [s.kv_events("kvstore", ME), *_WORKER_PUB], [s.KVSTORE_LOOKUP_ALL]),
+    "planner": _service("planner", [s.PLANNER_DECISIONS, *stream_api(s.PLANNER_STREAM)],
+                        [s.HEARTBEAT_ALL, s.METRICS_ALL, s.PLANNER_SCALE]),
+    "trainer": _service("trainer", [s.TRAINER_STEPS_ALL, s.TRAINER_TIMELINE_ALL, s.WEIGHTS_UPDATED],
+                        [s.TRAINER_START, s.TRAINER_STOP, s.TRAINER_STATUS]),
+    "operator": {"pub": {"allow": [">"]}, "sub": {"allow": [">"]}, "resp": REPLIES},
+}
+assert set(PERMISSIONS) == set(ROLES), "every role has its permissions"
+
+
+def role_for_service(service: str) -> str:
+    """The role a ``tandem serve <service>`` process takes (each service its own)."""
+    if service not in SERVICE_ROLES:
+        raise ValueError(f"no bus role for service {service!r}")
+    return service

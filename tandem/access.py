@@ -1,0 +1,67 @@
+"""Which credentials a tandem command connects to the bus with.
+
+In order: the credentials file named by ``--creds`` or ``TANDEM_NATS_CREDS``; else, when the URL is
+that of the ``tandem up`` running on this data dir (or no URL is given), the role key for the
+command's role from up's state file (0600, so only the user who started it can read it); else none
+(an anonymous connection, refused by a server that requires identities). A client command
+(``generate``, ``bench``, the library's ``connect()``) takes the ``client`` role, an admin command
+(the console, ``services``, ``train``, ``up``'s own connections) the ``operator`` role. TLS files
+come from ``--tls-ca/--tls-cert/--tls-key`` or their ``TANDEM_TLS_*`` variables. No torch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from tandem.runstate import find_running
+from tandem.shared.auth.credentials import Credentials, RoleKey, connect_options, load_credentials, tls_context
+from tandem.shared.infra.config import Settings
+
+
+def credentials_for(role: str, url: str | None, creds_file: str | None = None,
+                    data_dir: Path | str | None = None) -> Credentials | None:
+    """The credentials a command of ``role`` presents to ``url`` (see the module's order);
+    ``data_dir``: where to look for the running up (default: ``TANDEM_DATA_DIR``, else the default)."""
+    path = creds_file or os.environ.get("TANDEM_NATS_CREDS")
+    if path:
+        return load_credentials(path)
+    state = find_running(data_dir)
+    if state is None or (url and url != state.nats_url) or role not in state.keys:
+        return None
+    return RoleKey.from_dict(state.keys[role])
+
+
+def bus_options(role: str, name: str, url: str | None, *, creds: str | None = None,
+                data_dir: Path | str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                tls_key: str | None = None) -> dict[str, Any]:
+    """``nats.connect`` keyword arguments for a command of ``role`` (``client`` or ``operator``)
+    connecting to ``url`` as ``name``; raises ``CredentialsError`` (one line) for a bad file."""
+    env = os.environ.get
+    tls = tls_context(tls_ca or env("TANDEM_TLS_CA"), tls_cert or env("TANDEM_TLS_CERT"),
+                      tls_key or env("TANDEM_TLS_KEY"))
+    return connect_options(credentials_for(role, url, creds, data_dir), name, tls=tls)
+
+
+def command_auth(settings: Settings) -> dict[str, Any]:
+    """``tandem.client.connect``'s identity arguments from a command's settings (its --creds, TLS
+    flags and data dir)."""
+    bus = settings.bus
+    return {"creds": bus.nats_creds, "data_dir": settings.data_dir, "tls_ca": bus.tls_ca, "tls_cert": bus.tls_cert,
+            "tls_key": bus.tls_key}
+
+
+def operator_options(settings: Settings, name: str, url: str | None) -> dict[str, Any]:
+    """``nats.connect`` options for an admin command (the console, ``services``, ``train``)."""
+    return bus_options("operator", name, url, **command_auth(settings))
+
+
+def refusal(url: str, options: dict[str, Any], *errors: BaseException) -> str | None:
+    """One line for a server that refused the connection's identity, if one of ``errors`` (what
+    ``nats.connect`` raised and what its error callback saw) says so; None for any other failure."""
+    if not any("authorization violation" in str(exc).lower() for exc in errors):
+        return None
+    who = "the credentials given" if options.get("user_jwt_cb") else "an anonymous connection"
+    return (f"NATS at {url} requires an identity and refused {who}: pass --creds FILE (or TANDEM_NATS_CREDS), "
+            "or run this as the user whose tandem up serves that URL (its state file holds the keys)")

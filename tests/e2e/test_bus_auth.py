@@ -1,0 +1,266 @@
+"""The bus as a trust boundary, against a real ``tandem up`` (identities are on by default).
+
+One ``tandem up`` (1 prefill, 1 decode, no KV-store) for the module. An anonymous connection to its
+server is refused. An attacker holding the *client* role (what any user of the system holds) tries
+each abuse the fault-and-abuse trial found; each now fails with nats-server's permission error,
+while a victim's greedy stream, running through it all, completes with the tokens it gives alone.
+A worker's role key does not let it speak for another worker. ``tandem generate``, ``tandem
+services``, ``tandem bench serve``, the console's source and the HTTP API work with no extra step;
+the state file and the role keys are readable by their owner only.
+
+Run: ``python3 -m pytest -q tests/e2e/test_bus_auth.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import stat
+import subprocess
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats
+import pytest
+from cli_support import TANDEM, tandem_env, wait_for
+
+from tandem.access import bus_options
+from tandem.client import connect
+from tandem.console.source import NatsSource
+from tandem.console.state import ConsoleState
+from tandem.runstate import find_running, nats_dir
+from tandem.shared.auth.credentials import RoleKey, connect_options, load_credentials
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.codec import encode
+from tandem.shared.protocol.fleet import DrainRequest, ScaleRequest
+from tandem.shared.protocol.serving import Cancel
+
+PROMPT = "def fibonacci(n):"
+VICTIM_TOKENS = 48
+
+
+@dataclass
+class Up:
+    proc: subprocess.Popen
+    data_dir: Path
+    url: str
+    http_url: str
+    env: dict[str, str]
+
+    def instance(self, service: str) -> str:
+        state = find_running(self.data_dir)
+        return next(i for i in state.metrics_urls if i.startswith(service))
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("bus-auth")
+    env = {**tandem_env(data_dir), "TANDEM_DEVICE": "cpu"}
+    log = open(data_dir / "up.log", "w")
+    proc = subprocess.Popen([*TANDEM, "up", "--kvstore", "0"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+    try:
+        state = wait_for(lambda: find_running(data_dir) or proc.poll() is not None, 180, "tandem up to be ready")
+        assert proc.poll() is None, f"tandem up exited:\n{(data_dir / 'up.log').read_text()[-3000:]}"
+        yield Up(proc, data_dir, state.nats_url, state.http_url, env)
+    finally:
+        proc.send_signal(2)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class Attacker:
+    """A connection holding the client role, collecting the server's errors."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.nc: nats.NATS | None = None
+
+    async def on_error(self, exc: Exception) -> None:
+        self.errors.append(str(exc).lower())
+
+    async def refused(self, action: str, subject: str) -> bool:
+        """Whether the server answered a permission error for ``action`` ("publish" or
+        "subscription") on ``subject``."""
+        want = f'permissions violation for {action} to "{subject.lower()}"'
+        for _ in range(40):
+            if any(want in e for e in self.errors):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+
+def client_key(up: Up):
+    return find_running(up.data_dir).keys["client"]
+
+
+async def attacker_for(up: Up) -> Attacker:
+    attacker = Attacker()
+    attacker.nc = await nats.connect(up.url, error_cb=attacker.on_error,
+                                     **connect_options(RoleKey.from_dict(client_key(up)), "attacker"))
+    return attacker
+
+
+async def test_an_anonymous_connection_is_refused(up):
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    with pytest.raises(Exception) as caught:
+        await nats.connect(up.url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=3,
+                           error_cb=on_error)
+    assert "authorization violation" in (str(caught.value) + " ".join(errors)).lower(), (caught.value, errors)
+
+
+def test_a_command_without_the_keys_is_refused_in_one_line(up, tmp_path):
+    """Another data dir (so no state file to take the keys from): the server says no, and the
+    command says what to pass, in one line."""
+    env = {**up.env, "TANDEM_DATA_DIR": str(tmp_path)}
+    run = subprocess.run([*TANDEM, "services", "--nats-url", up.url], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 1, run
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "requires an identity" in lines[0] and "--creds" in lines[0], run.stderr
+
+
+async def victim_stream(up: Up) -> list[int]:
+    async with connect(up.url, data_dir=str(up.data_dir)) as client:
+        result = await client.complete(PROMPT, max_tokens=VICTIM_TOKENS, temperature=0.0, ignore_eos=True)
+    return result.token_ids
+
+
+async def test_every_abuse_fails_with_a_permission_error_and_the_victim_is_unharmed(up):
+    alone = await victim_stream(up)
+    attacker = await attacker_for(up)
+    decode_id, prefill_id = up.instance("decode"), up.instance("prefill")
+    async with connect(up.url, data_dir=str(up.data_dir)) as victim:
+        stream = victim.generate(PROMPT, max_tokens=VICTIM_TOKENS, temperature=0.0, ignore_eos=True)
+        first = await stream.__anext__()
+        victim_subject = stream.request.stream_subject
+        nc = attacker.nc
+        subscriptions = {
+            "read every token stream": "_INBOX.>",
+            "read the victim's stream": victim_subject,
+            "learn every request id from the router's decisions": subjects.ROUTER_DECISIONS,
+            "receive prompts meant for a prefill worker": subjects.prefill("*"),
+            "receive admits meant for a decode worker": subjects.decode_admit(decode_id),
+            "receive KV frames meant for a decode worker": subjects.decode_kv(decode_id),
+        }
+        publishes = {
+            "forge a heartbeat to be routed requests": (subjects.heartbeat("decode", "decode-forged"), b"x"),
+            "inject output into the victim's stream": (victim_subject, b"x"),
+            "drain a worker": (subjects.drain("decode", decode_id), encode(DrainRequest(exit=False))),
+            "scale the workers": (subjects.PLANNER_SCALE, encode(ScaleRequest(decode=0, reason="x"))),
+            "start a training job": (subjects.TRAINER_START, b"x"),
+            "make workers reload weights": (subjects.WEIGHTS_UPDATED, b"x"),
+            "purge the KV-events stream": (f"$JS.API.STREAM.PURGE.{subjects.KV_EVENTS_STREAM}", b""),
+            "send a worker prefill work": (subjects.prefill(prefill_id), b"x"),
+        }
+        for subject in subscriptions.values():
+            await nc.subscribe(subject)
+        for subject, payload in publishes.values():
+            await nc.publish(subject, payload)
+        await nc.flush()
+        not_refused = [what for what, subject in subscriptions.items()
+                       if not await attacker.refused("subscription", subject)]
+        not_refused += [what for what, (subject, _) in publishes.items()
+                        if not await attacker.refused("publish", subject)]
+        assert not not_refused, f"no permission error for: {not_refused}; the server said: {attacker.errors}"
+        # A cancel is a client's to send, but only its owner can name the stream (see Cancel).
+        await nc.publish(subjects.CANCEL, encode(Cancel(request_id=stream.request.request_id,
+                                                        stream_subject=victim_subject + "x")))
+        rest = [chunk async for chunk in stream]
+        await nc.close()
+    tokens = [t for chunk in [first, *rest] for t in chunk.token_ids]
+    assert tokens == alone, "the victim's stream changed under the attack"
+
+
+async def test_a_worker_key_speaks_only_for_its_own_id(up):
+    """A decode worker's role key mints users named after their instance id: it may beat and serve
+    under that id only."""
+    key = load_credentials(nats_dir(up.data_dir) / "auth" / "decode.key")
+    attacker = Attacker()
+    nc = await nats.connect(up.url, error_cb=attacker.on_error, **connect_options(key, "decode-mine"))
+    other = up.instance("decode")
+    await nc.publish(subjects.heartbeat("decode", "decode-mine"), b"x")  # its own: allowed
+    await nc.publish(subjects.heartbeat("decode", other), b"x")
+    await nc.subscribe(subjects.decode_admit(other))
+    await nc.publish(subjects.ROUTER_GENERATE, b"x")
+    await nc.flush()
+    assert await attacker.refused("publish", subjects.heartbeat("decode", other)), attacker.errors
+    assert await attacker.refused("subscription", subjects.decode_admit(other)), attacker.errors
+    assert await attacker.refused("publish", subjects.ROUTER_GENERATE), attacker.errors
+    assert not any("decode-mine" in e for e in attacker.errors), f"its own heartbeat was refused: {attacker.errors}"
+    await nc.close()
+
+
+def test_the_state_file_and_role_keys_are_their_owners_only(up):
+    state_file = up.data_dir / "run" / "up.json"
+    assert stat.S_IMODE(state_file.stat().st_mode) == 0o600, oct(state_file.stat().st_mode)
+    folder = nats_dir(up.data_dir) / "auth"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700, oct(folder.stat().st_mode)
+    keys = sorted(folder.iterdir())
+    assert [k.name for k in keys] == sorted(f"{r}.key" for r in ("client", "frontend", "router", "prefill", "decode",
+                                                                 "kvstore", "planner", "trainer", "operator"))
+    assert all(stat.S_IMODE(k.stat().st_mode) == 0o600 for k in keys), [oct(k.stat().st_mode) for k in keys]
+    assert set(json.loads(state_file.read_text())["keys"]) == {"client", "operator"}, "only what commands need"
+
+
+def test_generate_services_and_bench_work_with_no_extra_step(up):
+    gen = subprocess.run([*TANDEM, "generate", PROMPT, "--max-tokens", "8", "--ignore-eos", "--json"], env=up.env,
+                         capture_output=True, text=True, timeout=120)
+    assert gen.returncode == 0 and len(json.loads(gen.stdout)["token_ids"]) == 8, gen
+    services = subprocess.run([*TANDEM, "services", "--json"], env=up.env, capture_output=True, text=True, timeout=60)
+    assert services.returncode == 0, services
+    assert {row["service"] for row in json.loads(services.stdout)} >= {f"tandem-{s}" for s in ("router", "prefill",
+                                                                       "decode", "frontend")}
+    bench = subprocess.run([*TANDEM, "bench", "serve", "--num-prompts", "4", "--input-len", "16", "--output-len", "4",
+                            "--no-progress"], env=up.env, capture_output=True, text=True, timeout=180)
+    assert bench.returncode == 0 and "failed" not in bench.stderr.lower(), bench
+
+
+def test_the_http_api_needs_no_bus_identity_from_its_user(up):
+    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}).encode()
+    request = urllib.request.Request(f"{up.http_url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        answer = json.loads(response.read())
+    assert answer["choices"][0]["text"], answer
+
+
+async def test_the_console_follows_the_up_as_its_operator(up):
+    source = NatsSource(None, follow=up.data_dir,
+                        options=lambda at: bus_options("operator", "tandem-console", at, data_dir=up.data_dir))
+    state = ConsoleState()
+    await source.start(state)
+    try:
+        for _ in range(150):
+            if state.connection == "connected" and state.instances("decode"):
+                break
+            await asyncio.sleep(0.1)
+        assert state.connection == "connected", (state.connection, state.connection_error)
+        assert state.instances("decode"), "no worker reached the console"
+    finally:
+        await source.stop()
+
+
+async def test_insecure_turns_identities_off(tmp_path):
+    env = {**tandem_env(tmp_path), "TANDEM_DEVICE": "cpu"}
+    out = open(tmp_path / "up.out", "w")
+    proc = subprocess.Popen([*TANDEM, "up", "--insecure", "--kvstore", "0"], env=env, stdout=out,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        state = wait_for(lambda: find_running(tmp_path) or proc.poll() is not None, 180, "tandem up --insecure")
+        assert proc.poll() is None, (tmp_path / "up.out").read_text()[-3000:]
+        assert state.keys == {}, "no keys to hand out"
+        nc = await nats.connect(state.nats_url, allow_reconnect=False, max_reconnect_attempts=0)
+        await nc.request("$SRV.PING.tandem-router", b"", timeout=5)  # anyone may do anything
+        await nc.close()
+        assert "--insecure: no identities" in (tmp_path / "up.out").read_text()
+    finally:
+        proc.send_signal(2)
+        proc.wait(60)
