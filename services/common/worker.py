@@ -32,7 +32,7 @@ from tandem.shared.infra.devcopy import tensor_bytes, to_host
 from tandem.shared.kvcache.cache import kv_cache_bytes_per_block, kv_namespace
 from tandem.shared.model.loader import LoadedModel, load_model, resolve_dtype
 from tandem.shared.protocol import subjects
-from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError
+from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError, shortened
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.fleet import Heartbeat
 from tandem.shared.protocol.serving import Cancel, RequestSpec, StreamChunk
@@ -261,6 +261,10 @@ class EngineWorker(ServiceRuntime):
                 del self.streams[out.request_id]
             if self.handle_output(out, stream):
                 continue
+            if out.error is not None:  # the engine ended this request alone; the others go on
+                self.log.debug("%s failed in the engine (logged there): %s", out.request_id, out.error)
+                self.send_error(out.request_id, stream, out.error)
+                continue
             self.send_chunk(stream, out.request_id, out.new_token_ids, out.text_delta,
                             out.finish_reason if out.finished else None)
             if out.finished:
@@ -294,7 +298,11 @@ class EngineWorker(ServiceRuntime):
                     self.thread.abort(request_id)
 
     def fail(self, request_id: str, stream: Stream, exc: BaseException) -> None:
-        error = ErrorReply(code=ErrorCode.WORKER_FAILURE, message=f"{type(exc).__name__}: {exc}", request_id=request_id)
+        self.send_error(request_id, stream, f"{type(exc).__name__}: {exc}")
+
+    def send_error(self, request_id: str, stream: Stream, message: str) -> None:
+        """End the request's stream with a worker-failure error saying ``message``."""
+        error = ErrorReply(code=ErrorCode.WORKER_FAILURE, message=shortened(message), request_id=request_id)
         self.send_chunk(stream, request_id, [], "", "error", error)
 
     def on_failure(self, request_ids: list[str], exc: BaseException) -> None:

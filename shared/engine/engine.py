@@ -15,16 +15,22 @@ blocks stay in the pool after their sequence ends, keyed by chained block hash, 
 re-prefilling sequence starts from the longest cached prefix of its tokens (see the scheduler).
 Imported blocks are hashed right after they are scattered in, so they are cacheable too.
 ``drain_kv_events`` hands the services the hashes this engine started / stopped holding.
+
+Row failures: a request whose own part of a step raises (sampling its row, appending its token,
+its stop checks, its text) ends alone with reason "error" and its ``RequestOutput.error``; its blocks
+go back as with an abort and the rest of the batch goes on as if it had not been there. What fails
+for the batch as a whole (the forward, a device out of memory) still raises from ``step``.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 
 import torch
 
 from tandem.shared.engine.detokenizer import IncrementalDetokenizer, can_defer_text, catch_up_text
-from tandem.shared.engine.model_runner import ModelRunner
+from tandem.shared.engine.model_runner import ModelRunner, PendingStep, SampledTokens
 from tandem.shared.engine.overlap import InFlightStep, is_pure_decode, plan_ahead
 from tandem.shared.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.shared.engine.sequence import EngineRequest, RequestOutput, Sequence, SequenceStatus, checked_params
@@ -44,6 +50,11 @@ from tandem.shared.text.tokenizer import Tokenizer
 # one's tokens, see ``overlap.py``; None: on with CUDA graphs, off otherwise). device, dtype and the
 # memory budgets are the worker's: ``LLMEngine`` takes the resolved device and dtype as arguments.
 EngineConfig = EngineSettings
+
+log = logging.getLogger("tandem.engine")
+
+# Finish reasons whose output is made when the sequence ends, not by a step's token: no text, no KV.
+ENDED_APART = ("abort", "error")
 
 
 class LLMEngine:
@@ -86,6 +97,7 @@ class LLMEngine:
         self._text_pending: list[tuple[Sequence, int]] = []  # (sequence, its newest token) awaiting text
         self._arrivals = itertools.count()
         self._aborted_outputs: list[RequestOutput] = []
+        self._failed_rows: list[RequestOutput] = []  # error outputs of requests a step ended alone
         self._exported_kv: dict[str, torch.Tensor] = {}
         self._exported_hashes: dict[str, list[int]] = {}
 
@@ -141,13 +153,18 @@ class LLMEngine:
         (except sequences with stop strings, whose text decides when they end, and prefill-only
         ones, whose token starts a hand-off: see ``can_defer_text``). With ``overlap_steps`` a pure
         decode step is left running on the device and its tokens come out of the next call, which
-        first queues the step after it (see ``overlap.py``).
+        first queues the step after it (see ``overlap.py``). A request whose own part of the step
+        raised gets its "error" output from this call; only a failure of the whole batch raises.
         """
         try:
-            return self._step()
+            outputs = self._step()
         except BaseException:
             self._in_flight = None  # a failed step leaves nothing to wait for; its sequences get aborted
             raise
+        if self._failed_rows:
+            outputs += self._failed_rows
+            self._failed_rows = []
+        return outputs
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._aborted_outputs = self._aborted_outputs, []
@@ -163,10 +180,10 @@ class LLMEngine:
         self._scatter_imports(batch)
         pending = self.runner.launch(batch)
         if self.overlap_steps and pending is not None and is_pure_decode(batch):
-            self._in_flight = InFlightStep(batch, self.runner.sample_async(pending))
+            self._in_flight = InFlightStep(batch, self._sample(batch, pending))
             return outputs + self._catch_up_text()
         outputs += self._catch_up_text()
-        return outputs + self._postprocess(batch, self.runner.sample(pending))
+        return outputs + self._postprocess(batch, [] if pending is None else self._sample(batch, pending).wait())
 
     def _queue_ahead(self, step: InFlightStep) -> InFlightStep | None:
         """Queue the decode step after the in-flight ``step``, fed by its tokens on the device; None
@@ -178,7 +195,17 @@ class LLMEngine:
         self._scatter_imports(batch)
         pending = self.runner.launch_decode([item.seq for item in batch.items], step.tokens.device, rows)
         self.num_overlapped_steps += 1
-        return InFlightStep(batch, self.runner.sample_async(pending))
+        return InFlightStep(batch, self._sample(batch, pending))
+
+    def _sample(self, batch: ScheduledBatch, pending: PendingStep) -> SampledTokens:
+        """Queue the sampling of ``batch``'s launched step; a row whose own sampling raised ends its
+        request alone (its id is a placeholder that postprocessing skips, the sequence being finished)."""
+        tokens = self.runner.sample_async(pending)
+        if tokens.failed_rows:
+            sampling = [item.seq for item in batch.items if item.samples]  # the step's rows, in order
+            for row, exc in tokens.failed_rows.items():
+                self._fail_row(sampling[row], exc)
+        return tokens
 
     def _scatter_imports(self, batch: ScheduledBatch) -> None:
         for seq, kv, first in batch.imports:
@@ -188,26 +215,47 @@ class LLMEngine:
 
     def _postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[RequestOutput]:
         outputs = []
-        for seq in self.scheduler.postprocess(batch, sampled, text_later=self.async_output):
-            if self.async_output and can_defer_text(seq):
-                self._text_pending.append((seq, seq.token_ids[-1]))
-            else:
-                outputs.append(self._make_output(seq, seq.token_ids[-1:]))
+        sampled_ids = iter(sampled)
+        for item in batch.items:
+            token_id = next(sampled_ids) if item.samples else None
+            try:
+                if not self.scheduler.postprocess_item(item, token_id, text_later=self.async_output):
+                    continue
+                seq = item.seq
+                if self.async_output and can_defer_text(seq):
+                    self._text_pending.append((seq, seq.token_ids[-1]))
+                else:
+                    outputs.append(self._make_output(seq, seq.token_ids[-1:]))
+            except Exception as exc:  # this row's own work: it alone ends
+                self._fail_row(item.seq, exc)
         return outputs
 
     def _catch_up_text(self) -> list[RequestOutput]:
         pending, self._text_pending = self._text_pending, []
         outputs = []
         for seq, token in pending:
-            if seq.finish_reason == "abort":
-                continue  # its abort output already went out
-            catch_up_text(seq)
-            outputs.append(self._make_output(seq, [token]))
+            if seq.finish_reason in ENDED_APART:
+                continue  # its abort or error output already went out
+            try:
+                catch_up_text(seq)
+                outputs.append(self._make_output(seq, [token]))
+            except Exception as exc:
+                self._fail_row(seq, exc)
         return outputs
+
+    def _fail_row(self, seq: Sequence, exc: Exception) -> None:
+        """End ``seq`` alone because its own part of a step raised ``exc``: its blocks go back (as
+        with an abort) and its "error" output comes from this ``step``; the batch goes on."""
+        log.warning("request %s failed in its own part of an engine step and ends alone; the rest of "
+                    "the batch goes on", seq.request_id, exc_info=exc)
+        self.scheduler.fail(seq, f"{type(exc).__name__}: {exc}")
+        self._exported_kv.pop(seq.request_id, None)  # exported before its output failed
+        self._exported_hashes.pop(seq.request_id, None)
+        self._failed_rows.append(self._make_output(seq, []))
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._aborted_outputs)
-                or bool(self._text_pending))
+                or bool(self._text_pending) or bool(self._failed_rows))
 
     def stats(self) -> dict[str, float | int]:
         return {
@@ -242,7 +290,8 @@ class LLMEngine:
         reason = seq.finish_reason
         finished = seq.status is SequenceStatus.FINISHED
         # "prefilled" is a hand-off, not an end: keep held-back text for the decode worker to send.
-        text = "" if reason == "abort" else seq.detokenizer.take_delta(finished and reason != "prefilled")
+        # An error output never touches the detokenizer: it may be what failed.
+        text = "" if reason in ENDED_APART else seq.detokenizer.take_delta(finished and reason != "prefilled")
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_token_ids,
@@ -253,13 +302,14 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             kv=self._exported_kv.pop(seq.request_id, None),
             kv_hashes=self._exported_hashes.pop(seq.request_id, None),
+            error=seq.error,
         )
 
     def _on_finish(self, seq: Sequence) -> None:
         # Gathered before the scheduler frees the blocks.
         if seq.finish_reason == "prefilled":
             self._exported_kv[seq.request_id] = self.runner.export_kv(seq.block_table, seq.num_prompt_tokens)
-        elif seq.export_on_finish and seq.finish_reason != "abort":
+        elif seq.export_on_finish and seq.finish_reason not in ENDED_APART:
             full = seq.num_computed_tokens // self.config.block_size * self.config.block_size
             if full:
                 self._exported_kv[seq.request_id] = self.runner.export_kv(seq.block_table, full)

@@ -7,12 +7,12 @@ prefill -> decode hand-offs.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tandem.shared.engine.cuda_graphs import DecodeGraphs
-from tandem.shared.engine.sampling import sample
+from tandem.shared.engine.sampling import sample, sample_rows_alone
 from tandem.shared.engine.scheduler import ScheduledBatch
 from tandem.shared.infra.devcopy import host_values_to
 from tandem.shared.kvcache.attention import AttentionMetadata, build_attention_metadata
@@ -36,6 +36,9 @@ class SampledTokens:
     device: torch.Tensor
     host: torch.Tensor
     done: torch.cuda.Event | None
+    # Rows whose own sampling raised, with what it raised: their ids are placeholders and the
+    # engine ends their sequences; every other row has its token.
+    failed_rows: dict[int, Exception] = field(default_factory=dict)
 
     def wait(self) -> list[int]:
         if self.done is not None:
@@ -159,18 +162,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_async(self, pending: PendingStep) -> SampledTokens:
-        """Queue sampling of a launched step and the copy of its ids to the host; wait for neither."""
+        """Queue sampling of a launched step and the copy of its ids to the host; wait for neither.
+
+        When sampling the batch raises, its rows are sampled one by one: rows that fail alone are
+        listed in ``failed_rows``; when none does, the failure is the batch's and is raised."""
         self.last_logits = pending.logits  # the rows sampled from, for tests and debugging
-        ids = sample(pending.logits, pending.params, pending.output_indices, self.generator)
+        try:
+            ids, failed = sample(pending.logits, pending.params, pending.output_indices, self.generator), {}
+        except Exception:
+            ids, failed = sample_rows_alone(pending.logits, pending.params, pending.output_indices, self.generator)
+            if not failed:
+                raise  # every row samples alone: not one row's fault (device memory, say)
         if ids.device.type != "cuda":
-            return SampledTokens(ids, ids, None)
+            return SampledTokens(ids, ids, None, failed)
         # Pinned, from torch's caching host allocator: it hands a block out again only once the
         # copies recorded on it are done, so two steps in flight never share a landing place.
         host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
         host.copy_(ids, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return SampledTokens(ids, host, done)
+        return SampledTokens(ids, host, done, failed)
 
     def _run_decode_graph(self, batch: ScheduledBatch) -> torch.Tensor:
         seqs = [item.seq for item in batch.items]

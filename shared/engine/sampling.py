@@ -10,6 +10,9 @@ Seeded rows draw their noise from a generator seeded with ``mix(seed, output_ind
 depends only on the request's seed, the index of the output token and its logits, never on the
 batch it is sampled in or the worker sampling it: a prefill worker sampling token 0 and a decode
 worker sampling tokens 1.. reproduce a single worker. Unseeded rows share one global generator.
+
+That independence also lets a batch whose sampling raised be sampled again row by row
+(``sample_rows_alone``): the rows at fault are found and the others keep their tokens.
 """
 
 from __future__ import annotations
@@ -89,3 +92,27 @@ def sample(
     # Exp(1) draws can underflow to 0; a tiny floor keeps p / E finite and zero-probability rows at 0.
     sampled = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
     return torch.where(greedy, greedy_ids, sampled)
+
+
+def sample_rows_alone(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_indices: Sequence[int],
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[int, Exception]]:
+    """``sample`` one row at a time, for a batch whose ``sample`` raised: ``(ids, failed)``, where
+    ``failed`` maps each row whose own sampling raises to what it raised (its id is a placeholder 0).
+
+    Greedy and seeded rows get the tokens the batch would have given them (a row's token depends
+    only on its logits, parameters, seed and output index); unseeded rows draw other noise from
+    ``generator``, as in any other batch. One ``sample`` per row: only for the rare failed batch.
+    """
+    ids: list[torch.Tensor] = []
+    failed: dict[int, Exception] = {}
+    for row, (p, index) in enumerate(zip(params, output_indices)):
+        try:
+            ids.append(sample(logits[row : row + 1], [p], [index], generator))
+        except Exception as exc:
+            failed[row] = exc
+            ids.append(torch.zeros(1, dtype=torch.long, device=logits.device))
+    return torch.cat(ids), failed

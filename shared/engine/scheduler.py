@@ -232,33 +232,38 @@ class Scheduler:
 
         ``sampled_token_ids`` has one id per item with ``samples`` set, in batch order. Returns the
         sequences that got a token this step (finished ones included, with ``finish_reason`` set).
-        A sequence that finished while the step was in flight is skipped (overlapped steps).
-        ``text_later``: sequences whose text may lag (``can_defer_text``) are checked on token ids
-        only; the engine detokenizes them later (see ``LLMEngine.step``).
+        ``text_later``: see :meth:`postprocess_item`.
         """
         sampled = iter(sampled_token_ids)
-        updated: list[Sequence] = []
-        for item in batch.items:
-            seq = item.seq
-            if seq.status is SequenceStatus.FINISHED:
-                # Ended (abort, or a stop in the step before) while this step was in flight: its
-                # token is not part of it (see engine/overlap.py); unseen rows still use up samples.
-                if item.samples:
-                    next(sampled)
-                continue
-            seq.num_computed_tokens += item.num_query_tokens
-            self.hash_computed(seq)
-            if not item.samples:
-                continue
-            seq.token_ids.append(int(next(sampled)))
-            updated.append(seq)
-            text_now = not (text_later and can_defer_text(seq))
-            reason = check_stop(seq, self.eos_token_ids, self.max_seq_len, text=text_now)
-            if reason is None and seq.prefill_only:
-                reason = "prefilled"
-            if reason is not None:
-                self.finish(seq, reason)
-        return updated
+        return [item.seq for item in batch.items
+                if self.postprocess_item(item, next(sampled) if item.samples else None, text_later)]
+
+    def postprocess_item(self, item: ScheduledSequence, token_id: int | None, text_later: bool = False) -> bool:
+        """``postprocess`` for one item, ``token_id`` its sampled id (None: it samples none); True
+        when its sequence got the token. One item at a time, so the engine can end a sequence whose
+        own postprocessing raised and go on with the others.
+
+        A sequence that finished while the step was in flight is skipped (overlapped steps).
+        ``text_later``: a sequence whose text may lag (``can_defer_text``) is checked on token ids
+        only; the engine detokenizes it later (see ``LLMEngine.step``).
+        """
+        seq = item.seq
+        if seq.status is SequenceStatus.FINISHED:
+            # Ended (abort, error, or a stop in the step before) while this step was in flight: its
+            # token is not part of it (see engine/overlap.py).
+            return False
+        seq.num_computed_tokens += item.num_query_tokens
+        self.hash_computed(seq)
+        if token_id is None:
+            return False
+        seq.token_ids.append(int(token_id))
+        text_now = not (text_later and can_defer_text(seq))
+        reason = check_stop(seq, self.eos_token_ids, self.max_seq_len, text=text_now)
+        if reason is None and seq.prefill_only:
+            reason = "prefilled"
+        if reason is not None:
+            self.finish(seq, reason)
+        return True
 
     def hash_computed(self, seq: Sequence) -> None:
         """Hash (and so make cacheable) the blocks ``seq`` has fully computed since the last call.
@@ -274,14 +279,27 @@ class Scheduler:
         """Mark ``seq`` finished and give its blocks back (after the ``on_finish`` hook)."""
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
-        if self.on_finish is not None:
-            self.on_finish(seq)
-        self.block_manager.free(seq.block_table)
-        self.requests.pop(seq.request_id, None)
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        try:
+            if self.on_finish is not None:
+                self.on_finish(seq)
+        finally:  # a hook that raised (a KV export, say) must not keep the blocks from coming back
+            self.block_manager.free(seq.block_table)
+            self.requests.pop(seq.request_id, None)
+            if seq in self.running:
+                self.running.remove(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+
+    def fail(self, seq: Sequence, error: str) -> None:
+        """End ``seq`` alone with reason "error" because its own work in a step raised: its blocks
+        go back as with an abort. A sequence already finished (its finish or the text after it
+        raised) only takes the reason: its blocks are back already."""
+        seq.error = error
+        seq.pending_kv = None
+        if seq.status is SequenceStatus.FINISHED:
+            seq.finish_reason = "error"
+        else:
+            self.finish(seq, "error")
 
     def abort(self, request_id: str) -> Sequence | None:
         """Finish an unfinished request with reason "abort" at once; None if unknown."""

@@ -65,11 +65,14 @@ class RequestOutput:
     new_token_ids: list[int]
     text_delta: str
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "prefilled" | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "prefilled" | "error" | None
     num_prompt_tokens: int
     num_output_tokens: int
     kv: torch.Tensor | None = None  # prompt KV on the engine's device, for prefill_only requests
     kv_hashes: list[int] | None = None  # with export_on_finish: the chained hash of each block of ``kv``
+    # With finish_reason "error": why the engine ended this request alone (its own part of a step
+    # raised; the rest of the batch went on), as "ExceptionType: message".
+    error: str | None = None
 
 
 class SequenceStatus(enum.Enum):
@@ -98,6 +101,7 @@ class Sequence:
     imported_blocks: int = 0  # the blocks after those that came with an import (hand-off or KV-store)
     detokenizer: IncrementalDetokenizer | None = None
     finish_reason: str | None = None
+    error: str | None = None  # with finish_reason "error": what its own part of a step raised
 
     @property
     def num_tokens(self) -> int:
