@@ -11,9 +11,13 @@ come from ``--tls-ca/--tls-cert/--tls-key`` or their ``TANDEM_TLS_*`` variables.
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+
+import nats
 
 from tandem.runstate import find_running
 from tandem.shared.auth.credentials import Credentials, RoleKey, connect_options, load_credentials, tls_context
@@ -55,6 +59,32 @@ def command_auth(settings: Settings) -> dict[str, Any]:
 def operator_options(settings: Settings, name: str, url: str | None) -> dict[str, Any]:
     """``nats.connect`` options for an admin command (the console, ``services``, ``train``)."""
     return bus_options("operator", name, url, **command_auth(settings))
+
+
+class BusConnectError(Exception):
+    """A command could not connect; ``str()`` is one line saying why (refused, unreachable, TLS)."""
+
+
+async def connect_command(url: str, options: dict[str, Any], *, timeout_s: float = 15.0,
+                          on_error: Callable[[Exception], Awaitable[None]] | None = None,
+                          **kwargs: Any) -> nats.NATS:
+    """``nats.connect`` for a command (a few tries, then :class:`BusConnectError` in one line), given
+    up after ``timeout_s``: nats-py retries a failed TLS handshake forever otherwise."""
+    seen: list[Exception] = []
+
+    async def record(exc: Exception) -> None:
+        if len(seen) < 8:
+            seen.append(exc)
+        if on_error is not None:
+            await on_error(exc)
+
+    settings = {"connect_timeout": 5, "max_reconnect_attempts": 2, "reconnect_time_wait": 0.3} | kwargs
+    try:
+        return await asyncio.wait_for(nats.connect(url, error_cb=record, **settings, **options), timeout_s)
+    except Exception as exc:  # nats-py raises several kinds for a server it cannot reach
+        last = seen[-1] if seen else exc
+        reason = f"{type(last).__name__}: {last}" if str(last) else type(last).__name__
+        raise BusConnectError(refusal(url, options, exc, *seen) or f"cannot reach NATS at {url}: {reason}") from None
 
 
 def refusal(url: str, options: dict[str, Any], *errors: BaseException) -> str | None:

@@ -326,16 +326,15 @@ async def nats_backend(url: str, *, timeout_s: float, model: str | None = None, 
     arguments), and with ``watch_options`` (an operator's identity) a second connection that reads
     the workers' metrics: a client's role may not ask the workers, so without it the run has no
     server-side TTFT."""
-    import nats
-
+    from tandem.access import BusConnectError, connect_command
     from tandem.client import connect
 
     watch = None
     if watch_options is not None:
         try:
-            watch = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=1, **watch_options)
-        except Exception as exc:  # the figures from the client side stand alone
-            print(f"tandem bench serve: no server-side TTFT ({exc or type(exc).__name__})", file=sys.stderr)
+            watch = await connect_command(url, watch_options, max_reconnect_attempts=1)
+        except BusConnectError as exc:  # the figures from the client side stand alone
+            print(f"tandem bench serve: no server-side TTFT ({exc})", file=sys.stderr)
     try:
         async with connect(url, request_timeout_s=timeout_s, **(auth or {})) as client:
             yield NatsBackend(client, url, model, vocab_size, watch)
@@ -351,9 +350,8 @@ async def http_backend(base_url: str, *, timeout_s: float, api_key: str | None =
     """An :class:`HttpBackend`; with ``nats_url``, also connected to that system's NATS (the router's
     vocabulary size, the services' TTFT) with ``nats_options`` (an operator's identity)."""
     import httpx
-    import nats
 
-    from tandem.access import refusal
+    from tandem.access import BusConnectError, connect_command
 
     async with AsyncExitStack() as stack:
         # No pool limit: a bench of N requests in flight must not queue them in the client; and no
@@ -363,18 +361,11 @@ async def http_backend(base_url: str, *, timeout_s: float, api_key: str | None =
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)))
         nc = None
         if nats_url:
-            seen: list[Exception] = []
-
-            async def quiet(exc: Exception) -> None:  # nats-py reports connection trouble here
-                if len(seen) < 8:
-                    seen.append(exc)
-
             try:
-                nc = await nats.connect(nats_url, connect_timeout=5, max_reconnect_attempts=3, reconnect_time_wait=0.5,
-                                        error_cb=quiet, **(nats_options or {}))
-            except Exception as exc:  # nats-py raises several kinds for an unreachable server
-                raise BenchError(refusal(nats_url, nats_options or {}, exc, *seen)
-                                 or f"cannot reach NATS at {nats_url}: {exc or type(exc).__name__}") from None
+                nc = await connect_command(nats_url, nats_options or {}, max_reconnect_attempts=3,
+                                           reconnect_time_wait=0.5)
+            except BusConnectError as exc:
+                raise BenchError(str(exc)) from None
             stack.push_async_callback(nc.close)
         yield HttpBackend(http, base_url, api_key=api_key, model=model, vocab_size=vocab_size, nc=nc)
 

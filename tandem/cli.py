@@ -122,6 +122,10 @@ def parser() -> argparse.ArgumentParser:
     add_train_parser(sub, add_common)
     describe_train_defaults(sub.choices["train"])
 
+    from tandem.auth_init import add_auth_parser
+
+    add_auth_parser(sub)
+
     console = sub.add_parser("console", help="the ops console (a terminal UI) for a running tandem")
     add_common(console)
 
@@ -303,24 +307,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 async def discover(url: str, wait_s: float, options: dict[str, Any] | None = None) -> list[dict]:
     """Every ``$SRV.INFO`` answer on the NATS server at ``url`` within ``wait_s``; ``options``:
     ``nats.connect``'s (the identity, TLS)."""
-    import nats
 
-    from tandem.access import refusal
+    from tandem.access import BusConnectError, connect_command
     from tandem.discovery import service_infos
-
-    seen: list[Exception] = []
-
-    async def quiet(exc: Exception) -> None:
-        seen.append(exc)  # nats-py would log each with its traceback; the one line below says it
 
     try:
         # Two tries, then NoServersError: nats-py retries an initial connect forever with
         # max_reconnect_attempts 0, and allow_reconnect=False does not stop that loop either.
-        nc = await nats.connect(url, name="tandem-services", connect_timeout=3, max_reconnect_attempts=1,
-                                reconnect_time_wait=0.2, error_cb=quiet, **(options or {}))
-    except Exception as exc:  # nats-py raises several kinds for a server it cannot reach
-        raise UnreachableError(refusal(url, options or {}, exc, *seen)
-                               or f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from None
+        nc = await connect_command(url, options or {}, name="tandem-services", connect_timeout=3,
+                                   max_reconnect_attempts=1, reconnect_time_wait=0.2)
+    except BusConnectError as exc:
+        raise UnreachableError(str(exc)) from None
     try:
         return await service_infos(nc, wait_s=wait_s)
     finally:
@@ -401,6 +398,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return run_train(args, settings)
 
 
+def cmd_auth(args: argparse.Namespace) -> int:
+    from tandem.auth_init import run_auth
+
+    return run_auth(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "serve":
         from tandem.bench_serve import run_bench_serve
@@ -422,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         command.error(f"unrecognized arguments: {' '.join(extras)}")
     logging.captureWarnings(True)
     handler = {"up": cmd_up, "serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench,
-               "console": cmd_console, "train": cmd_train, "services": cmd_services}[args.command]
+               "console": cmd_console, "train": cmd_train, "services": cmd_services, "auth": cmd_auth}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:

@@ -36,7 +36,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
 
-from tandem.access import bus_options, refusal
+from tandem.access import BusConnectError, bus_options, connect_command
 from tandem.runstate import find_running_url
 from tandem.shared.auth.credentials import CredentialsError
 from tandem.shared.protocol import subjects
@@ -453,11 +453,7 @@ async def connect(url: str | None = None, *, request_timeout_s: float = 30.0, wo
         raise TandemError(str(exc)) from None
     holder: list[Client] = []
 
-    seen: list[Exception] = []
-
     async def on_error(exc: Exception) -> None:
-        if len(seen) < 8:  # while connecting: the reason a refused connect gives (see refusal)
-            seen.append(exc)
         log.debug("nats: %s: %s", type(exc).__name__, exc)
 
     async def on_disconnect() -> None:
@@ -465,12 +461,11 @@ async def connect(url: str | None = None, *, request_timeout_s: float = 30.0, wo
             client.connection_lost()
 
     try:
-        nc = await nats.connect(url, name="tandem-client", connect_timeout=5, max_reconnect_attempts=3,
-                                allow_reconnect=True, reconnect_time_wait=0.5, error_cb=on_error,
-                                disconnected_cb=on_disconnect, closed_cb=on_disconnect, **options)
-    except Exception as exc:
-        raise TandemError(refusal(url, options, exc, *seen) or f"cannot reach NATS at {url}: {exc or type(exc).__name__}") \
-            from None
+        nc = await connect_command(url, options, on_error=on_error, name="tandem-client", max_reconnect_attempts=3,
+                                   allow_reconnect=True, reconnect_time_wait=0.5, disconnected_cb=on_disconnect,
+                                   closed_cb=on_disconnect)
+    except BusConnectError as exc:
+        raise TandemError(str(exc)) from None
     client = Client(nc, request_timeout_s, worker_timeout_s, url)
     holder.append(client)
     try:

@@ -42,6 +42,12 @@ async def gather_replies(nc: nats.NATS, subject: str, wait_s: float = 0.3) -> li
     return found
 
 
+async def service_pongs(nc: nats.NATS, wait_s: float = 0.3) -> list[dict]:
+    """Every ``$SRV.PING`` answer within ``wait_s``: one dict per live instance, with its service's
+    ``name`` and its ``metadata`` (``instance_id``, ...)."""
+    return [pong for pong in await gather_replies(nc, "$SRV.PING", wait_s) if isinstance(pong, dict)]
+
+
 async def service_infos(nc: nats.NATS, wait_s: float = 0.3, name: str = "") -> list[dict]:
     """Every micro service instance's ``$SRV.INFO`` answer within ``wait_s`` (``name``: only that
     service, e.g. ``tandem-decode``)."""

@@ -36,7 +36,7 @@ import nats
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from tandem.discovery import gather_replies
+from tandem.discovery import service_pongs
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ProtocolError
 from tandem.shared.protocol.codec import decode, encode
@@ -129,12 +129,12 @@ class Scaler:
         while True:
             if nc.is_connected:
                 try:
-                    pongs = await gather_replies(nc, "$SRV.PING", wait_s=0.3)
+                    pongs = await service_pongs(nc, wait_s=0.3)
                 except Exception:  # the bus went mid-ask: the next round asks again
                     pongs = []
                 now = time.monotonic()
                 for pong in pongs:
-                    instance = (pong.get("metadata") or {}).get("instance_id") if isinstance(pong, dict) else None
+                    instance = (pong.get("metadata") or {}).get("instance_id")
                     if instance:
                         self.heard[instance] = now
             await asyncio.sleep(PING_S)

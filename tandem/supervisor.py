@@ -39,7 +39,7 @@ from typing import Any
 import nats
 
 from tandem.access import bus_options
-from tandem.discovery import gather_replies, service_infos
+from tandem.discovery import service_infos, service_pongs
 from tandem.flags import SERVICE_SETTINGS, argv
 from tandem.gpus import memory_share, pick_gpu, visible_gpus
 from tandem.runstate import RunState, remove_state, state_file, write_state
@@ -408,8 +408,8 @@ async def wait_until_ready(url: str, want: dict[str, int], check: Callable[[], N
 async def ping_services(nc: nats.NATS, wait_s: float = 0.3) -> dict[str, int]:
     """How many instances of each micro service answer ``$SRV.PING`` within ``wait_s``."""
     counts: dict[str, int] = {}
-    for pong in await gather_replies(nc, "$SRV.PING", wait_s):
-        if isinstance(pong, dict) and "name" in pong:
+    for pong in await service_pongs(nc, wait_s):
+        if "name" in pong:
             counts[pong["name"]] = counts.get(pong["name"], 0) + 1
     return counts
 

@@ -1,4 +1,5 @@
-"""Seeded payload generators for the bus fuzz (tests/e2e/test_bus_fuzz.py).
+"""Seeded payload generators for the bus fuzz (tests/e2e/test_bus_fuzz.py, test_bus_fuzz_secured.py),
+and the request-reply subjects they are sent to (:func:`targets`) with how each answer is judged.
 
 Every generator takes a ``random.Random`` and returns ``(payload_class, payload_bytes)``; the same
 seed gives the same payloads, so a failure names its class and a short repr that reproduce it.
@@ -6,16 +7,41 @@ seed gives the same payloads, so a failure names its class and a short repr that
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import math
 import random
 import struct
+from dataclasses import dataclass, field
 
 import msgpack
+from support import prompt_of
 
-from tandem.shared.protocol.base import SCHEMA_VERSION, ProtocolError
+from tandem.client import connect
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.base import SCHEMA_VERSION, Ack, ErrorReply, ProtocolError
 from tandem.shared.protocol.codec import decode
-from tandem.shared.protocol.fleet import DrainRequest
+from tandem.shared.protocol.fleet import DrainRequest, ScaleRequest
+from tandem.shared.protocol.kv import (
+    KVGetReply,
+    KVGetRequest,
+    KVLookupReply,
+    KVLookupRequest,
+    KVPutReply,
+    KVPutRequest,
+    KVTransfer,
+)
+from tandem.shared.protocol.serving import (
+    DecodeRequest,
+    GenerateAccepted,
+    GenerateRequest,
+    PrefillRequest,
+    Probe,
+    RequestSpec,
+    SamplingParams,
+)
+from tandem.shared.protocol.training import TrainStart, TrainStatusReply, TrainStatusRequest, TrainStop
+from tandem.shared.protocol.views import BlockSnapshot
 
 # Values for fields that name things: request ids, stream subjects, instance ids, inboxes.
 BAD_IDS = ["a b", ">", "*", "x" * 5000, "", "a.>", "a.*.b", "..", "_INBOX.a b", "_INBOX." + "y" * 5000, "\x00",
@@ -30,6 +56,8 @@ MARK = "\x00FUZZ-NEST-MARK\x00"
 PAYLOAD_CLASSES = ["random_bytes", "truncated", "wrong_types", "unknown_kind", "wrong_version", "deep_nesting",
                    "huge_string", "near_max_payload", "bad_ids", "out_of_range"]
 FRAME_CLASSES = ["random_bytes", "truncated_frame", "bad_frame_header", "near_max_payload"]
+PER_CLASS = 12  # payloads per (subject, payload class); near-max and huge ones fewer (see COUNTS)
+COUNTS = {"near_max_payload": 3, "huge_string": 4, "deep_nesting": 8}
 
 
 def short(payload: bytes, n: int = 80) -> str:
@@ -234,3 +262,121 @@ def gen_drain(rng: random.Random, cls: str, base: dict, max_payload: int) -> byt
 
 def is_nan(x) -> bool:
     return isinstance(x, float) and math.isnan(x)
+
+
+# -- the request-reply subjects of a running system, and what answers them ------------------------
+@dataclass(frozen=True)
+class Target:
+    name: str
+    subject: str
+    base: dict | None  # the valid message mutations start from (None: binary KV frames)
+    served: bool  # a running service listens
+    valid: tuple = ()  # reply types that are a valid answer here besides ErrorReply
+    drain: bool = False
+
+
+@dataclass
+class Outcome:
+    sent: int = 0
+    error: int = 0
+    valid: int = 0
+    timeout: int = 0
+    no_responders: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+def spec(request_id: str = "fuzz-1") -> RequestSpec:
+    return RequestSpec(request_id=request_id, prompt_token_ids=[70, 117, 122], model="tiny",
+                       params=SamplingParams(max_tokens=2, temperature=0.0, seed=7),
+                       stream_subject="_INBOX.fuzz.nobody")
+
+
+def targets(system) -> list[Target]:
+    pre, dec, kvs = system.instance("prefill"), system.instance("decode"), system.instance("kvstore")
+    transfer = KVTransfer(transfer_id="fuzz-t", num_blocks=1, block_bytes=4, checksums=[0])
+    probe = Probe(request_id="fuzz").model_dump()
+    drain = DrainRequest(exit=False).model_dump()
+    return [
+        Target("router.generate", subjects.ROUTER_GENERATE,
+               GenerateRequest(request_id="fuzz-g", prompt="hello", params=spec().params,
+                               stream_subject="_INBOX.fuzz.nobody").model_dump(), True, (GenerateAccepted,)),
+        Target("prefill.prefill", subjects.prefill(pre),
+               PrefillRequest(spec=spec("fuzz-p"), decode_worker=dec, kvstore=kvs).model_dump(), True, (Ack,)),
+        Target("decode.admit", subjects.decode_admit(dec),
+               DecodeRequest(spec=spec("fuzz-d"), kvstore=kvs).model_dump(), True, (Ack,)),
+        Target("decode.kv", subjects.decode_kv(dec), None, True, (b"ok",)),
+        Target("kvstore.lookup", subjects.kvstore_lookup(kvs),
+               KVLookupRequest(namespace="fuzz/ns", hashes=[1, 2, 3]).model_dump(), True, (KVLookupReply,)),
+        Target("kvstore.get", subjects.kvstore_get(kvs),
+               KVGetRequest(request_id="fuzz-get", namespace="fuzz/ns", hashes=[1, 2],
+                            inbox="_INBOX.fuzz.get").model_dump(), True, (KVGetReply,)),
+        Target("kvstore.put", subjects.kvstore_put(kvs),
+               KVPutRequest(request_id="fuzz-put", namespace="fuzz/ns", hashes=[1], transfer=transfer).model_dump(),
+               True, (KVPutReply,)),
+        Target("kvstore.kv", subjects.kvstore_kv(kvs), None, True, (b"ok",)),
+        Target("kvstore.stats", subjects.kvstore_stats(kvs), probe, True, ("stats",)),
+        Target("prefill.blocks", subjects.blocks("prefill", pre), probe, True, (BlockSnapshot,)),
+        Target("decode.blocks", subjects.blocks("decode", dec), probe, True, (BlockSnapshot,)),
+        Target("prefill.drain", subjects.drain("prefill", pre), drain, True, (), drain=True),
+        Target("decode.drain", subjects.drain("decode", dec), drain, True, (), drain=True),
+        Target("planner.scale", subjects.PLANNER_SCALE, ScaleRequest(prefill=1, decode=1).model_dump(), False),
+        Target("trainer.start", subjects.TRAINER_START, TrainStart(job_id="fuzz").model_dump(), False),
+        Target("trainer.stop", subjects.TRAINER_STOP, TrainStop(job_id="fuzz").model_dump(), False),
+        Target("trainer.status", subjects.TRAINER_STATUS, TrainStatusRequest().model_dump(), False,
+               (TrainStatusReply,)),
+    ]
+
+
+def payloads(target: Target, rng: random.Random, max_payload: int) -> list[tuple[str, bytes]]:
+    out = []
+    classes = FRAME_CLASSES if target.base is None else PAYLOAD_CLASSES
+    for cls in classes:
+        for _ in range(COUNTS.get(cls, PER_CLASS)):
+            if target.base is None:
+                data = gen_frame(rng, cls, max_payload)
+            elif target.drain:
+                data = gen_drain(rng, cls, target.base, max_payload)
+            else:
+                data = gen_msgpack(rng, cls, target.base, max_payload)
+            assert len(data) <= max_payload, f"{target.name}/{cls}: generator overran max_payload ({len(data)})"
+            out.append((cls, data))
+    return out
+
+
+def classify(target: Target, data: bytes) -> str:
+    """'error', 'valid' or a description of what was wrong with the reply."""
+    if b"ok" in target.valid and data == b"ok":
+        return "valid"
+    if "stats" in target.valid:
+        try:
+            raw = msgpack.unpackb(data, raw=False)
+        except Exception:  # noqa: BLE001
+            raw = None
+        if isinstance(raw, dict) and "instance_id" in raw:
+            return "valid"
+    try:
+        reply = decode(data)
+    except Exception as exc:  # noqa: BLE001
+        return f"reply does not decode ({exc}): {short(data)}"
+    if isinstance(reply, ErrorReply):
+        return "error"
+    if any(isinstance(t, type) and isinstance(reply, t) for t in target.valid):
+        return "valid"
+    return f"unexpected reply {type(reply).__name__}: {short(data)}"
+
+
+SUBJECT_NAMES = ["router.generate", "prefill.prefill", "decode.admit", "decode.kv", "kvstore.lookup", "kvstore.get",
+                 "kvstore.put", "kvstore.kv", "kvstore.stats", "prefill.blocks", "decode.blocks", "prefill.drain",
+                 "decode.drain", "planner.scale", "trainer.start", "trainer.stop", "trainer.status"]
+
+
+async def legit_round(url: str, n: int, tokens: int, salt: int, creds: str | None = None) -> list[list[int]]:
+    """``n`` greedy completions at once, as legitimate traffic beside the fuzz: their tokens."""
+
+    async def one(i: int) -> list[int]:
+        async with connect(url, creds=creds) as client:
+            result = await client.complete(prompt_of(24, salt=salt * i), max_tokens=tokens, temperature=0.0,
+                                           ignore_eos=True, timeout_s=30)
+        return list(result.token_ids)
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))

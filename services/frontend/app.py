@@ -188,7 +188,7 @@ class Tally:
     """One HTTP request's figures while it runs: first token, last chunk, tokens per choice."""
 
     started: float
-    prompt_tokens: int
+    prompts: list[int]  # prompt tokens of each choice, as the router counted them
     first: float | None = None
     last: float | None = None
     tokens: dict[int, int] = field(default_factory=dict)
@@ -208,6 +208,10 @@ class Tally:
         if chunk.finish_reason is not None:
             self.reasons[index] = chunk.finish_reason
 
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.prompts)
+
     def completion_tokens(self) -> int:
         return sum(self.tokens.values())
 
@@ -216,7 +220,7 @@ class Tally:
             return
         metrics.e2e.observe(time.perf_counter() - self.started)
         for index, reason in self.reasons.items():
-            metrics.finished(self.prompt_tokens // max(1, len(self.reasons)), self.tokens.get(index, 0), reason)
+            metrics.finished(self.prompts[index], self.tokens.get(index, 0), reason)
 
 
 class Gate:
@@ -339,8 +343,7 @@ def build_app(frontend: Frontend) -> FastAPI:
         try:
             started = time.perf_counter()
             streams = await frontend.open_streams(prompts, params, chat)
-            prompt_tokens = sum(len(s.accepted.prompt_token_ids) for s in streams)
-            tally = Tally(started, prompt_tokens)
+            tally = Tally(started, [len(s.accepted.prompt_token_ids) for s in streams])
             request_id = schemas.new_id("chatcmpl" if chat else "cmpl")
             model = frontend.model.served_name
             if body.stream:
@@ -357,7 +360,7 @@ def build_app(frontend: Frontend) -> FastAPI:
             raise
         release()
         tally.finish(frontend.metrics)
-        usage = schemas.Usage.of(prompt_tokens, tally.completion_tokens())
+        usage = schemas.Usage.of(tally.prompt_tokens, tally.completion_tokens())
         created = schemas.now()
         if chat:
             choices = [schemas.ChatChoice(index=i, message=schemas.ChatResponseMessage(content=texts[i]),

@@ -92,7 +92,10 @@ def load_credentials(path: str | Path) -> Credentials:
             creds = UserCreds(jwt=found["jwt"], seed=found["seed"])
             creds.public_key  # noqa: B018 - checks the seed
             return creds
-        raw = json.loads(text)
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError:
+            raw = None
         if not isinstance(raw, dict) or raw.get("kind") != ROLE_KEY_KIND:
             raise ValueError("neither NATS user credentials nor a tandem role key")
         return RoleKey.from_dict(raw)

@@ -65,7 +65,7 @@ def test_services_profiles_and_gpu_reservations():
     services = load_compose()["services"]
     assert {"nats", "router", "prefill", "decode", "kvstore", "planner", "trainer"} <= set(services)
     always = {name for name, s in services.items() if not s.get("profiles")}
-    assert always == {"nats", "router", "kvstore", "planner"}
+    assert always == {"auth", "nats", "router", "kvstore", "planner"}
     assert services["trainer"]["profiles"] == ["train"]
     assert dotenv()["COMPOSE_PROFILES"] == "cpu"
     for name, service in services.items():
@@ -75,11 +75,35 @@ def test_services_profiles_and_gpu_reservations():
             assert set(service["profiles"]) & {"gpu", "train-gpu"}, f"{name} must be under a GPU profile"
         else:
             assert not devices, f"{name} reserves a GPU outside a GPU profile"
-        if name != "nats":
+        if name == "nats":
+            assert service["depends_on"]["auth"]["condition"] == "service_completed_successfully"
+        elif name != "auth":
             assert service["depends_on"]["nats"]["condition"] == "service_healthy", name
 
 
-def test_nats_has_jetstream_monitoring_healthcheck_and_our_limits():
+def test_every_tandem_service_connects_with_its_own_roles_key():
+    """The bus requires identities in compose too: nats-server trusts the auth service's keyring,
+    and each service presents its own role's key (never another role's, never none)."""
+    services = load_compose()["services"]
+    assert services["auth"]["command"] == ["tandem", "auth", "init", "/auth", "--keep"]
+    for name, service in services.items():
+        if name in ("auth", "nats"):
+            continue
+        role = service["command"][2]
+        assert service["environment"].get("TANDEM_NATS_CREDS") == f"/auth/{role}.key", name
+        assert "auth:/auth:ro" in service["volumes"], f"{name} does not mount the keys read-only"
+
+
+def auth_folder(tmp_path: Path) -> Path:
+    """compose/nats.conf beside an auth/ folder made as the auth service makes it."""
+    from tandem.auth_init import init_keyring
+
+    (tmp_path / "nats.conf").write_text((COMPOSE / "nats.conf").read_text().replace('"/data"', f'"{tmp_path}/js"'))
+    init_keyring(tmp_path / "auth")
+    return tmp_path
+
+
+def test_nats_has_jetstream_monitoring_healthcheck_and_our_limits(tmp_path):
     nats_service = load_compose()["services"]["nats"]
     assert "8222:8222" in nats_service["ports"] and "4222:4222" in nats_service["ports"]
     assert "8222/healthz" in " ".join(nats_service["healthcheck"]["test"])
@@ -87,7 +111,9 @@ def test_nats_has_jetstream_monitoring_healthcheck_and_our_limits():
     assert re.search(r"^jetstream\s*\{", conf, re.M)
     assert int(re.search(r"^max_payload:\s*(\d+)", conf, re.M).group(1)) == MAX_PAYLOAD
     assert int(re.search(r"^max_pending:\s*(\d+)", conf, re.M).group(1)) == MAX_PENDING
-    check = subprocess.run([find_nats_server(), "-c", str(COMPOSE / "nats.conf"), "-t"], capture_output=True, text=True)
+    assert 'include "auth/nats-auth.conf"' in conf, "the server must trust the auth service's keyring"
+    check = subprocess.run([find_nats_server(), "-c", str(auth_folder(tmp_path) / "nats.conf"), "-t"],
+                           capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
 
 
@@ -106,7 +132,7 @@ def test_environment_is_tandem_settings():
     by_env = {knob.env: knob.flat for knob in FIELDS}
     for name, service in load_compose()["services"].items():
         env = {k: interpolate(str(v), dotenv()) for k, v in service.get("environment", {}).items()}
-        if name != "nats":
+        if name not in ("nats", "auth"):
             assert env["TANDEM_NATS_URL"] == "nats://nats:4222", name
         unknown = {k for k in env if k.startswith("TANDEM_") and k not in by_env}
         assert not unknown, f"{name}: {unknown} are not settings (shared/infra/config.py)"
@@ -119,8 +145,8 @@ def serve_choices() -> set[str]:
     return set(serve.choices)
 
 
-async def ping_ids(url: str, wait_s: float = 0.5) -> set[str]:
-    nc = await nats.connect(url)
+async def ping_ids(url: str, options: dict, wait_s: float = 0.5) -> set[str]:
+    nc = await nats.connect(url, **options)
     seen: set[str] = set()
     inbox = nc.new_inbox()
 
@@ -135,11 +161,20 @@ async def ping_ids(url: str, wait_s: float = 0.5) -> set[str]:
 
 
 @pytest.mark.slow
-async def test_every_service_command_starts_and_answers_ping(nats_server, tmp_path):
-    """One process per distinct command (a GPU service runs its CPU twin's command: started once)."""
+async def test_every_service_command_starts_and_answers_ping(tmp_path):
+    """One process per distinct command (a GPU service runs its CPU twin's command: started once),
+    each with its compose environment, against a nats-server configured as compose's (its
+    nats.conf, the auth service's keyring): every one connects with its role key and answers."""
+    from tandem.shared.auth.credentials import connect_options, load_credentials
+    from tandem.shared.infra.natsserver import NatsServer
+
+    folder = auth_folder(tmp_path)
+    nats_server = NatsServer.start(workdir=tmp_path / "server",
+                                   auth_config=(folder / "auth" / "nats-auth.conf").read_text())
+    operator = connect_options(load_credentials(folder / "auth" / "operator.key"), "compose-test")
     services: dict[str, dict] = {}
     for name, service in load_compose()["services"].items():
-        if name != "nats" and service["command"] not in [s["command"] for s in services.values()]:
+        if name not in ("nats", "auth") and service["command"] not in [s["command"] for s in services.values()]:
             services[name] = service
     assert len(services) == 6, sorted(services)
     known = serve_choices()
@@ -154,6 +189,7 @@ async def test_every_service_command_starts_and_answers_ping(nats_server, tmp_pa
                 missing[name] = command
                 continue
             env = {k: interpolate(str(v), shell_env) for k, v in service["environment"].items()}
+            env["TANDEM_NATS_CREDS"] = env["TANDEM_NATS_CREDS"].replace("/auth", str(folder / "auth"), 1)
             env.update(TANDEM_NATS_URL=nats_server.url, TANDEM_DATA_DIR=str(tmp_path / name), TANDEM_DEVICE="cpu",
                        TANDEM_INSTANCE_ID=f"compose-{name}", TANDEM_TORCH_THREADS="1", TANDEM_NUM_BLOCKS="64")
             if "TANDEM_KVSTORE_DIR" in env:
@@ -168,7 +204,7 @@ async def test_every_service_command_starts_and_answers_ping(nats_server, tmp_pa
             dead = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
             assert not dead, f"exited: {dead}\n" + "\n".join((tmp_path / f"{n}.log").read_text()[-1500:] for n in dead)
             assert time.monotonic() < deadline, f"no PING reply from {sorted(want - seen)}"
-            seen |= await ping_ids(nats_server.url)
+            seen |= await ping_ids(nats_server.url, operator)
     finally:
         for proc in procs.values():
             proc.send_signal(signal.SIGTERM)
@@ -177,5 +213,6 @@ async def test_every_service_command_starts_and_answers_ping(nats_server, tmp_pa
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        nats_server.stop()
     if missing:
         pytest.xfail(f"not yet `tandem serve` subcommands (other issues add them): {missing}")

@@ -84,7 +84,8 @@ def test_an_outside_drain_gets_a_replacement(up, exit_after):
     log = wait_for(lambda: any(s in up.log.read_text() for s in said) and up.log.read_text(), 20,
                    f"{said} in up's log")
     assert not re.search(rf"{old} \(pid \d+\) exited with code", log), "a drain with exit is no crash"
-    wait_for(lambda: old not in run_sync(worker_beats(up.url, options=operator_options(up.url, up.data_dir))), 30, "the drained worker gone")
+    operator = operator_options(up.url, up.data_dir)
+    wait_for(lambda: old not in run_sync(worker_beats(up.url, options=operator)), 30, "the drained worker gone")
 
 
 def test_a_child_silent_on_the_bus_is_restarted(up):
