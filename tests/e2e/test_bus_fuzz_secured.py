@@ -134,10 +134,11 @@ async def fuzz(secured) -> FuzzRun:
     async def send(target: Target, cls: str, data: bytes) -> None:
         out = outcomes[target.name]
         out.sent += 1
-        if target.subject != subjects.ROUTER_GENERATE:  # not a client's: the server must refuse it
-            await nc.publish(target.subject, data, reply=nc.new_inbox())
-            return
-        async with sem:
+        async with sem:  # paced as the open fuzz's requests are (a flush waits for the server)
+            if target.subject != subjects.ROUTER_GENERATE:  # not a client's: the server must refuse it
+                await nc.publish(target.subject, data, reply=nc.new_inbox())
+                await nc.flush(timeout=REPLY_TIMEOUT_S)
+                return
             try:
                 reply = await nc.request(target.subject, data, timeout=REPLY_TIMEOUT_S)
             except NatsTimeoutError:
