@@ -10,9 +10,18 @@ Runs (each in its own process, so host RAM is returned between them):
 - ``probe``: the 7B preset (6.74B parameters, fp32 masters and moments) under the same 16 GiB cap;
 - ``long``: the 1B preset at sequence 131,072, GPU memory capped at 32 GiB;
 - ``adam``: the host AdamW's throughput on one 3B layer, and the host's copy bandwidth.
-A run named ``NAME:k1/k2`` (e.g. ``3b:0/12``) is measured once per k, on one host state, with the
-GPU doing the AdamW arithmetic of the first k layers and the CPU the rest (state stays in host RAM;
-see shared/train/device_update.py); ``13s4`` also gives those updates 4 GPU buffer sets (default 2).
+A run named ``NAME:v1/v2`` (e.g. ``3b:auto/0/13``) is measured once per variant, on one host state.
+A variant is ``auto`` (the placement plan.py chooses from the cap and the rates measured in this run;
+a bare ``NAME`` is ``NAME:auto``) or ``K[rR][sS]``: the GPU does the AdamW of the first K layers, R of
+them with their fp32 state resident on the GPU, the others streamed from host RAM with S GPU buffer
+sets (default 2), and the CPU the rest (shared/train/device_update.py): ``0`` is all on the CPU,
+``13`` the earlier 13 streamed layers, ``6r6`` six resident ones.
+
+Every run first measures, in its own process, host memory read, write and copy on the host AdamW's
+threads and pinned PCIe copies host->device, device->host and both at once (plan.measure_rates),
+then prints for each variant the step's lower bound (plan.step_bound: the bytes the step moves
+through host memory and each PCIe direction at those rates, the GPU compute measured in the step's
+trace, and the exact-clipping chain) and the measured step over it.
 Model TFLOP/s = (6N + 6·L·d·seq) · tokens / step time (DESIGN.md; recompute not counted). The hidden
 fraction is the share of host<->device transfer time that runs under compute (CUDA events).
 """
@@ -37,9 +46,28 @@ RUNS = {
 }
 
 
+def parse_variant(token: str) -> tuple[int, int, int] | None:
+    """``"auto"`` -> None; ``"K[rR][sS]"`` -> (K, R, S)."""
+    import re
+
+    if token in ("", "auto"):
+        return None
+    match = re.fullmatch(r"(\d+)(?:r(\d+))?(?:s(\d+))?", token)
+    if not match:
+        raise SystemExit(f"bad variant {token!r}: auto or K[rR][sS], e.g. 13, 13s4, 6r6")
+    k, r, sets = int(match[1]), int(match[2] or 0), int(match[3] or 2)
+    return max(k, r), r, sets
+
+
+def variant_label(base: str, placement, auto: bool) -> str:  # noqa: ANN001 - plan.Placement
+    if auto:
+        return f"{base}:auto"
+    label = f"{base}:{placement.device_update}" + (f"r{placement.resident}" if placement.resident else "")
+    return label + (f"s{placement.sets}" if placement.sets != 2 and placement.streamed else "")
+
+
 def run_one(name: str, device: str, steps: int | None) -> list[dict]:
-    """One run; ``name:k1/k2`` measures it with the GPU computing the AdamW of the first k layers,
-    for each k in turn, on one host state (device_update.py; the default is k = 0, all on the CPU)."""
+    """One run, once per variant (module docstring) on one host state; one RESULT line each."""
     import gc
 
     import torch
@@ -47,46 +75,76 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
     from tandem.shared.protocol.training import TrainJob
     from tandem.shared.train.engine import StreamingEngine
     from tandem.shared.train.optimizer import HostAdamW
-    from tandem.shared.train.runner import TrainRunner
+    from tandem.shared.train.plan import Placement, choose_placement, measure_rates, step_bound
+    from tandem.shared.train.runner import TrainRunner, gpu_cap_bytes
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     base, _, ks = name.partition(":")
-    parts = [v.partition("s") for v in ks.split("/")] if ks else [("0", "", "")]
-    variants = [(int(k), int(sets or 2)) for k, _, sets in parts]  # (layers, buffer sets): "13" or "13s4"
-    spec = dict(RUNS[base], device_update_layers=variants[0][0], device_update_sets=variants[0][1])
+    variants = [parse_variant(v) for v in (ks.split("/") if ks else ["auto"])]
+    spec = dict(RUNS[base])
     warmup, measure = spec.pop("warmup"), spec.pop("measure")
     measure = steps or measure
+    rates = measure_rates(torch.device(device))
+    rates_row = {"host_read_GBps": round(rates.host_read / 1e9, 1), "host_write_GBps": round(rates.host_write / 1e9, 1),
+                 "host_copy_GBps": round(rates.host_copy / 1e9, 1), "host_threads": rates.source,
+                 "h2d_GBps": round(rates.h2d / 1e9, 1), "d2h_GBps": round(rates.d2h / 1e9, 1),
+                 "both_GBps": round(rates.duplex / 1e9, 1), "host_with_dma_GBps": round(rates.dram / 1e9, 1),
+                 "preview_Gparams_per_s": round(rates.preview / 1e9, 2),
+                 "commit_Gparams_per_s": round(rates.commit / 1e9, 2),
+                 "whole_Gparams_per_s": round(rates.whole / 1e9, 2)}
+    print("RATES " + json.dumps(rates_row), flush=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
+        first = variants[0]
+        explicit = dict(device_update_layers=first[0], device_update_sets=first[2]) if first else {}
         job = TrainJob(dataset="random", steps=warmup + measure, lr=1e-4, weight_decay=0.0, grad_clip=1.0,
-                       device=device, output_dir=tmp, **spec)
+                       device=device, output_dir=tmp, **spec, **explicit)
         t0 = time.perf_counter()
-        runner = TrainRunner(job, name, Path(tmp))
+        runner = TrainRunner(job, name, Path(tmp), device_resident_layers=first[1] if first else None, rates=rates)
         init_s = time.perf_counter() - t0
-        for index, (k, sets) in enumerate(variants):
+        for index, variant in enumerate(variants):
             if index:  # same host state, fresh optimizer thread and engine
                 runner.engine = None
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
+                if variant is None:
+                    placement, _ = choose_placement(runner.config, runner.state.work_dtype, job.batch_size, job.seq_len,
+                                                    gpu_cap_bytes(runner.device, job.gpu_memory_gib), rates,
+                                                    runner.optimizer.split, job.device_update_sets)
+                else:
+                    placement = Placement(variant[1], variant[0], variant[2], "given")
+                runner.placement = placement
                 runner.start_step = int(runner.state.units[0].step)
-                runner.job = job = job.model_copy(update={"steps": runner.start_step + warmup + measure,
-                                                          "device_update_layers": k,
-                                                          "device_update_sets": sets})
+                runner.job = job = job.model_copy(update={"steps": runner.start_step + warmup + measure})
                 runner.optimizer = HostAdamW(runner.state, runner.lr_at, job.weight_decay, job.grad_clip,
                                              split=runner.optimizer.split)
                 runner.engine = StreamingEngine(runner.config, runner.state, runner.optimizer, runner.device,
-                                                device_update_layers=k, device_update_sets=sets,
+                                                device_update_layers=placement.device_update,
+                                                device_update_sets=placement.sets,
+                                                device_resident_layers=placement.resident,
                                                 compile_layers=runner.compile_layers)
+            placement = runner.placement
             metrics, traces = [], []
-            first = runner.start_step
+            first_step = runner.start_step
             runner.run(on_step=metrics.append, trace_every_s=0, final_checkpoint=False,
                        on_trace=lambda step, ops, hidden, traces=traces: traces.append((step, ops, hidden)))
-            result = summarize(runner, job, metrics, [t for t in traces if t[0] - first > warmup], warmup)
-            label = f"{base}:{k}" + (f"s{sets}" if sets != 2 else "") if k else base
-            result = {"run": label, "device_update_layers": k, "device_update_sets": sets, **result,
-                      "init_s": round(init_s, 1)}
+            result = summarize(runner, job, metrics, [t for t in traces if t[0] - first_step > warmup], warmup)
+            label = variant_label(base, placement, variant is None)
+            compute = result["last_step_compute_s"]
+            terms = step_bound(runner.config, job.batch_size, job.seq_len, placement, rates,
+                               runner.state.work_dtype.itemsize, runner.optimizer.split,
+                               compute_s=(compute["fwd"], compute["bwd"]) if compute["fwd"] else None)
+            binding = max((k for k in terms if k != "bound"), key=terms.get)
+            result = {"run": label, "device_update_layers": placement.device_update,
+                      "device_resident_layers": placement.resident, "device_update_sets": placement.sets,
+                      "placement": placement.describe(runner.config.num_layers), "placement_reason": placement.reason,
+                      **result, "bound_s": round(terms["bound"], 3), "bound_binding": binding,
+                      "bound_terms_s": {k: round(v, 3) for k, v in terms.items() if k != "bound"},
+                      "over_bound": round(result["step_s_median"] / terms["bound"], 3),
+                      "plan_peak_gpu_GiB": round(runner.setup.plan.gpu_peak / 2**30, 2) if index == 0 else None,
+                      "rates": rates_row, "init_s": round(init_s, 1)}
             if (dump := os.environ.get("TANDEM_TIMELINE_DIR")) and traces:
                 ops = [op.model_dump() for op in traces[-1][1]]
                 Path(dump, f"{label.replace(':', '_')}.json").write_text(json.dumps(ops))
@@ -216,12 +274,28 @@ def main() -> int:
                 if r.get("model") == "3b" and "tokens_per_s" in r:
                     r["over_peer"] = round(r["tokens_per_s"] / peer["tokens_per_s"], 3)
         print(json.dumps(results[-1]), flush=True)
+    shown = set()
     for r in results:
+        if "rates" in r and json.dumps(r["rates"]) not in shown:
+            shown.add(json.dumps(r["rates"]))
+            q = r["rates"]
+            print(f" rates: host read {q['host_read_GBps']} GB/s, write {q['host_write_GBps']}, copy "
+                  f"{q['host_copy_GBps']} ({q['host_threads']}); PCIe h2d {q['h2d_GBps']} GB/s, d2h {q['d2h_GBps']}, "
+                  f"both at once {q['both_GBps']}; host memory with the CPU and both copy directions at it "
+                  f"{q['host_with_dma_GBps']} GB/s; host AdamW preview {q['preview_Gparams_per_s']}, commit "
+                  f"{q['commit_Gparams_per_s']}, whole {q['whole_Gparams_per_s']} G parameters/s")
         if "tokens_per_s" in r and "anchor" not in r:
             print(f"{r['run']:>6}: {r['model']} ({r['params_B']}B) batch {r['batch']} x {r['seq']}: "
                   f"{r['tokens_per_s']:,} tok/s, {r['model_TFLOPs']} TFLOP/s, hidden {r['hidden_fraction']}, "
                   f"peak GPU {r['peak_gpu_GiB']} GiB (cap {r['gpu_cap_GiB']}), step {r['step_s_median']} s"
                   + (f", {r['over_peer']}x DeepSpeed" if "over_peer" in r else ""))
+            if "bound_s" in r:
+                terms = ", ".join(f"{k} {v}" for k, v in r["bound_terms_s"].items() if v)
+                print(f"        placement: {r['placement']} ({r['placement_reason']})")
+                print(f"        bound {r['bound_s']} s ({r['bound_binding']}; {terms}); step / bound "
+                      f"{r['over_bound']}x" + (f"; DeepSpeed at the bound would be "
+                                               f"{round(r['over_peer'] * r['over_bound'], 2)}x"
+                                               if "over_peer" in r else ""))
         elif "anchor" in r:
             print(f"  peer: DeepSpeed ZeRO-3 offload, 3B batch 8 x 2048: {r['tokens_per_s']:,} tok/s, "
                   f"step {r['step_s_median']} s")

@@ -3,10 +3,14 @@
     tandem train --default                 # tiny byte model on the Python stdlib -> <data-dir>/models/tiny
     tandem train --model 3b --device cuda --steps 20 --batch-size 8 --seq-len 2048 --gpu-memory-gib 16
     tandem train --model DIR --dataset notes/ --steps 500 --output-dir out/ [--resume]
+    tandem train --model 3b --device cuda --batch-size 8 --seq-len 2048 --gpu-memory-gib 16 --plan
 
 ``--default`` trains the built-in tiny model where ``tandem up`` finds it (a few minutes on 2 CPU
 cores) and prints a sample. With ``--nats-url`` a ``WeightsUpdated`` event follows every checkpoint,
-so running workers that serve the model reload it.
+so running workers that serve the model reload it. Before allocating, the job's memory plan
+(shared/train/plan.py) is checked: a job that does not fit in host RAM or under the GPU cap is
+refused in one line naming what to change; ``--plan`` prints the plan, the placement of each
+layer's fp32 state and the predicted step bound, and exits.
 """
 
 from __future__ import annotations
@@ -47,7 +51,13 @@ def add_train_parser(sub: argparse._SubParsersAction, add_common) -> None:  # no
     p.add_argument("--resume", action="store_true", default=None, help="continue from the checkpoint in --output-dir")
     p.add_argument("--gpu-memory-gib", type=float, help="cap this process's GPU memory")
     p.add_argument("--device-update-layers", type=int,
-                   help="CUDA: the GPU computes the AdamW of this many first layers, the CPU the rest (default 0)")
+                   help="CUDA: the GPU computes the AdamW of this many first layers, the CPU the rest "
+                        "(default: chosen from --gpu-memory-gib; given alone, none of them GPU-resident)")
+    p.add_argument("--device-resident-layers", type=int,
+                   help="of those, how many keep fp32 masters and moments on the GPU for the whole run "
+                        "(default: chosen from --gpu-memory-gib)")
+    p.add_argument("--plan", action="store_true",
+                   help="print the memory plan, the placement and the predicted step bound, and exit")
     p.add_argument("--device-update-sets", type=int,
                    help="GPU buffer sets for those updates: more load state ahead, 1.8 GB each at 3B (default 2)")
     p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
@@ -87,18 +97,30 @@ def cmd_train(args: argparse.Namespace, settings) -> int:  # noqa: ANN001 - tand
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    resident = getattr(args, "device_resident_layers", None)
     try:
         job = build_job(args, settings.data_dir)
         job_id = args.job_id or f"train-{uuid.uuid4().hex[:8]}"
+        if getattr(args, "plan", False):
+            return print_plan(job, job_id, settings.data_dir, resident)
         started = time.perf_counter()
-        runner = TrainRunner(job, job_id, settings.data_dir)
+        runner = TrainRunner(job, job_id, settings.data_dir, device_resident_layers=resident)
     except (ValidationError, ProtocolError, ValueError) as exc:
         print(f"tandem train: {exc}", file=sys.stderr)
         return 2
     print(f"tandem train: {runner.model_name} ({runner.num_params / 1e6:.1f}M parameters) on {runner.device}, "
           f"{runner.data.description}; batch {job.batch_size} x {job.seq_len}, {job.steps} steps, "
           f"checkpoints in {runner.output_dir}", flush=True)
-    publisher = _Publisher(settings.bus.nats_url, runner.model_name, job_id) if settings.bus.nats_url else None
+    print(f"tandem train: placement: {runner.placement.describe(runner.config.num_layers)} "
+          f"({runner.placement.reason})", flush=True)
+    from tandem.access import BusConnectError
+    from tandem.shared.auth.credentials import CredentialsError
+
+    try:
+        publisher = _Publisher(settings, runner.model_name, job_id) if settings.bus.nats_url else None
+    except (BusConnectError, CredentialsError) as exc:
+        print(f"tandem train: {exc}", file=sys.stderr)
+        return 1
     recent: list = []
 
     def on_step(m) -> None:  # noqa: ANN001
@@ -120,6 +142,24 @@ def cmd_train(args: argparse.Namespace, settings) -> int:  # noqa: ANN001 - tand
     return 0
 
 
+def print_plan(job, job_id: str, data_dir: Path, resident: int | None) -> int:  # noqa: ANN001 - TrainJob
+    """``--plan``: the plan (allocating nothing large); 0 when it fits, 2 (with the refusal) when not."""
+    from tandem.shared.train.plan import PlanError
+    from tandem.shared.train.runner import output_dir_of, plan_job
+
+    setup = plan_job(job, output_dir_of(job, job_id, data_dir), resident)
+    print(setup.plan.describe())
+    if setup.bound:
+        terms = ", ".join(f"{k} {v:.3f}" for k, v in setup.bound.items() if k != "bound" and v)
+        print(f"  predicted step bound {setup.bound['bound']:.3f} s ({terms}; s per step)")
+    try:
+        setup.plan.check()
+    except PlanError as exc:
+        print(f"tandem train: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def sample(path: Path, prompt: str, max_new_tokens: int = 160, seed: int = 0) -> str:
     """A sampled continuation from the checkpoint at ``path`` (a quick look at what it learned)."""
     import torch
@@ -138,16 +178,18 @@ def sample(path: Path, prompt: str, max_new_tokens: int = 160, seed: int = 0) ->
 
 
 class _Publisher:
-    """Publishes WeightsUpdated after each checkpoint from this synchronous process."""
+    """Publishes WeightsUpdated after each checkpoint from this synchronous process, as the
+    operator (``models.updated`` is the operator's and the trainer's to send; see shared/auth/roles.py)."""
 
-    def __init__(self, url: str, model: str, job_id: str) -> None:
+    def __init__(self, settings, model: str, job_id: str) -> None:  # noqa: ANN001 - Settings
         import asyncio
 
-        import nats
+        from tandem.access import connect_command, operator_options
 
+        url = settings.bus.nats_url
         self.model, self.job_id = model, job_id
         self.loop = asyncio.new_event_loop()
-        self.nc = self.loop.run_until_complete(nats.connect(url))
+        self.nc = self.loop.run_until_complete(connect_command(url, operator_options(settings, "tandem-train", url)))
 
     def publish(self, path: Path, step: int) -> None:
         from tandem.shared.protocol import subjects

@@ -1,16 +1,24 @@
-"""Optional: the first ``k`` layers' AdamW updates computed on the GPU while the CPU does the rest.
+"""Optional: the first layers' AdamW updates computed on the GPU while the CPU does the rest.
 
 The host optimizer is what bounds a step once the GPU is fast (every parameter's fp32 update reads
 and writes ~30 bytes of host RAM). While it works, the GPU waits and the PCIe link is mostly idle,
-so the engine can take over some layers: their gradients stay on the GPU after the backward, and
-right after the backward their fp32 master, moments and step come over, get the same fused AdamW
-(same clip coefficient, computed on the GPU from the same per-unit squared norms), and go back to
-host RAM with the new bf16 working copy. State still lives in host RAM between steps; only the
-arithmetic moves. Layers 0..k-1 are the ones taken because the next forward needs them first while
-the CPU starts on the extras and layer k. Extra lanes (update h2d, update compute, update d2h) keep
-these copies from queueing in front of the forward's own. ``sets`` GPU buffer sets (1.8 GB each at
-3B) let that many layers' state load ahead, during the backward, before the gradients are ready. On
-CPU it runs the same path in place.
+so the engine can take over some layers, in two ways:
+
+- **Resident** (layers 0..r-1): the layer's fp32 master, moments and its working copy live on the
+  GPU for the whole run. Its update reads no host memory and moves nothing over PCIe, and the
+  forward and backward use the resident working copy in place (no weight copy either). The host
+  tensors of these layers are only a staging area: :meth:`DeviceUpdater.synchronize` copies the
+  state back before a checkpoint. This is what the GPU memory cap is best spent on (plan.py).
+- **Streamed** (layers r..k-1): state still lives in host RAM between steps; right after the
+  backward their fp32 master, moments and step come over, get the same fused AdamW, and go back to
+  host RAM with the new working copy. ``sets`` GPU buffer sets (1.8 GB each at 3B) let that many
+  layers' state load ahead, during the backward, before the gradients are ready.
+
+Both keep the layer's gradients on the GPU after the backward and apply the same clip coefficient
+(computed on the GPU from the same per-unit squared norms). The first layers are the ones taken
+because the next forward needs them first while the CPU starts on the extras and layer k. Extra
+lanes (update h2d, update compute, update d2h) keep these copies from queueing in front of the
+forward's own. On CPU the same path runs, on separate CPU tensors.
 """
 
 from __future__ import annotations
@@ -21,31 +29,46 @@ from tandem.shared.train.host_state import HostState
 from tandem.shared.train.lanes import Lanes, StepTrace, host_buffer
 from tandem.shared.train.optimizer import HostAdamW
 
+STATE = ("master", "exp_avg", "exp_avg_sq")
+
 
 class DeviceUpdater:
     def __init__(self, state: HostState, opt: HostAdamW, lanes: Lanes, device: torch.device, layers: int,
-                 sets: int = 2) -> None:
+                 sets: int = 2, resident: int = 0) -> None:
         self.state, self.opt, self.lanes, self.device = state, opt, lanes, device
-        self.layers = min(layers, state.config.num_layers)
+        self.layers = min(max(layers, resident), state.config.num_layers)
+        self.resident = min(resident, self.layers)
         n = state.units[1].layout.numel if self.layers else 0
         f32 = lambda: torch.zeros(n, dtype=torch.float32, device=device)  # noqa: E731
         self.grads = [torch.zeros(n, dtype=state.work_dtype, device=device) for _ in range(self.layers)]
+        streamed = self.layers - self.resident
         self.sets = [(f32(), f32(), f32(), f32(), torch.zeros(n, dtype=state.work_dtype, device=device))
-                     for _ in range(min(max(1, sets), self.layers))]  # (master, exp_avg, exp_avg_sq, grad32, work)
+                     for _ in range(min(max(1, sets), streamed))]  # (master, exp_avg, exp_avg_sq, grad32, work)
         self.set_free = [None] * len(self.sets)
-        self.done = [None] * self.layers  # d2h event: layer j's new state is back in host RAM
+        # resident layers: (master, exp_avg, exp_avg_sq, work) on the device, and one fp32 gradient scratch
+        self.res = [tuple(getattr(state.units[j + 1], a).to(device, copy=True) for a in (*STATE, "work"))
+                    for j in range(self.resident)]
+        self.g32 = f32() if self.resident else None
+        self.done = [None] * self.layers  # layer j's new weights are ready (streamed: back in host RAM)
         self.read = [None] * self.layers  # update-compute event: layer j's gradient buffer was consumed
         self.steps = [state.units[j + 1].step.clone().to(device) for j in range(self.layers)]
-        if lanes.cuda:  # the fp32 state of these layers moves asynchronously: page-lock it
-            for j in range(self.layers):
+        if lanes.cuda:  # the fp32 state of the streamed layers moves asynchronously: page-lock it
+            for j in range(self.resident, self.layers):
                 unit = state.units[j + 1]
-                for name in ("master", "exp_avg", "exp_avg_sq"):
+                for name in STATE:
                     pinned = host_buffer(getattr(unit, name).numel(), torch.float32, True)
                     setattr(unit, name, pinned.copy_(getattr(unit, name)))
         opt.skip.update(range(1, self.layers + 1))
 
     def owns(self, layer: int) -> bool:
         return layer < self.layers
+
+    def is_resident(self, layer: int) -> bool:
+        return layer < self.resident
+
+    def work(self, layer: int) -> torch.Tensor:
+        """The resident working copy of ``layer`` (what its forward and backward read)."""
+        return self.res[layer][3]
 
     def issue(self, version: int, sumsq: torch.Tensor, grads_ready, trace: StepTrace) -> None:  # noqa: ANN001
         """Queue the updates of layers 0..k-1 with the gradients of the step that made ``version``."""
@@ -59,7 +82,15 @@ class DeviceUpdater:
             coef = (opt.grad_clip / (total + 1e-6)).clamp(max=1.0) if opt.grad_clip > 0 else torch.ones_like(total)
             coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef)).float()
         for j in range(self.layers):
-            unit, s = self.state.units[j + 1], j % len(self.sets)
+            unit = self.state.units[j + 1]
+            if j < self.resident:
+                master, m, v, work = self.res[j]
+                with lanes.on("opt"), trace.op("compute", j, "opt", 0, "opt"):
+                    self._adamw(j, master, m, v, self.g32, work, coef, lr)
+                self.read[j] = self.done[j] = lanes.record("opt")
+                unit.step += 1
+                continue
+            s = (j - self.resident) % len(self.sets)
             master, m, v, g32, work = self.sets[s]
             lanes.wait("xh2d", self.set_free[s])
             with lanes.on("xh2d"), trace.op("h2d", j, "opt", 3 * master.nbytes, "xh2d"):
@@ -69,13 +100,7 @@ class DeviceUpdater:
             loaded = lanes.record("xh2d")
             lanes.wait("opt", loaded)
             with lanes.on("opt"), trace.op("compute", j, "opt", 0, "opt"):
-                g32.copy_(self.grads[j]).mul_(coef)  # in fp32, as the host path scales
-                self.steps[j] += 1
-                for lo, hi, wd in unit.layout.decay_ranges(opt.weight_decay):
-                    torch._fused_adamw_([master[lo:hi]], [g32[lo:hi]], [m[lo:hi]], [v[lo:hi]], [], [self.steps[j]],
-                                        lr=lr, beta1=opt.betas[0], beta2=opt.betas[1], weight_decay=wd,
-                                        eps=opt.eps, amsgrad=False, maximize=False)
-                work.copy_(master)
+                self._adamw(j, master, m, v, g32, work, coef, lr)
             self.read[j] = updated = lanes.record("opt")
             lanes.wait("xd2h", updated)
             with lanes.on("xd2h"), trace.op("d2h", j, "opt", 3 * master.nbytes + work.nbytes, "xd2h"):
@@ -86,8 +111,30 @@ class DeviceUpdater:
             self.done[j] = self.set_free[s] = lanes.record("xd2h")
             unit.step += 1
 
+    def _adamw(self, j: int, master, m, v, g32, work, coef, lr: float) -> None:  # noqa: ANN001
+        opt, layout = self.opt, self.state.units[j + 1].layout
+        g32.copy_(self.grads[j]).mul_(coef)  # in fp32, as the host path scales
+        self.steps[j] += 1
+        for lo, hi, wd in layout.decay_ranges(opt.weight_decay):
+            torch._fused_adamw_([master[lo:hi]], [g32[lo:hi]], [m[lo:hi]], [v[lo:hi]], [], [self.steps[j]],
+                                lr=lr, beta1=opt.betas[0], beta2=opt.betas[1], weight_decay=wd,
+                                eps=opt.eps, amsgrad=False, maximize=False)
+        work.copy_(master)
+
     def synchronize(self) -> None:
-        """Wait until every issued update is back in host RAM (before a checkpoint)."""
+        """Wait until every issued update is done and its state is in host RAM (before a checkpoint):
+        the resident layers' state is copied into their host tensors."""
         for event in self.done:
             if event is not None:
                 event.synchronize()
+        for j in range(self.resident):
+            unit = self.state.units[j + 1]
+            for name, tensor in zip((*STATE, "work"), self.res[j]):
+                getattr(unit, name).copy_(tensor)
+
+    def gpu_nbytes(self) -> int:
+        """Bytes of the device buffers this updater holds (the memory plan's figure for them)."""
+        tensors = [*self.grads, *(t for s in self.sets for t in s), *(t for r in self.res for t in r), *self.steps]
+        if self.g32 is not None:
+            tensors.append(self.g32)
+        return sum(t.nbytes for t in tensors)

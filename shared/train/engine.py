@@ -12,8 +12,11 @@ chunks. Backward, top layer down: layer i-1's weights and checkpoint load while 
 recomputed and backpropagated; layer i's gradients go to the host as soon as they exist, with their
 squared norm. The last two layers' weights and inputs stay on the GPU from the forward. The host
 optimizer then updates unit by unit, and the next step's forward of layer i waits only for layer
-i's update. With ``device_update_layers=k`` the GPU computes the first k layers' updates instead
-(device_update.py). Every hand-off between lanes is an event; on CPU the lanes are no-ops (lanes.py).
+i's update. With ``device_update_layers=k`` the GPU computes the first k layers' updates instead,
+and with ``device_resident_layers=r`` the first r of them keep their fp32 state and working copy on
+the GPU, so their forward and backward read the resident copy and load nothing (device_update.py;
+plan.py chooses k and r from the GPU memory cap). Every hand-off between lanes is an event; on CPU
+the lanes are no-ops (lanes.py).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class StepHandle:
 class StreamingEngine:
     def __init__(self, config: ModelConfig, state: HostState, optimizer: HostAdamW, device: torch.device,
                  mlp_chunk: int = 16384, loss_chunk: int | None = None, device_update_layers: int = 0,
-                 compile_layers: bool = False, device_update_sets: int = 2) -> None:
+                 compile_layers: bool = False, device_update_sets: int = 2, device_resident_layers: int = 0) -> None:
         self.cfg, self.state, self.opt, self.device = config, state, optimizer, device
         self.lanes = Lanes(device)
         self.trace = StepTrace(self.lanes, False)
@@ -87,7 +90,7 @@ class StreamingEngine:
         self._pending: dict[int, tuple[torch.Tensor, object]] = {}  # checkpoints on their way back
         self._fwd = True
         self.updater = DeviceUpdater(state, optimizer, self.lanes, device, device_update_layers,
-                                     device_update_sets)
+                                     device_update_sets, device_resident_layers)
         self._sync()  # the slots were zeroed on the default stream
 
     # -- buffers per batch shape -------------------------------------------------------------------
@@ -109,11 +112,13 @@ class StreamingEngine:
             torch.cuda.synchronize(self.device)
 
     # -- loading -------------------------------------------------------------------------------------
-    def _load_layer(self, layer: int, version: int) -> int:
-        """Make the slot for ``layer`` hold its weights at ``version``; returns the slot."""
+    def _load_layer(self, layer: int, version: int) -> None:
+        """Make the slot for ``layer`` hold its weights at ``version`` (nothing for a resident layer)."""
+        if self.updater.is_resident(layer):
+            return
         slot = layer % 2
         if self.slot_holds[slot] == (layer, version):
-            return slot
+            return
         self.opt.wait(layer + 1, version)  # host side: the CPU update of this layer is done
         if self.updater.owns(layer):
             self.lanes.wait("h2d", self.updater.done[layer])  # or the GPU's, back in host RAM
@@ -123,7 +128,13 @@ class StreamingEngine:
             self.w_slots[slot].copy_(unit.work, non_blocking=True)
         self.w_ready[slot] = self.lanes.record("h2d")
         self.slot_holds[slot] = (layer, version)
-        return slot
+
+    def _weights(self, layer: int) -> tuple[torch.Tensor, object, int | None]:
+        """``(flat weights, event they are ready at, slot or None)`` of a loaded layer."""
+        if self.updater.is_resident(layer):
+            return self.updater.work(layer), self.updater.done[layer], None
+        slot = layer % 2
+        return self.w_slots[slot], self.w_ready[slot], slot
 
     def _load_checkpoint(self, layer: int) -> tuple[torch.Tensor, object]:
         slot = layer % 2
@@ -174,12 +185,13 @@ class StreamingEngine:
                     self._save_checkpoint(i, x)
                 else:
                     resident[i] = x
-                slot = i % 2
-                lanes.wait("compute", self.w_ready[slot])
+                weights, ready, slot = self._weights(i)
+                lanes.wait("compute", ready)
                 with tl.op("compute", i, "fwd"):
-                    x = fn.layer_forward(self.layer_layout.views(self.w_slots[slot]), x, cos, sin, cfg, self.mlp_chunk,
+                    x = fn.layer_forward(self.layer_layout.views(weights), x, cos, sin, cfg, self.mlp_chunk,
                                          self.blocks)
-                self.slot_free[slot] = lanes.record("compute")
+                if slot is not None:
+                    self.slot_free[slot] = lanes.record("compute")
 
             # head: loss and its backward, chunked; extras gradients accumulate from here on
             self._fwd = False
@@ -230,23 +242,40 @@ class StreamingEngine:
         self._sync()
 
     def _layer_backward(self, i: int, x_in: torch.Tensor, x_ready, grad: torch.Tensor, cos, sin) -> torch.Tensor:  # noqa: ANN001
-        lanes, slot, on_device = self.lanes, i % 2, self.updater.owns(i)
-        grads = self.updater.grads[i] if on_device else self.g_slots[slot]
-        lanes.wait("compute", self.w_ready[slot])
+        lanes, half, on_device = self.lanes, i % 2, self.updater.owns(i)
+        weights, ready, slot = self._weights(i)
+        grads = self.updater.grads[i] if on_device else self.g_slots[half]
+        lanes.wait("compute", ready)
         lanes.wait("compute", x_ready)
-        lanes.wait("compute", self.updater.read[i] if on_device else self.g_free[slot])
+        lanes.wait("compute", self.updater.read[i] if on_device else self.g_free[half])
         with self.trace.op("compute", i, "bwd"):
             grads.zero_()
-            leaves = self._leaves(self.w_slots[slot], grads, self.layer_layout)
+            leaves = self._leaves(weights, grads, self.layer_layout)
             grad = fn.layer_backward(leaves, x_in, grad, cos, sin, self.cfg, self.mlp_chunk, self.blocks)
             self.sumsq[i + 1] = _sumsq(grads)
         done = lanes.record("compute")
-        self.slot_free[slot] = self.act_free[slot] = done
+        self.act_free[half] = done
+        if slot is not None:
+            self.slot_free[slot] = done
         if on_device:  # its gradients stay for the GPU's update (device_update.py)
             return grad
         lanes.wait("d2h", done)
         host_grad = self.state.units[i + 1].grad_for(self.version + 1)
         with lanes.on("d2h"), self.trace.op("d2h", i, "bwd", host_grad.nbytes):
-            host_grad.copy_(self.g_slots[slot], non_blocking=True)
-        self.g_free[slot] = lanes.record("d2h")
+            host_grad.copy_(self.g_slots[half], non_blocking=True)
+        self.g_free[half] = lanes.record("d2h")
         return grad
+
+    def gpu_buffers_nbytes(self) -> int:
+        """Bytes of the buffers the engine keeps on its device between steps (slots, extras, the
+        activation slots of the current batch shape, RoPE tables, the device updater's buffers):
+        what the memory plan (plan.py) counts as persistent."""
+        tensors = [*self.w_slots, *self.g_slots, self.extras_w, self.extras_g, self.sumsq]
+        if self._shape is not None:
+            tensors += [*self.act_slots, *self._rope]
+        return sum(t.nbytes for t in tensors) + self.updater.gpu_nbytes()
+
+    def host_buffers_nbytes(self) -> int:
+        """Bytes of the engine's own host buffers (activation checkpoints, the norms and loss)."""
+        ckpts = getattr(self, "ckpt_host", [])
+        return sum(t.nbytes for t in ckpts) + self.sumsq_host.nbytes + self.loss_host.nbytes

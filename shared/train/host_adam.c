@@ -109,3 +109,56 @@ void tandem_adamw(float *p, float *m, float *v, const void *g, void *w, int64_t 
         else adamw_range(&ranges[t]);
     }
 }
+
+/* Host memory bandwidth on the same pool of threads: op 0 reads n floats (an XOR of their bits, so
+ * nothing folds away), op 1 writes n floats (values that depend on the index, so the loop never
+ * becomes a memset with streaming stores), op 2 copies (XOR with a run-time zero, never a memcpy).
+ * These are the access patterns of the AdamW loop: ordinary loads and stores. Returns the XOR. */
+typedef struct {
+    uint32_t *dst;
+    const uint32_t *src;
+    int64_t lo, hi;
+    int op;
+    uint32_t seed, result;
+} bench_t;
+
+static void *bench_range(void *arg) {
+    bench_t *b = (bench_t *)arg;
+    uint32_t acc = 0;
+    if (b->op == 0) {
+        for (int64_t i = b->lo; i < b->hi; i++) acc ^= b->src[i];
+    } else if (b->op == 1) {
+        for (int64_t i = b->lo; i < b->hi; i++) b->dst[i] = (uint32_t)i ^ b->seed;
+    } else {
+        for (int64_t i = b->lo; i < b->hi; i++) b->dst[i] = b->src[i] ^ b->seed;
+    }
+    b->result = acc;
+    return NULL;
+}
+
+uint32_t tandem_membench(int op, void *dst, const void *src, int64_t n, int threads, uint32_t seed) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    int64_t per = (n + threads - 1) / threads;
+    per = (per + ALIGN - 1) / ALIGN * ALIGN;
+    bench_t ranges[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS];
+    int count = 0;
+    for (int64_t lo = 0; lo < n; lo += per, count++) {
+        bench_t *b = &ranges[count];
+        b->dst = (uint32_t *)dst; b->src = (const uint32_t *)src;
+        b->lo = lo; b->hi = lo + per < n ? lo + per : n;
+        b->op = op; b->seed = seed; b->result = 0;
+    }
+    for (int t = 1; t < count; t++)
+        started[t] = pthread_create(&ids[t], NULL, bench_range, &ranges[t]) == 0;
+    if (count) bench_range(&ranges[0]);
+    uint32_t acc = count ? ranges[0].result : 0;
+    for (int t = 1; t < count; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        else bench_range(&ranges[t]);
+        acc ^= ranges[t].result;
+    }
+    return acc;
+}

@@ -55,7 +55,22 @@ class HostAdamKernel:
         self._fn.restype = None
         self._fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.c_int,
                                                      ctypes.c_int]
-        self.threads = max(1, len(os.sched_getaffinity(0)) - 1)  # one core stays with the engine's thread
+        # one core stays with the engine's thread; TANDEM_ADAM_THREADS overrides (measuring contention)
+        self.threads = int(os.environ.get("TANDEM_ADAM_THREADS") or max(1, len(os.sched_getaffinity(0)) - 1))
+        self._bench = library.tandem_membench
+        self._bench.restype = ctypes.c_uint32
+        self._bench.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                ctypes.c_uint32]
+
+    def membench(self, op: str, dst: torch.Tensor, src: torch.Tensor) -> int:
+        """One pass of ``op`` ("read" ``src``, "write" ``dst``, "copy" ``src`` into ``dst``; 4-byte
+        contiguous tensors of one length) on the optimizer's threads, with its loads and stores."""
+        if dst.numel() != src.numel() or dst.element_size() != 4 or src.element_size() != 4:
+            raise ValueError("membench needs two 4-byte tensors of one length")
+        if not (dst.is_contiguous() and src.is_contiguous()):
+            raise ValueError("membench needs contiguous tensors")
+        code = {"read": 0, "write": 1, "copy": 2}[op]
+        return int(self._bench(code, dst.data_ptr(), src.data_ptr(), dst.numel(), self.threads, 0))
 
     def adamw(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
               work: torch.Tensor, hyper: tuple[float, ...], write_state: bool, write_work: bool) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.shared.model.config import ModelLoadError
+from tandem.shared.model.config import ModelConfig, ModelLoadError
 from tandem.shared.model.meta import read_hf_config
 from tandem.shared.protocol.base import ErrorCode, ProtocolError
 from tandem.shared.protocol.training import TimelineOp, TrainJob, TrainStepMetrics
@@ -32,6 +31,19 @@ from tandem.shared.train.host_state import HostState
 from tandem.shared.train.lanes import hidden_fraction
 from tandem.shared.train.layout import count_parameters
 from tandem.shared.train.optimizer import HostAdamW, lr_schedule
+from tandem.shared.train.plan import (
+    H200,
+    GiB,
+    MemoryPlan,
+    Placement,
+    PlanError,
+    Rates,
+    choose_placement,
+    host_ram_available,
+    measure_rates,
+    memory_plan,
+    step_bound,
+)
 from tandem.shared.train.presets import resolve_model
 
 log = logging.getLogger("tandem.train")
@@ -56,12 +68,85 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
-def _fits_in_host_ram(nbytes: int, share: float = 0.85) -> bool:
+@dataclass
+class JobSetup:
+    """What a job will be, decided before anything large is allocated (:func:`plan_job`)."""
+
+    config: ModelConfig
+    init_from: Path | None
+    model_name: str
+    device: torch.device
+    dtype: torch.dtype
+    resume: bool
+    output_dir: Path
+    data: TokenData
+    split: bool
+    placement: Placement
+    plan: MemoryPlan
+    bound: dict[str, float]  # step_bound of the placement with the rates it was chosen with
+
+
+def gpu_cap_bytes(device: torch.device, gpu_memory_gib: float | None) -> int | None:
+    """The bytes the job may use on ``device``: the cap (at most the device's memory), or, uncapped,
+    what is free now; ``None`` on CPU."""
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    if gpu_memory_gib:
+        return min(total, int(gpu_memory_gib * GiB))
+    free, _ = torch.cuda.mem_get_info(device)
+    return free
+
+
+def plan_job(job: TrainJob, output_dir: Path, device_resident_layers: int | None = None, rates: Rates | None = None,
+             mlp_chunk: int = 16384) -> JobSetup:
+    """Resolve the model, read the data and make the memory plan and the placement, allocating
+    nothing large. Placement: ``job.device_update_layers`` set explicitly (or
+    ``device_resident_layers`` given) is taken as is, with ``r`` resident of the ``k`` GPU-updated
+    layers (``k`` alone: none resident; ``r`` alone: ``k = r``); otherwise CUDA chooses from the cap
+    (plan.choose_placement) with ``rates`` (None: measured now, about a second) and CPU updates every
+    layer on the host."""
+    device = resolve_device(job.device)
     try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return True
-    return nbytes <= share * total
+        config, init_from, model_name = resolve_model(job.model)
+    except ModelLoadError as exc:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+    resume = job.resume and has_checkpoint(output_dir)
+    if resume:
+        config = read_hf_config(output_dir)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokenizer = ByteTokenizer() if config.byte_tokenizer or init_from is None else HFTokenizer(init_from)
+    data = TokenData.load(job.dataset, tokenizer, config.vocab_size)
+    data_bytes = data.tokens.nbytes if data.tokens is not None else 0
+    cap, host_free = gpu_cap_bytes(device, job.gpu_memory_gib), host_ram_available()
+    sets = job.device_update_sets
+
+    def plan_for(placement: Placement, split: bool) -> MemoryPlan:
+        return memory_plan(config, dtype, job.batch_size, job.seq_len, placement, device=device.type, split=split,
+                           gpu_cap=cap, host_available=host_free, mlp_chunk=mlp_chunk, data_bytes=data_bytes)
+
+    split = job.split_update if job.split_update is not None else device.type == "cuda"
+    if split and job.split_update is None and not plan_for(Placement(), True).fits_host():
+        log.info("no room in host RAM for a second gradient buffer; host AdamW runs whole updates")
+        split = False
+    explicit_k = "device_update_layers" in job.model_fields_set
+    if explicit_k or device_resident_layers is not None:
+        r = device_resident_layers or 0
+        k = job.device_update_layers if explicit_k else r
+        if r > k:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"{r} GPU-resident layers but only {k} GPU-updated ones; "
+                                "--device-resident-layers counts among --device-update-layers")
+        placement = Placement(min(r, config.num_layers), min(k, config.num_layers), sets, "given")
+        bound = step_bound(config, job.batch_size, job.seq_len, placement, rates or H200, dtype.itemsize, split)
+    elif device.type == "cuda":
+        rates = rates or measure_rates(device)
+        placement, bound = choose_placement(config, dtype, job.batch_size, job.seq_len, cap, rates, split, sets,
+                                            mlp_chunk)
+    else:
+        placement = Placement(0, 0, sets, "CPU: the host updates every layer")
+        bound = {}
+    return JobSetup(config, init_from, model_name, device, dtype, resume, output_dir, data, split, placement,
+                    plan_for(placement, split), bound)
 
 
 def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
@@ -69,25 +154,34 @@ def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int)
     return 6 * num_params + 6 * num_layers * hidden * seq_len
 
 
+def output_dir_of(job: TrainJob, job_id: str, data_dir: Path) -> Path:
+    return Path(job.output_dir) if job.output_dir else Path(data_dir) / "train" / job_id
+
+
 class TrainRunner:
-    def __init__(self, job: TrainJob, job_id: str, data_dir: Path, mlp_chunk: int = 16384) -> None:
+    """A job; ``device_resident_layers`` (None: chosen, see :func:`plan_job`) is how many of the
+    GPU-updated layers keep their fp32 state on the GPU. Refuses (ProtocolError, one line) a job
+    whose memory plan does not fit before allocating anything large."""
+
+    def __init__(self, job: TrainJob, job_id: str, data_dir: Path, mlp_chunk: int = 16384,
+                 device_resident_layers: int | None = None, rates: Rates | None = None) -> None:
         self.job, self.job_id = job, job_id
-        self.device = resolve_device(job.device)
+        self.output_dir = output_dir_of(job, job_id, data_dir)
+        self.setup = setup = plan_job(job, self.output_dir, device_resident_layers, rates, mlp_chunk)
+        try:
+            setup.plan.check()
+        except PlanError as exc:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"job {job_id}: {exc}") from None
+        self.device, self.model_name, self.placement = setup.device, setup.model_name, setup.placement
         if self.device.type == "cuda" and job.gpu_memory_gib:
             total = torch.cuda.get_device_properties(self.device).total_memory
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             torch.cuda.set_per_process_memory_fraction(min(1.0, job.gpu_memory_gib * 2**30 / total), index)
-        self.output_dir = Path(job.output_dir) if job.output_dir else Path(data_dir) / "train" / job_id
-        try:
-            config, init_from, self.model_name = resolve_model(job.model)
-        except ModelLoadError as exc:
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        config, init_from, dtype = setup.config, setup.init_from, setup.dtype
         self.source_dir = init_from
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         pin = self.device.type == "cuda"
         self.start_step = 0
-        if job.resume and has_checkpoint(self.output_dir):
-            config = read_hf_config(self.output_dir)
+        if setup.resume:
             self.state = HostState.from_checkpoint(config, self.output_dir, dtype, pin)
             self.start_step = int(restore_optimizer(self.output_dir, self.state)["step"])
             log.info("resuming %s from %s at step %d", job_id, self.output_dir, self.start_step)
@@ -96,19 +190,17 @@ class TrainRunner:
         else:
             self.state = HostState.random(config, job.seed, dtype, pin)
         self.config = config
-        tokenizer = ByteTokenizer() if config.byte_tokenizer or init_from is None else HFTokenizer(init_from)
-        self.data = TokenData.load(job.dataset, tokenizer, config.vocab_size)
+        self.data = setup.data
         self.lr_at = lr_schedule(job.lr, job.warmup_steps, job.steps)
-        split = job.split_update if job.split_update is not None else self.device.type == "cuda"
-        if split and job.split_update is None and not _fits_in_host_ram(self.state.nbytes() + self.state.grad_nbytes()):
-            log.info("job %s: no room in host RAM for a second gradient buffer; host AdamW runs whole updates", job_id)
-            split = False
-        self.optimizer = HostAdamW(self.state, self.lr_at, job.weight_decay, job.grad_clip, split=split)
+        self.optimizer = HostAdamW(self.state, self.lr_at, job.weight_decay, job.grad_clip, split=setup.split)
         self.compile_layers = job.compile_layers if job.compile_layers is not None else self.device.type == "cuda"
         self.engine = StreamingEngine(config, self.state, self.optimizer, self.device, mlp_chunk=mlp_chunk,
-                                      device_update_layers=job.device_update_layers,
-                                      device_update_sets=job.device_update_sets,
+                                      device_update_layers=self.placement.device_update,
+                                      device_update_sets=self.placement.sets,
+                                      device_resident_layers=self.placement.resident,
                                       compile_layers=self.compile_layers)
+        log.info("job %s: placement %s (%s)", job_id, self.placement.describe(config.num_layers),
+                 self.placement.reason)
         self.num_params = count_parameters(config)
         self.flops_per_token = flops_per_token(self.num_params, config.num_layers, config.hidden_size, job.seq_len)
         log.info("job %s: %s, %.3fB parameters, %s, data %s, host state %.1f GiB", job_id, job.model,

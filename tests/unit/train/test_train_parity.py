@@ -34,12 +34,16 @@ HOST_PATHS = {  # HostAdamW keyword arguments: the C kernel (whole updates / pre
 }
 
 
-@pytest.mark.parametrize("name,device_layers,host", [("tiny-tied", 0, "kernel"), ("untied-bias-qknorm", 0, "kernel"),
-                                                     ("untied-bias-qknorm", 2, "split"), ("tiny-tied", 0, "split"),
-                                                     ("untied-bias-qknorm", 0, "torch")])
-def test_losses_and_weights_match_plain_pytorch(name, device_layers, host):
-    """``device_layers``: that many layers take the engine-side AdamW path (device_update.py);
-    ``host``: how the host does the rest (HOST_PATHS)."""
+@pytest.mark.parametrize("name,device_layers,host,resident", [
+    ("tiny-tied", 0, "kernel", 0), ("untied-bias-qknorm", 0, "kernel", 0), ("untied-bias-qknorm", 2, "split", 0),
+    ("tiny-tied", 0, "split", 0), ("untied-bias-qknorm", 0, "torch", 0),
+    ("untied-bias-qknorm", 3, "split", 2),  # 2 layers resident, 1 streamed, 1 on the host
+    ("tiny-tied", 3, "kernel", 3),  # every layer resident
+])
+def test_losses_and_weights_match_plain_pytorch(name, device_layers, host, resident):
+    """``device_layers``: that many layers take the engine-side AdamW path (device_update.py), the
+    first ``resident`` of them with their state kept on the device; ``host``: how the host does the
+    rest (HOST_PATHS)."""
     cfg, steps = CONFIGS[name], 5
     state = HostState.random(cfg, seed=1, work_dtype=torch.float32, pin=False)
     model = reference_model(state)
@@ -51,7 +55,8 @@ def test_losses_and_weights_match_plain_pytorch(name, device_layers, host):
     opt.start()
     # Small chunks so the chunked MLP and chunked loss paths both run.
     engine = StreamingEngine(cfg, state, opt, torch.device("cpu"), mlp_chunk=40, loss_chunk=50,
-                             device_update_layers=device_layers, device_update_sets=3)
+                             device_update_layers=device_layers, device_update_sets=3,
+                             device_resident_layers=resident)
     slack = {key: torch.zeros_like(p) for key, p in model.named_parameters()}
     try:
         for step, (ids, targets) in enumerate(batches(steps, 2, 33, cfg.vocab_size), start=1):

@@ -24,18 +24,23 @@ def job(tmp_path, name: str, **extra) -> TrainJob:  # noqa: ANN001
     return TrainJob(**(fields | extra))
 
 
-@pytest.mark.parametrize("device_layers,split", [(0, False), (2, False), (2, True)])
-def test_resume_continues_bit_exactly(tmp_path, device_layers, split):
-    """``split``: the host optimizer previews working copies and commits state later (optimizer.py)."""
+@pytest.mark.parametrize("device_layers,split,resident", [(0, False, None), (2, False, None), (2, True, None),
+                                                          (3, True, 2)])
+def test_resume_continues_bit_exactly(tmp_path, device_layers, split, resident):
+    """``split``: the host optimizer previews working copies and commits state later (optimizer.py);
+    ``resident``: that many of the device-updated layers keep their state on the device, so the
+    checkpoint must copy it back and the resumed run load it again (device_update.py)."""
     how = dict(device_update_layers=device_layers, split_update=split)
     unbroken: list[float] = []
-    TrainRunner(job(tmp_path, "a", **how), "a", tmp_path).run(on_step=lambda m: unbroken.append(m.loss))
+    TrainRunner(job(tmp_path, "a", **how), "a", tmp_path, device_resident_layers=resident).run(
+        on_step=lambda m: unbroken.append(m.loss))
 
     broken: list[float] = []
-    first = TrainRunner(job(tmp_path, "b", **how), "b", tmp_path).run(
+    first = TrainRunner(job(tmp_path, "b", **how), "b", tmp_path, device_resident_layers=resident).run(
         on_step=lambda m: broken.append(m.loss), should_stop=lambda: len(broken) >= STEPS // 2)
     assert first.state == "stopped" and first.step == STEPS // 2
-    resumed = TrainRunner(job(tmp_path, "b", resume=True, **how), "b", tmp_path)
+    resumed = TrainRunner(job(tmp_path, "b", resume=True, **how), "b", tmp_path, device_resident_layers=resident)
+    assert resumed.placement.resident == (resident or 0)
     assert resumed.start_step == STEPS // 2
     second = resumed.run(on_step=lambda m: broken.append(m.loss))
     assert second.state == "finished" and second.step == STEPS

@@ -1,0 +1,541 @@
+"""The memory plan of a training job, its placement, and the step's lower bound: arithmetic only.
+
+Before anything is allocated the trainer works out, from the model's shapes, the compute dtype, the
+batch, the sequence length, the GPU memory cap and where each layer's fp32 state lives, how many
+bytes of host RAM and of GPU memory the job needs, and refuses in one line naming what to change
+when they do not fit (:meth:`MemoryPlan.check`). ``tandem train --plan`` prints the plan.
+
+Host RAM and the persistent GPU buffers are exact: they are sums over the very tensors that
+host_state.py, engine.py and device_update.py allocate (the unit tests compare them with a run).
+The GPU's *working* memory (the live activations of one layer's backward, the loss head's chunk)
+is an estimate from the tensors eager PyTorch keeps for the backward (:func:`activation_bytes`);
+a fixed headroom covers allocator rounding and cuBLAS workspaces.
+
+Placement. A decoder layer is one of three kinds:
+
+- *resident* (layers 0..r-1): fp32 master and moments and the working copy stay on the GPU; its
+  update is GPU-only and its weights never cross PCIe;
+- *streamed* (r..k-1): state in host RAM, the update computed on the GPU after the backward
+  (12 bytes per parameter over PCIe each way, plus the new working copy back);
+- *host* (k..L-1, and the extras): the CPU's AdamW (host_kernel.py) updates it behind the forward.
+
+:func:`choose_placement` picks ``(r, k)`` that fit the cap and minimise :func:`step_bound` with
+known rates (:data:`H200`, the lent machine's measured figures) or measured ones (the benchmark's).
+
+The bound (:func:`step_bound`) is the largest of: the GPU's compute; the bytes through host memory
+(the CPU optimizer's passes plus every DMA byte) at the host's copy rate; the bytes each way over
+PCIe at each direction's rate and both together at the duplex rate; and the exact-clipping chain:
+no update starts before the backward ends (the global norm needs every gradient), so between one
+backward's end and the next one's, the CPU's preview of every host unit, the last layer's forward,
+the head and the whole backward run one after another (and likewise the streamed updates over PCIe
+ahead of the forward that needs them).
+
+    plan = memory_plan(config, work_dtype=torch.bfloat16, batch=8, seq=2048, gpu_cap=16 * GiB,
+                       placement=Placement(resident=10, device_update=10))
+    plan.check()          # raises PlanError("... does not fit ...; use ...")
+    print(plan.describe())
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from tandem.shared.model.config import ModelConfig
+from tandem.shared.train.layout import extras_layout, layer_layout
+
+GiB = 2**30
+RESIDENT_TAIL = 2  # as engine.py: the top layers' inputs stay on the GPU between forward and backward
+CUDA_CONTEXT = int(1.5 * GiB)  # host RAM the CUDA context and torch's libraries take in this process
+PROCESS_BASE = int(0.75 * GiB)  # host RAM of the interpreter, torch and the data on a CPU run
+HEADROOM_FRACTION, HEADROOM_MIN = 0.04, int(0.5 * GiB)  # GPU: allocator rounding, fragmentation
+CUBLAS_WORKSPACE = 64 << 20  # GPU: cuBLAS/cuBLASLt workspaces, from the caching allocator (32 MiB a handle on Hopper)
+
+
+class PlanError(ValueError):
+    """A job that does not fit; the message is one line naming what to change."""
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Bytes per second (parameters per second for the optimizer's passes, FLOP/s for the GPU) of
+    the resources a step uses."""
+
+    host_copy: float  # host memory, read + write bytes per second of a large copy on the optimizer's threads
+    h2d: float  # pinned host -> device, one direction alone
+    d2h: float
+    duplex: float  # both directions at once, total
+    gpu_flops: float  # achieved on the layer math, recompute included (8·N·tokens + attention)
+    preview: float  # host AdamW preview pass, parameters per second (reads 12 + e bytes, writes e)
+    commit: float  # commit pass (reads 12 + e, writes 12)
+    whole: float  # whole update (reads 12 + e, writes 12 + e)
+    dram: float  # host memory bytes per second with the CPU and the copy engines both at it
+    source: str = "known"
+    host_read: float | None = None
+    host_write: float | None = None
+
+
+# The lent H200 machine (DESIGN.md, issue 20; 2026-11-30/12-01): host copy 100.6 GB/s on 15 threads, PCIe
+# 55.4 / 55.3 GB/s, 101.6 GB/s both at once; the 3B step's compute 0.70 s for 383.6 TFLOP with recompute;
+# the preview pass 4.67 G parameters/s (commit and whole updates not recorded: taken as equal). The runner
+# and the benchmark measure their own (measure_rates); these are for plans made without a GPU.
+H200 = Rates(host_copy=100.6e9, h2d=55.4e9, d2h=55.3e9, duplex=101.6e9, gpu_flops=548e12, preview=4.67e9,
+             commit=4.67e9, whole=4.67e9 * 16 / 28, dram=100.6e9, source="H200 (DESIGN.md)")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each decoder layer's fp32 state lives: layers [0, resident) on the GPU, [resident,
+    device_update) in host RAM but updated on the GPU, the rest updated by the CPU."""
+
+    resident: int = 0
+    device_update: int = 0  # layers updated on the GPU, the resident ones included
+    sets: int = 2  # GPU buffer sets for the streamed updates
+    reason: str = "given"
+
+    @property
+    def streamed(self) -> int:
+        return self.device_update - self.resident
+
+    def host_layers(self, num_layers: int) -> int:
+        return num_layers - self.device_update
+
+    def describe(self, num_layers: int) -> str:
+        return (f"{self.resident} layers resident on the GPU, {self.streamed} streamed for a GPU update, "
+                f"{self.host_layers(num_layers)} updated by the CPU")
+
+
+@dataclass
+class MemoryPlan:
+    config: ModelConfig
+    device: str  # "cuda" or "cpu"
+    batch: int
+    seq: int
+    work_bytes: int  # bytes per element of the compute dtype
+    placement: Placement
+    split: bool
+    host: dict[str, int] = field(default_factory=dict)  # what lives in host RAM
+    gpu: dict[str, int] = field(default_factory=dict)  # persistent device buffers
+    working: dict[str, int] = field(default_factory=dict)  # the activations' peak, by phase
+    gpu_cap: int | None = None  # bytes the job may use on the GPU (None: CPU run)
+    workspace: int = 0  # cuBLAS workspaces (CUDA only)
+    host_available: int | None = None  # bytes of host RAM free for it
+    headroom: int = 0
+
+    @property
+    def host_total(self) -> int:
+        """Host RAM the job needs; on CPU the engine's buffers and activations live there too."""
+        total = sum(self.host.values())
+        if self.device == "cpu":
+            total += self.gpu_persistent + self.gpu_working
+        return total
+
+    @property
+    def gpu_persistent(self) -> int:
+        return sum(self.gpu.values())
+
+    @property
+    def gpu_working(self) -> int:
+        return max(self.working.values()) if self.working else 0
+
+    @property
+    def gpu_peak(self) -> int:
+        """Peak bytes allocated on the device (persistent buffers + the largest working set + the
+        cuBLAS workspaces)."""
+        return self.gpu_persistent + self.gpu_working + self.workspace
+
+    def fits_gpu(self) -> bool:
+        return self.gpu_cap is None or self.gpu_peak + self.headroom <= self.gpu_cap
+
+    def fits_host(self) -> bool:
+        return self.host_available is None or self.host_total <= self.host_available
+
+    def check(self) -> None:
+        """Raise :class:`PlanError` (one line, naming what to change) when the job does not fit."""
+        shape = f"batch {self.batch} x seq {self.seq}"
+        if not self.fits_host():
+            spare = self.host["gradient buffers"] // 2 if self.split else 0
+            split_hint = f", --no-split-update (saves {spare / GiB:.1f} GiB)" if spare else ""
+            raise PlanError(
+                f"host RAM: the job needs {self.host_total / GiB:.1f} GiB ({self._top(self.host)}) but "
+                f"{self.host_available / GiB:.1f} GiB is available; use a smaller model, a shorter --seq-len or a "
+                f"smaller --batch-size (activation checkpoints: {self.host.get('checkpoints', 0) / GiB:.1f} GiB at "
+                f"{shape}){split_hint}, or free host memory")
+        if not self.fits_gpu():
+            need = self.gpu_peak + self.headroom
+            p = self.placement
+            state = (f", or fewer GPU-resident/updated layers (now {p.resident}/{p.device_update}: "
+                     f"{(self.gpu['resident'] + self.gpu['device_grads'] + self.gpu['update_sets']) / GiB:.1f} GiB)"
+                     if p.device_update else "")
+            raise PlanError(
+                f"GPU memory: the job needs {need / GiB:.1f} GiB (buffers {self.gpu_persistent / GiB:.1f}, "
+                f"activations {self.gpu_working / GiB:.1f} at {shape}, headroom {self.headroom / GiB:.1f}) over the "
+                f"{self.gpu_cap / GiB:.1f} GiB cap; raise --gpu-memory-gib, or lower --batch-size or --seq-len{state}")
+
+    @staticmethod
+    def _top(parts: dict[str, int]) -> str:
+        big = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
+        return ", ".join(f"{k} {v / GiB:.1f}" for k, v in big)
+
+    def describe(self) -> str:
+        """The plan, a few lines."""
+        cfg, p = self.config, self.placement
+        lines = [f"memory plan: {cfg.num_layers} layers x {layer_layout(cfg).numel / 1e6:.1f}M + extras "
+                 f"{extras_layout(cfg).numel / 1e6:.1f}M parameters, {self.device}, batch {self.batch} x "
+                 f"{self.seq}, {self.work_bytes * 8}-bit compute, host AdamW "
+                 f"{'preview + commit' if self.split else 'whole updates'}",
+                 f"  placement: {p.describe(cfg.num_layers)} ({p.reason})"]
+        host = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.host.items() if v)
+        avail = f" of {self.host_available / GiB:.1f} GiB available" if self.host_available is not None else ""
+        lines.append(f"  host RAM {self.host_total / GiB:.2f} GiB{avail}: {host}"
+                     + (" (+ the engine's buffers, on CPU)" if self.device == "cpu" else ""))
+        gpu = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.gpu.items() if v)
+        work = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.working.items())
+        where = "GPU" if self.device == "cuda" else "engine buffers (CPU)"
+        cap = f", cap {self.gpu_cap / GiB:.1f} GiB with {self.headroom / GiB:.2f} headroom" if self.gpu_cap else ""
+        ws = f"; cuBLAS workspaces {self.workspace / GiB:.2f}" if self.workspace else ""
+        lines.append(f"  {where} peak {self.gpu_peak / GiB:.2f} GiB{cap}: buffers {self.gpu_persistent / GiB:.2f} "
+                     f"({gpu}); activations, the largest of: {work}{ws}")
+        verdict = "fits" if self.fits_gpu() and self.fits_host() else "does NOT fit"
+        lines.append(f"  {verdict}")
+        return "\n".join(lines)
+
+
+def activation_bytes(cfg: ModelConfig, batch: int, seq: int, e: int, mlp_chunk: int, loss_chunk: int) -> dict[str, int]:
+    """Peak bytes of the activations that live on the device beyond the engine's buffers, by phase.
+
+    Per token, with ``d`` hidden, ``q`` = heads x head_dim, ``I`` intermediate, ``e`` bytes per element:
+    the attention half's graph, held across the layer's backward, keeps the fp32 norm input (4d), the
+    normalised input and h (2ed), the rotated q, the GQA-expanded k and v, SDPA's output and its
+    reshaped copy (5eq) and the log-sum-exp (4 per head); the layer's output, its gradient, the
+    incoming gradient and the one going out are 4ed more. Each MLP chunk adds its fp32 norm input and
+    normalised copies ((4 + 3e)d), the gate, SiLU, up and product (4eI) and their gradients (3eI);
+    the attention backward adds the gradients of q, k, v, SDPA's output (4eq) and the norm's (8d).
+    The loss head holds the final hidden state and its gradient (2ed per token) and, per chunk, the
+    logits in the compute dtype and fp32, the log-softmax and its gradient ((2e + 12) per vocab entry)."""
+    tokens = batch * seq
+    d, q, inter, heads = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size, cfg.num_heads
+    chunk = min(mlp_chunk, tokens)
+    attn_graph = tokens * ((4 + 2 * e) * d + 5 * e * q + 4 * heads)
+    flowing = tokens * 4 * e * d
+    mlp = chunk * ((4 + 3 * e) * d + 7 * e * inter)
+    attn_bwd = tokens * (4 * e * q + 8 * d)
+    head_chunk = min(loss_chunk, tokens)
+    head = tokens * 2 * e * d + head_chunk * ((2 * e + 12) * cfg.vocab_size + (12 + 3 * e) * d)
+    tail = RESIDENT_TAIL * tokens * d * e if cfg.num_layers >= RESIDENT_TAIL else cfg.num_layers * tokens * d * e
+    ids = 2 * tokens * 8
+    return {"layer backward (mlp)": attn_graph + flowing + mlp + ids,
+            "layer backward (attention)": attn_graph + flowing + attn_bwd + ids,
+            "loss head": head + tail + ids}
+
+
+def default_loss_chunk(cfg: ModelConfig) -> int:
+    """As engine.py: about 512 MiB of fp32 logits per chunk."""
+    return max(256, (512 << 20) // (4 * cfg.vocab_size))
+
+
+def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int, placement: Placement,
+                device: str = "cuda", split: bool = True, gpu_cap: int | None = None,
+                host_available: int | None = None, mlp_chunk: int = 16384, loss_chunk: int | None = None,
+                data_bytes: int = 0) -> MemoryPlan:
+    """The bytes a job needs, from the same shapes the allocating code uses (module docstring)."""
+    e = torch.empty((), dtype=work_dtype).element_size()
+    L = cfg.num_layers
+    n, ne = layer_layout(cfg).numel, extras_layout(cfg).numel
+    units = [ne] + [n] * L
+    r, k = min(placement.resident, L), min(max(placement.device_update, placement.resident), L)
+    placement = replace(placement, resident=r, device_update=k)
+    act = batch * seq * cfg.hidden_size * e
+    grads_per_unit = 2 if split else 1
+    host = {
+        "fp32 masters + moments": sum(12 * u + 4 for u in units),
+        "working copies": sum(e * u for u in units),
+        "gradient buffers": grads_per_unit * sum(e * u for u in units),
+        "checkpoints": max(0, L - RESIDENT_TAIL) * act,
+        "engine": 8 * len(units) + 4,
+        "process": (CUDA_CONTEXT if device == "cuda" else PROCESS_BASE) + data_bytes,
+    }
+    streamed = k - r
+    sets = min(max(1, placement.sets), streamed)
+    gpu = {
+        "weight slots": 2 * n * e,
+        "gradient slots": 2 * n * e,
+        "extras": 2 * ne * e,
+        "activation slots": 2 * act,
+        "rope": 2 * seq * (cfg.head_dim // 2) * 4,
+        "norms": 8 * len(units),
+        "resident": r * (12 + e) * n + (4 * n if r else 0),
+        "device_grads": k * e * n,
+        "update_sets": sets * (16 + e) * n,
+        "steps": 4 * k,
+    }
+    plan = MemoryPlan(cfg, device, batch, seq, e, placement, split, host, gpu,
+                      activation_bytes(cfg, batch, seq, e, mlp_chunk, loss_chunk or default_loss_chunk(cfg)),
+                      gpu_cap=gpu_cap, host_available=host_available)
+    if device == "cuda":
+        plan.workspace = CUBLAS_WORKSPACE
+    if gpu_cap is not None:
+        plan.headroom = max(HEADROOM_MIN, int(HEADROOM_FRACTION * gpu_cap))
+    return plan
+
+
+def host_ram_available() -> int | None:
+    """Bytes of host RAM this process may still take: MemAvailable, or less under a cgroup limit."""
+    avail = None
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        except (ValueError, OSError):
+            return None
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        used = int(open("/sys/fs/cgroup/memory.current").read())
+        if limit != "max":
+            avail = min(avail, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+# -- the bound --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepBytes:
+    """What one step moves through each resource, given the placement (bytes; FLOPs)."""
+
+    h2d: int
+    d2h: int
+    host_read: int  # every byte the CPU optimizer reads, plus every host->device DMA byte
+    host_write: int  # every byte it writes, plus every device->host DMA byte
+    first_read: int  # of the optimizer's, what must be read before the next forward's last host layer
+    first_write: int  # (the preview passes, or whole updates without preview + commit)
+    flops: float  # the GPU's, recompute included
+
+
+def step_bytes(cfg: ModelConfig, batch: int, seq: int, placement: Placement, e: int = 2,
+               split: bool = True) -> StepBytes:
+    """Per step: weights in (every non-resident layer in the forward, and in the backward all but
+    the top two, which stay in the slots), activation checkpoints out and back, host-updated
+    gradients out, streamed layers' fp32 state in and state + working copy out; on the host the
+    optimizer's passes over masters, moments, gradient and working copy (preview: reads 12 + e,
+    writes e per parameter; commit: reads 12 + e, writes 12; a whole update: reads 12 + e, writes 12 + e)."""
+    L, n, ne = cfg.num_layers, layer_layout(cfg).numel, extras_layout(cfg).numel
+    r, k = placement.resident, placement.device_update
+    s, h = k - r, L - k
+    act = batch * seq * cfg.hidden_size * e
+    ckpts = max(0, L - RESIDENT_TAIL)
+    reloads = sum(1 for i in range(ckpts) if i >= r)
+    h2d = (L - r + reloads) * n * e + ne * e + ckpts * act + s * 12 * n
+    d2h = (h * n + ne) * e + ckpts * act + s * (12 + e) * n
+    params = h * n + ne
+    first_read, first_write = params * (12 + e), params * e if split else params * (12 + e)
+    opt_read = params * (24 + 2 * e) if split else params * (12 + e)
+    opt_write = params * (12 + e)
+    tokens = batch * seq
+    flops = (8 * (L * n + ne) + 8 * L * cfg.hidden_size * seq) * tokens  # fwd + recompute + bwd (2+2+4)
+    return StepBytes(h2d, d2h, opt_read + h2d, opt_write + d2h, first_read, first_write, flops)
+
+
+def host_seconds(read: int, write: int, rates: Rates) -> float:
+    """Host memory time of ``read`` + ``write`` bytes at the rate the host's memory gives the CPU and
+    the copy engines together (:func:`measure_rates`)."""
+    return (read + write) / rates.dram
+
+
+def streamed_seconds(n: int, e: int, sets: int, rates: Rates) -> float:
+    """PCIe time per streamed layer update in a pipeline of ``sets`` buffer sets: with one set the
+    next layer's state waits for the last one's to leave; with two or more in and out overlap."""
+    up, down = 12 * n / rates.h2d, (12 + e) * n / rates.d2h
+    return up + down if sets <= 1 else max(up, down, (24 + e) * n / rates.duplex)
+
+
+def step_bound(cfg: ModelConfig, batch: int, seq: int, placement: Placement, rates: Rates, e: int = 2,
+               split: bool = True, compute_s: tuple[float, float] | None = None) -> dict[str, float]:
+    """Seconds each resource needs per step, and ``bound``, the largest; ``compute_s`` is the
+    measured ``(forward, backward)`` GPU compute (default: FLOPs at ``rates.gpu_flops``).
+
+    ``cpu optimizer``: the host units' preview and commit passes (or whole updates) at the passes'
+    measured rates, one after the other on the optimizer's threads; ``host memory``: every byte
+    the optimizer and the copy engines move in host RAM at the rate both together get from it;
+    ``pcie *``: each direction alone and both together; ``clip chain``: see the module docstring."""
+    b = step_bytes(cfg, batch, seq, placement, e, split)
+    L, n, ne = cfg.num_layers, layer_layout(cfg).numel, extras_layout(cfg).numel
+    if compute_s is None:
+        total = b.flops / rates.gpu_flops
+        fwd, bwd = total / 4, total * 3 / 4  # 2 of the 8 FLOPs per parameter and token are the forward's
+    else:
+        fwd, bwd = compute_s
+    per_layer_fwd = fwd / max(1, L)
+    h, s = L - placement.device_update, placement.streamed
+    params = h * n + ne
+    first = params / (rates.preview if split else rates.whole)
+    # exact clipping: no update before the backward ends, and the last host layer's forward needs its
+    # update (the preview of every host unit before it), then the head and the whole backward follow
+    chain_host = first + (per_layer_fwd if h else 0.0) + bwd
+    chain_stream = (s * streamed_seconds(n, e, placement.sets, rates) + (h + 1) * per_layer_fwd + bwd) if s else 0.0
+    terms = {
+        "gpu compute": fwd + bwd,
+        "cpu optimizer": params * (1 / rates.preview + 1 / rates.commit) if split else params / rates.whole,
+        "host memory": host_seconds(b.host_read, b.host_write, rates),
+        "pcie h2d": b.h2d / rates.h2d,
+        "pcie d2h": b.d2h / rates.d2h,
+        "pcie both": (b.h2d + b.d2h) / rates.duplex,
+        "clip chain (cpu)": chain_host,
+        "clip chain (streamed)": chain_stream,
+    }
+    terms["bound"] = max(terms.values())
+    return terms
+
+
+def choose_placement(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int, gpu_cap: int,
+                     rates: Rates = H200, split: bool = True, sets: int | None = None, mlp_chunk: int = 16384,
+                     loss_chunk: int | None = None) -> tuple[Placement, dict[str, float]]:
+    """The ``(resident, device_update, sets)`` that fits ``gpu_cap`` with the lowest
+    :func:`step_bound` (ties: more resident, fewer streamed, fewer sets); ``sets`` None tries 1 and
+    2 buffer sets for the streamed updates. The reason names the bound and the memory."""
+    L = cfg.num_layers
+    e = torch.empty((), dtype=work_dtype).element_size()
+    best, best_key = None, None
+    for r in range(L + 1):
+        if not memory_plan(cfg, work_dtype, batch, seq, Placement(r, r), split=split, gpu_cap=gpu_cap,
+                           mlp_chunk=mlp_chunk, loss_chunk=loss_chunk).fits_gpu():
+            break
+        for count in ((sets,) if sets else (1, 2)):
+            for k in range(r, L + 1):
+                placement = Placement(r, k, count)
+                plan = memory_plan(cfg, work_dtype, batch, seq, placement, split=split, gpu_cap=gpu_cap,
+                                   mlp_chunk=mlp_chunk, loss_chunk=loss_chunk)
+                if not plan.fits_gpu():
+                    break
+                terms = step_bound(cfg, batch, seq, placement, rates, e, split)
+                key = (round(terms["bound"], 4), -r, k - r, count if k > r else 0)
+                if best_key is None or key < best_key:
+                    best, best_key = (placement, terms, plan), key
+    if best is None:
+        return Placement(0, 0, sets or 2, "nothing fits the cap beside the engine's own buffers"), {}
+    placement, terms, plan = best
+    binding = max((k for k in terms if k != "bound"), key=terms.get)
+    reason = (f"auto: predicted bound {terms['bound']:.3f} s/step ({binding}) with {rates.source} rates; "
+              f"GPU peak {plan.gpu_peak / GiB:.1f} of {gpu_cap / GiB:.1f} GiB")
+    return replace(placement, reason=reason), terms
+
+
+def measure_rates(device: torch.device, host_bytes: int = 1 << 30, pcie_bytes: int = 256 << 20, reps: int = 3,
+                  gpu_flops: float | None = None, update_params: int = 1 << 26) -> Rates:
+    """Measure, the best of ``reps`` passes each: host memory read, write and copy on the host
+    AdamW's threads (its C kernel's loads and stores; torch's ops where the kernel is missing); the
+    kernel's preview, commit and whole-update passes over ``update_params`` parameters (bf16
+    gradient and working copy, as on CUDA); on CUDA, pinned host<->device copies each way alone and
+    both at once, and host reads while both copy directions run (what the CPU and the copy engines
+    get from host memory together). ``host_copy`` counts read + written bytes (a copy of n bytes
+    moves 2n). About three seconds."""
+    import threading
+    import time
+
+    from tandem.shared.train import host_kernel
+    from tandem.shared.train.lanes import host_buffer
+
+    kernel = host_kernel.load()
+    n = host_bytes // 4
+    src, dst = torch.ones(n), torch.empty(n)
+
+    def best(fn) -> float:  # noqa: ANN001
+        fn()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    if kernel is not None:
+        def read_pass() -> None:
+            kernel.membench("read", dst, src)
+
+        write = host_bytes / best(lambda: kernel.membench("write", dst, src))
+        copy = 2 * host_bytes / best(lambda: kernel.membench("copy", dst, src))
+        how = f"measured on {kernel.threads} optimizer threads"
+    else:
+        def read_pass() -> None:
+            src.sum()
+
+        write = host_bytes / best(lambda: dst.fill_(2.0))
+        copy = 2 * host_bytes / best(lambda: dst.copy_(src))
+        how = f"measured with torch's ops on {torch.get_num_threads()} threads"
+    read = host_bytes / best(read_pass)
+    m = update_params
+    master, exp_avg, exp_avg_sq = torch.randn(m), torch.zeros(m), torch.ones(m)
+    grad, work = torch.randn(m).bfloat16(), torch.empty(m, dtype=torch.bfloat16)
+    hyper = (0.5, 1 - 1e-5, 0.1, 0.95, 0.05, 1e-8, 1e-4, 0.5)
+    if kernel is not None:
+        def adamw(state: bool, out: bool) -> None:
+            kernel.adamw(master, exp_avg, exp_avg_sq, grad, work, hyper, write_state=state, write_work=out)
+
+        preview = m / min(best(lambda: adamw(False, True)) for _ in range(2))  # short passes: the best of 2 x reps
+        commit = m / min(best(lambda: adamw(True, False)) for _ in range(2))
+        whole = m / best(lambda: adamw(True, True))
+    else:
+        step, g32 = torch.zeros(()), torch.empty(m)
+
+        def adamw(state: bool, out: bool) -> None:
+            g32.copy_(grad).mul_(0.5)
+            step.add_(1)
+            torch._fused_adamw_([master], [g32], [exp_avg], [exp_avg_sq], [], [step], lr=1e-4, beta1=0.9, beta2=0.95,
+                                weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+            work.copy_(master)
+
+        preview = commit = whole = m / best(lambda: adamw(True, True))
+    dram = max(read, write, copy, preview * 16, commit * 26, whole * 28)
+    h2d = d2h = duplex = float("inf")
+    if device.type == "cuda":
+        half = pcie_bytes // 2
+        up_host, down_host = host_buffer(half, torch.bfloat16, True), host_buffer(half, torch.bfloat16, True)
+        up_dev = torch.empty(half, dtype=torch.bfloat16, device=device)
+        down_dev = torch.zeros(half, dtype=torch.bfloat16, device=device)
+        s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+        def issue(up: bool, down: bool) -> None:
+            if up:
+                with torch.cuda.stream(s1):
+                    up_dev.copy_(up_host, non_blocking=True)
+            if down:
+                with torch.cuda.stream(s2):
+                    down_host.copy_(down_dev, non_blocking=True)
+
+        def run(up: bool, down: bool) -> None:
+            torch.cuda.synchronize(device)
+            issue(up, down)
+            torch.cuda.synchronize(device)
+
+        h2d = pcie_bytes / best(lambda: run(True, False))
+        d2h = pcie_bytes / best(lambda: run(False, True))
+        duplex = 2 * pcie_bytes / best(lambda: run(True, True))
+        # host reads while both directions copy: the bytes of both over the reads' time
+        done = threading.Event()
+
+        def reads() -> None:
+            for _ in range(reps):
+                read_pass()
+            done.set()
+
+        torch.cuda.synchronize(device)
+        moved, t = 0, time.perf_counter()
+        worker = threading.Thread(target=reads)
+        worker.start()
+        while not done.is_set():
+            run(True, True)
+            moved += 2 * pcie_bytes
+        worker.join()
+        elapsed = time.perf_counter() - t
+        dram = max(dram, (reps * host_bytes + moved) / elapsed)
+    return Rates(host_copy=copy, h2d=h2d, d2h=d2h, duplex=duplex, gpu_flops=gpu_flops or H200.gpu_flops,
+                 preview=preview, commit=commit, whole=whole, dram=dram, source=how, host_read=read,
+                 host_write=write)

@@ -1,0 +1,241 @@
+"""The memory plan (shared/train/plan.py) against what a CPU run allocates, its refusals, the
+placement it chooses from a GPU cap, and the bytes behind the step's bound.
+
+Persistent buffers are compared exactly with the tensors a run holds (found by walking the engine,
+not through the engine's own accounting); the activation estimate is compared with the peak that
+torch's profiler sees the allocator reach during one CPU step.
+Run: ``python -m pytest -q tests/unit/train/test_memory_plan.py``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from train_support import batches
+
+from tandem.shared.model.config import ModelConfig
+from tandem.shared.protocol.base import ProtocolError
+from tandem.shared.protocol.training import TrainJob
+from tandem.shared.train import runner as runner_mod
+from tandem.shared.train.engine import StreamingEngine
+from tandem.shared.train.host_state import HostState
+from tandem.shared.train.layout import extras_layout, layer_layout
+from tandem.shared.train.optimizer import HostAdamW
+from tandem.shared.train.plan import (
+    H200,
+    GiB,
+    Placement,
+    PlanError,
+    choose_placement,
+    memory_plan,
+    step_bound,
+    step_bytes,
+)
+from tandem.shared.train.presets import preset_config
+
+TINY = ModelConfig.tiny()
+UNTIED = TINY.replace(num_layers=5, tie_word_embeddings=False, attention_bias=True, qk_norm=True, num_kv_heads=2)
+HOST_ONLY = ("ckpt_host", "sumsq_host", "loss_host")  # the engine's host buffers; every other tensor is the device's
+NOT_OWNED = ("state", "opt", "optimizer", "lanes", "trace", "cfg", "config")  # references, not the engine's buffers
+
+
+def walk_tensors(obj, seen: dict[int, torch.Tensor], skip=NOT_OWNED, depth: int = 0) -> None:  # noqa: ANN001
+    """Every tensor reachable from ``obj``'s attributes (lists, tuples and dicts included), by storage."""
+    if isinstance(obj, torch.Tensor):
+        seen.setdefault(obj.untyped_storage().data_ptr(), obj)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            walk_tensors(item, seen, skip, depth)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            walk_tensors(item, seen, skip, depth)
+    elif hasattr(obj, "__dict__") and depth < 3 and not isinstance(obj, type):
+        for name, value in vars(obj).items():
+            if name not in skip:
+                walk_tensors(value, seen, skip, depth + 1)
+
+
+def engine_tensors(engine: StreamingEngine) -> tuple[int, int]:
+    """``(device bytes, host bytes)`` of the tensors the engine and its updater hold."""
+    device, host = {}, {}
+    walk_tensors(engine, device, skip=NOT_OWNED + HOST_ONLY)
+    walk_tensors({k: getattr(engine, k) for k in HOST_ONLY}, host)
+    return sum(t.untyped_storage().nbytes() for t in device.values()), sum(t.nbytes for t in host.values())
+
+
+@pytest.mark.parametrize("cfg,placement,split", [
+    (TINY, Placement(0, 0), False),
+    (TINY, Placement(0, 0), True),
+    (UNTIED, Placement(2, 4, sets=3), True),  # 2 resident, 2 streamed (both of the 3 sets can't be used)
+    (UNTIED, Placement(1, 5, sets=2), False),
+    (UNTIED, Placement(5, 5), False),
+], ids=["tiny", "tiny-split", "resident2-streamed2", "resident1-streamed4", "all-resident"])
+def test_plan_counts_exactly_the_buffers_a_cpu_run_allocates(cfg, placement, split):
+    batch, seq = 2, 24
+    state = HostState.random(cfg, seed=0, work_dtype=torch.float32, pin=False)
+    opt = HostAdamW(state, lambda step: 1e-3, 0.1, 1.0, split=split)
+    if split and not opt.split:
+        pytest.fail("the host AdamW kernel did not build (is a C compiler installed?)")
+    opt.start()
+    engine = StreamingEngine(cfg, state, opt, torch.device("cpu"), device_update_layers=placement.device_update,
+                             device_update_sets=placement.sets, device_resident_layers=placement.resident)
+    try:
+        (ids, targets), = batches(1, batch, seq, cfg.vocab_size)
+        engine.step(ids, targets).loss()
+        opt.wait_all(1)
+        engine.synchronize()
+    finally:
+        opt.close()
+    plan = memory_plan(cfg, torch.float32, batch, seq, placement, device="cpu", split=split)
+    unit_bytes = sum(t.nbytes for u in state.units
+                     for t in (u.master, u.exp_avg, u.exp_avg_sq, u.step, u.work, u.grad, u.grad_spare)
+                     if t is not None)
+    assert unit_bytes == plan.host["fp32 masters + moments"] + plan.host["working copies"] + plan.host[
+        "gradient buffers"]
+    device_bytes, host_bytes = engine_tensors(engine)
+    assert host_bytes == plan.host["checkpoints"] + plan.host["engine"]
+    assert device_bytes == plan.gpu_persistent, {k: v for k, v in plan.gpu.items() if v}
+    assert engine.gpu_buffers_nbytes() == plan.gpu_persistent
+    assert engine.host_buffers_nbytes() == host_bytes
+
+
+def cpu_step_peak(cfg: ModelConfig, batch: int, seq: int, mlp_chunk: int, loss_chunk: int | None) -> tuple[int, int]:
+    """Peak bytes the CPU allocator holds above the engine's buffers during one step, and the
+    engine's loss chunk."""
+    from torch.profiler import ProfilerActivity, profile
+
+    state = HostState.random(cfg, seed=0, work_dtype=torch.float32, pin=False)
+    opt = HostAdamW(state, lambda step: 1e-3, 0.0, 1.0)
+    opt.start()
+    engine = StreamingEngine(cfg, state, opt, torch.device("cpu"), mlp_chunk=mlp_chunk, loss_chunk=loss_chunk)
+    (ids, targets), = batches(1, batch, seq, cfg.vocab_size)
+    try:
+        engine.step(ids, targets).loss()  # buffers of this shape exist from here on
+        opt.wait_all(1)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            engine.step(ids, targets).loss()
+        opt.wait_all(2)
+    finally:
+        opt.close()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak, engine.loss_chunk
+
+
+@pytest.mark.parametrize("cfg,batch,seq,mlp_chunk,loss_chunk", [
+    (TINY.replace(num_layers=3), 2, 512, 256, None),  # chunked MLP
+    (TINY.replace(num_layers=3), 1, 2048, 1 << 20, None),  # one MLP chunk
+    (TINY.replace(num_layers=3, hidden_size=512, intermediate_size=1408, num_heads=8, num_kv_heads=2, head_dim=64,
+                  vocab_size=4096, tie_word_embeddings=False), 2, 512, 300, 128),
+])
+def test_activation_estimate_bounds_what_a_cpu_step_allocates(cfg, batch, seq, mlp_chunk, loss_chunk):
+    measured, chunk = cpu_step_peak(cfg, batch, seq, mlp_chunk, loss_chunk)
+    plan = memory_plan(cfg, torch.float32, batch, seq, Placement(), device="cpu", split=False, mlp_chunk=mlp_chunk,
+                       loss_chunk=chunk)
+    assert measured > 0
+    assert measured <= plan.gpu_working <= 1.4 * measured, (measured, plan.working)
+
+
+def test_gpu_refusal_is_one_line_naming_what_to_change():
+    cfg = preset_config("1b")
+    plan = memory_plan(cfg, torch.bfloat16, 1, 524288, Placement(), device="cuda", gpu_cap=32 * GiB)
+    assert not plan.fits_gpu()
+    with pytest.raises(PlanError) as info:
+        plan.check()
+    message = str(info.value)
+    assert "\n" not in message and "GPU memory" in message
+    assert "--gpu-memory-gib" in message and "--seq-len" in message and "32.0 GiB cap" in message
+    # with GPU-updated layers the message names them too
+    state = memory_plan(preset_config("3b"), torch.bfloat16, 8, 2048, Placement(10, 12), device="cuda",
+                        gpu_cap=16 * GiB)
+    with pytest.raises(PlanError, match="fewer GPU-resident/updated layers"):
+        state.check()
+
+
+def test_host_refusal_names_the_knobs():
+    plan = memory_plan(preset_config("3b"), torch.bfloat16, 8, 2048, Placement(), device="cuda", split=True,
+                       gpu_cap=16 * GiB, host_available=40 * GiB)
+    with pytest.raises(PlanError) as info:
+        plan.check()
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("host RAM")
+    assert "--no-split-update" in message and "--seq-len" in message and "40.0 GiB" in message
+
+
+def test_runner_refuses_before_allocating(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner_mod, "host_ram_available", lambda: 4 * GiB)
+
+    def no_allocation(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise AssertionError("the host state was allocated before the plan was checked")
+
+    monkeypatch.setattr(HostState, "random", no_allocation)
+    job = TrainJob(model="3b", dataset="random", device="cpu", batch_size=8, seq_len=2048, steps=1,
+                   output_dir=str(tmp_path / "out"))
+    with pytest.raises(ProtocolError) as info:
+        runner_mod.TrainRunner(job, "big", tmp_path)
+    assert "host RAM" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_cli_plan_prints_the_plan_and_exits(tmp_path):
+    args = [sys.executable, "-m", "tandem", "train", "--data-dir", str(tmp_path), "--device", "cpu",
+            "--dataset", "random", "--batch-size", "2", "--seq-len", "64", "--plan"]
+    ok = subprocess.run(args + ["--model", "tiny"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "memory plan:" in ok.stdout and "placement:" in ok.stdout and "fits" in ok.stdout
+    assert not (tmp_path / "train").exists(), "--plan must not train"
+    big = subprocess.run(args + ["--model", "7b", "--batch-size", "64", "--seq-len", "65536"], capture_output=True,
+                         text=True, timeout=120)
+    assert big.returncode == 2 and "does NOT fit" in big.stdout
+    refusal = [ln for ln in big.stderr.splitlines() if ln.startswith("tandem train:")]
+    assert len(refusal) == 1 and "host RAM" in refusal[0]
+
+
+@pytest.mark.parametrize("cap_gib", [8, 16, 24, 40])
+def test_chosen_placement_fills_the_cap_without_exceeding_it(cap_gib):
+    cfg, cap = preset_config("3b"), cap_gib * GiB
+    placement, terms = choose_placement(cfg, torch.bfloat16, 8, 2048, cap, H200)
+    plan = memory_plan(cfg, torch.bfloat16, 8, 2048, placement, gpu_cap=cap)
+    assert plan.fits_gpu() and placement.reason.startswith("auto")
+    assert terms["bound"] == pytest.approx(step_bound(cfg, 8, 2048, placement, H200)["bound"])
+    # the cap is not left unused for nothing: one more resident layer, or one more streamed one, either
+    # does not fit or would not predict a faster step
+    r, k = placement.resident, placement.device_update
+    for more in (Placement(r + 1, max(k, r + 1), placement.sets), Placement(r, k + 1, placement.sets)):
+        if more.device_update <= cfg.num_layers and memory_plan(cfg, torch.bfloat16, 8, 2048, more,
+                                                                gpu_cap=cap).fits_gpu():
+            assert step_bound(cfg, 8, 2048, more, H200)["bound"] >= terms["bound"] - 1e-4, more
+    assert plan.gpu_peak + plan.headroom <= cap
+    # and no placement that fits has a lower predicted bound
+    for r in range(0, cfg.num_layers + 1, 3):
+        for k in range(r, cfg.num_layers + 1, 3):
+            other = Placement(r, k, placement.sets)
+            if memory_plan(cfg, torch.bfloat16, 8, 2048, other, gpu_cap=cap).fits_gpu():
+                assert step_bound(cfg, 8, 2048, other, H200)["bound"] >= terms["bound"] - 1e-9, other
+
+
+def test_more_cap_never_predicts_a_slower_step():
+    cfg = preset_config("3b")
+    bounds = [choose_placement(cfg, torch.bfloat16, 8, 2048, c * GiB, H200)[1]["bound"] for c in (8, 12, 16, 24, 40)]
+    assert bounds == sorted(bounds, reverse=True) and bounds[-1] < bounds[0]
+
+
+def test_step_bytes_by_hand():
+    """UNTIED (5 layers), 1 resident, 1 streamed, 3 on the host, bf16, batch 2 x 8."""
+    n, ne, e, act = layer_layout(UNTIED).numel, extras_layout(UNTIED).numel, 2, 2 * 8 * UNTIED.hidden_size * 2
+    b = step_bytes(UNTIED, 2, 8, Placement(1, 2), e=e, split=True)
+    # forward: 4 non-resident layers + extras; backward reloads layers 1 and 2 (0 is resident, 3 and 4 stay)
+    assert b.h2d == (4 + 2) * n * e + ne * e + 3 * act + 12 * n
+    assert b.d2h == (3 * n + ne) * e + 3 * act + (12 + e) * n
+    host = 3 * n + ne
+    assert b.host_read == host * (12 + e) * 2 + b.h2d
+    assert b.host_write == host * (e + 12) + b.d2h
+    assert (b.first_read, b.first_write) == (host * (12 + e), host * e)
+    whole = step_bytes(UNTIED, 2, 8, Placement(1, 2), e=e, split=False)
+    assert whole.host_read == host * (12 + e) + whole.h2d and whole.host_write == host * (12 + e) + whole.d2h
