@@ -65,11 +65,12 @@ class BusConnectError(Exception):
     """A command could not connect; ``str()`` is one line saying why (refused, unreachable, TLS)."""
 
 
-async def connect_command(url: str, options: dict[str, Any], *, timeout_s: float = 15.0,
+async def connect_command(url: str, options: dict[str, Any], *, timeout_s: float | None = None,
                           on_error: Callable[[Exception], Awaitable[None]] | None = None,
                           **kwargs: Any) -> nats.NATS:
     """``nats.connect`` for a command (a few tries, then :class:`BusConnectError` in one line), given
-    up after ``timeout_s``: nats-py retries a failed TLS handshake forever otherwise."""
+    up after ``timeout_s`` (default: every try's ``connect_timeout`` and wait, and a second): nats-py
+    retries a failed TLS handshake forever otherwise."""
     seen: list[Exception] = []
 
     async def record(exc: Exception) -> None:
@@ -79,6 +80,9 @@ async def connect_command(url: str, options: dict[str, Any], *, timeout_s: float
             await on_error(exc)
 
     settings = {"connect_timeout": 5, "max_reconnect_attempts": 2, "reconnect_time_wait": 0.3} | kwargs
+    tries = max(0, settings["max_reconnect_attempts"]) + 1
+    if timeout_s is None:
+        timeout_s = tries * (settings["connect_timeout"] + settings["reconnect_time_wait"]) + 1
     try:
         return await asyncio.wait_for(nats.connect(url, error_cb=record, **settings, **options), timeout_s)
     except Exception as exc:  # nats-py raises several kinds for a server it cannot reach

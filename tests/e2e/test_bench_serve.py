@@ -58,6 +58,7 @@ def test_bench_serve_without_a_system_says_how_to_start_one(tmp_path):
     assert out.returncode == 2 and "tandem up" in out.stderr
 
 
+@pytest.mark.slow  # a whole bench compare run
 def test_plain_bench_is_still_the_comparison(tmp_path):
     out_file = tmp_path / "compare.json"
     out = subprocess.run([*TANDEM, "bench", "--concurrency", "2", "--requests", "4", "--input-len", "16",

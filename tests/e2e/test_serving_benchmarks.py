@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -19,6 +21,7 @@ def figures(stdout: str) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow  # a whole benchmark script run
 def test_in_process_benchmark_prints_batch1_throughput_and_the_peer(tmp_path: Path) -> None:
     # The HF generate peer needs CUDA and an 8B model; a stand-in prints the same kind of line.
     peer = tmp_path / "peer.py"
@@ -35,6 +38,7 @@ def test_in_process_benchmark_prints_batch1_throughput_and_the_peer(tmp_path: Pa
     assert got[-1]["tandem_batch1_over_hf"] == round(batch1["decode_tok_s"] / 2.0, 1), got[-1]
 
 
+@pytest.mark.slow  # a whole benchmark script run
 def test_system_benchmark_runs_bench_serve_against_tandem_up(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(BENCHMARKS / "serving_system.py"), "--concurrency", "2",
                           "--prompts-per-level", "4", "--input-len", "48", "--output-len", "6",

@@ -155,6 +155,7 @@ async def test_planner_scales_prefill_with_a_step_load_and_crashed_workers_come_
     assert "exited with code -9; restarting" in log and "draining prefill" in log, log[-3000:]
 
 
+@pytest.mark.slow  # its own tandem up; restarts are also in test_up_health
 async def test_without_the_planner_counts_stay_and_crashes_restart(tmp_path):
     proc, url = start_up(tmp_path, "--no-planner")
     watch = Watch()

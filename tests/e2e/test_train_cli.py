@@ -54,6 +54,7 @@ def test_bad_arguments_exit_2_with_a_message(tmp_path):
     assert proc.returncode == 2 and "steps" in proc.stderr
 
 
+@pytest.mark.slow  # a whole benchmark script run
 def test_benchmark_cpu_mode_prints_its_figures(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_offload.py"), "--device", "cpu",
