@@ -369,6 +369,8 @@ class Client:
             raise InvalidRequestError(f"invalid request: {_first_error(exc)}", shown) from None
 
     async def _place(self, request: GenerateRequest, timeout: float) -> GenerateAccepted:
+        if not self.nc.is_connected:  # reconnecting or closed: nats-py would hold the request to its timeout
+            raise self._lost(None, request.request_id)
         try:
             msg = await self.nc.request(subjects.ROUTER_GENERATE, encode(request), timeout=timeout)
         except NoRespondersError:
@@ -423,7 +425,7 @@ class Client:
                 await self.nc.drain()
             elif not self.nc.is_closed:
                 await self.nc.close()
-        except NatsError:
+        except (NatsError, OSError):  # closing mid-reconnect: the socket may already be gone
             pass
 
 
