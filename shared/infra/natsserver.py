@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.shared.auth.keyring import write_private
+
 log = logging.getLogger("tandem.nats")
 
 MAX_PAYLOAD = 8 * 1024 * 1024  # KV frames are chunked under this
@@ -111,9 +113,7 @@ class NatsServer:
         ]
         if jetstream:
             lines.append(f'jetstream {{ store_dir: "{store}" }}')
-        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold account JWTs
-        with os.fdopen(fd, "w") as out:
-            out.write("\n".join(lines) + "\n" + auth_config)
+        write_private(config, "\n".join(lines) + "\n" + auth_config)  # it may hold the accounts' JWTs
         logfile = open(workdir / "nats.log", "wb")
         try:
             process = subprocess.Popen(
