@@ -11,7 +11,8 @@ and by nothing else). Least privilege, as the trust-boundary issue asks:
   vocabulary), and reads only its own inbox and the heartbeats (so a request whose worker died
   fails at once; they carry load figures and ids, no request data);
 * only **workers** publish heartbeats, metrics and KV events, each under its own id; only the
-  **router** sends prefill and admit requests;
+  **router** sends prefill requests, and admits come from the router or, as the hand-off, from a
+  prefill worker;
 * drain, scale, trainer control and ``models.updated`` belong to the **operator** (``tandem up``,
   the console, ``tandem train``), which may do anything;
 * JetStream's API is granted per stream to the roles that keep or replay that stream.
