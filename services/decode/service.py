@@ -62,6 +62,7 @@ class DecodeService(EngineWorker):
         self.ring_copies = threading.Semaphore(settings.kv_ring.copies)
         self.transfers = {"ring": 0, "nats": 0}
         self.offers: dict[str, tuple[str, int]] = {}  # request -> (kvstore, leading blocks it holds)
+        self.admitting: set[str] = set()  # requests whose KV is being read, not yet in self.streams
         if settings.kv_ring.mib:
             slot = settings.kv_ring.slot_kib * 1024
             ring_bytes = settings.kv_ring.mib << 20
@@ -117,13 +118,18 @@ class DecodeService(EngineWorker):
         msg: DecodeRequest = decode(request.data, DecodeRequest)
         spec = msg.spec
         self.check_request(spec)
-        # A 1k-token prompt of an 8B model is 134 MB: the ring is read on a thread, or every admit
-        # and token stream of this worker waits behind the copy (frames stay on the loop, which
-        # owns their reassembly buffers).
-        kv = await asyncio.to_thread(self.received_kv, msg) if msg.ring is not None else self.received_kv(msg)
-        work = engine_request(spec, kv=kv, output_token_ids=msg.output_token_ids, export_on_finish=bool(msg.kvstore))
-        if spec.request_id in self.streams:
+        if spec.request_id in self.streams or spec.request_id in self.admitting:
+            self.discard_kv(msg)  # refused before its blocks are copied; their slots go back at once
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"request {spec.request_id} is already running here")
+        self.admitting.add(spec.request_id)  # a duplicate arriving during the copy is refused too
+        try:
+            # A 1k-token prompt of an 8B model is 134 MB: the ring is read on a thread, or every admit
+            # and token stream of this worker waits behind the copy (frames stay on the loop, which
+            # owns their reassembly buffers).
+            kv = await asyncio.to_thread(self.received_kv, msg) if msg.ring is not None else self.received_kv(msg)
+        finally:
+            self.admitting.discard(spec.request_id)
+        work = engine_request(spec, kv=kv, output_token_ids=msg.output_token_ids, export_on_finish=bool(msg.kvstore))
         self.streams[spec.request_id] = Stream(spec.stream_subject, next_index=len(msg.output_token_ids),
                                                arrival=spec.arrival_time, first_token=msg.first_token_time,
                                                last_token=msg.first_token_time)
@@ -156,6 +162,18 @@ class DecodeService(EngineWorker):
         for request_id in request_ids:
             self.offers.pop(request_id, None)
         super().on_failure(request_ids, exc)
+
+    def discard_kv(self, msg: DecodeRequest) -> None:
+        """Give back what a refused admit's KV holds here (its ring slots, its reassembled frames)."""
+        try:
+            if msg.ring is not None and self.ring is not None and msg.ring.ring == self.ring.name:
+                desc = SlotDescriptor.from_wire(msg.ring.model_dump())
+                self.ring.claim(desc)
+                self.ring.release(desc)
+            elif msg.transfer is not None:
+                self.receiver.take(msg.transfer)
+        except Exception as exc:  # already gone, stale or incomplete: nothing left to give back
+            self.log.debug("discarding %s's KV: %s", msg.spec.request_id, exc)
 
     def received_kv(self, msg: DecodeRequest) -> torch.Tensor | None:
         """The prompt's KV blocks that came with ``msg``, from NATS frames or the ring; None if none."""
