@@ -178,6 +178,7 @@ class Scaler:
                 self.hurry(child, now)
                 continue
             self.sup.children.remove(child)
+            self.sup.forget(child)
             self.heard.pop(child.instance_id, None)
             self.draining.discard(child.instance_id)
             if child.leaving:

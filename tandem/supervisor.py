@@ -44,7 +44,7 @@ from tandem.flags import SERVICE_SETTINGS, argv
 from tandem.gpus import memory_share, pick_gpu, visible_gpus
 from tandem.runstate import RunState, remove_state, state_file, write_state
 from tandem.shared.auth.credentials import connect_options
-from tandem.shared.auth.keyring import Keyring
+from tandem.shared.auth.keyring import Keyring, write_private
 from tandem.shared.auth.roles import role_for_service
 from tandem.shared.infra.config import Settings
 from tandem.shared.infra.natsserver import NatsServer, die_with_parent
@@ -109,7 +109,7 @@ class Supervisor:
     metrics_urls: dict[str, str] = field(default_factory=dict)  # instance id -> /metrics, likewise
     state: RunState | None = None  # as last written to the state file (None: not written)
     keyring: Keyring | None = None  # the embedded server's identities (None: --insecure or --nats-url)
-    role_keys: dict[str, Path] = field(default_factory=dict)  # role -> its key file, handed to the children
+    creds_dir: Path | None = None  # each child's own user credentials, minted here (None: no keyring)
 
     def limits(self, service: str) -> tuple[int, int]:
         """(min, max) workers of ``service``: as given, else ``min(1, count)`` .. ``max(count, 2)``."""
@@ -131,7 +131,8 @@ class Supervisor:
                                            auth_config=self.keyring.server_config() if self.keyring else "")
             self.url = self.server.url
             if self.keyring is not None:
-                self.role_keys = self.keyring.write_role_keys(self.server.workdir / "auth")
+                self.creds_dir = self.server.workdir / "auth"
+                self.creds_dir.mkdir(mode=0o700, exist_ok=True)
         if self.gpus is None:
             self.gpus = visible_gpus(self.settings.engine.device)
         self.wanted = {"kvstore": self.num_kvstore, "decode": self.num_decode, "prefill": self.num_prefill,
@@ -151,9 +152,15 @@ class Supervisor:
                            tls_cert=bus.tls_cert, tls_key=bus.tls_key)
 
     def client_creds(self) -> str | None:
-        """The credentials file a client of this system connects with (the client role's key;
-        with ``--nats-url``, whatever ``--creds`` gave)."""
-        return str(self.role_keys["client"]) if self.role_keys else self.settings.bus.nats_creds
+        """The credentials file a client of this system connects with: the client role's key, as
+        the state file holds it (a client's every connection mints its own user); with
+        ``--nats-url``, whatever ``--creds`` gave."""
+        if self.creds_dir is None or self.keyring is None:
+            return self.settings.bus.nats_creds
+        path = self.creds_dir / "client.key"
+        if not path.exists():
+            write_private(path, self.keyring.role_key("client").to_text())
+        return str(path)
 
     def most_children(self) -> int:
         """The most children alive at once (so the most metrics ports taken)."""
@@ -217,14 +224,26 @@ class Supervisor:
         taken = {c.metrics_slot for c in self.children}
         return next(i for i in itertools.count() if i not in taken)
 
+    def child_creds(self, service: str, instance_id: str) -> str | None:
+        """The credentials a child connects with: a user of its service's role named after its
+        instance id, minted here, so it may act under that id only (it holds no role key to mint
+        another); with ``--nats-url``, whatever ``--creds`` gave."""
+        if self.creds_dir is None or self.keyring is None:
+            return self.settings.bus.nats_creds
+        return str(self.keyring.write_user(self.creds_dir, role_for_service(service), instance_id))
+
+    def forget(self, child: Child) -> None:
+        """A child has exited: its credentials go (a replacement gets its own, under a new id)."""
+        if self.creds_dir is not None:
+            (self.creds_dir / f"{child.instance_id}.creds").unlink(missing_ok=True)
+
     def command(self, service: str, instance_id: str, slot: int = 0) -> list[str]:
         """The command line of a ``service`` child: the flags given to `up` that its service takes,
         and what the supervisor decides per child (URL, id, threads, GPU share, metrics port, limits)."""
         specs = SERVICE_SETTINGS[service]
         decided = {"nats_url": self.url, "model": self.settings.model, "log_level": self.settings.log_level,
                    "instance_id": instance_id, "metrics_port": self.metrics_port(slot),
-                   "nats_creds": (str(self.role_keys[role_for_service(service)]) if self.role_keys
-                                  else self.settings.bus.nats_creds)}
+                   "nats_creds": self.child_creds(service, instance_id)}
         cmd = [sys.executable, "-m", "tandem.cli", "serve", service, *argv(decided, *specs)]
         cmd += argv(self.overrides, *specs, skip=DECIDED_HERE)
         if service == "planner":

@@ -48,6 +48,11 @@ class UserCreds:
     def public_key(self) -> str:
         return KeyPair.from_seed(self.seed).public_key
 
+    def to_text(self) -> str:
+        """A NATS user credentials file, as ``nsc`` writes one (nats-py and the nats CLI read it)."""
+        return (f"-----BEGIN NATS USER JWT-----\n{self.jwt}\n------END NATS USER JWT------\n\n"
+                f"-----BEGIN USER NKEY SEED-----\n{self.seed}\n------END USER NKEY SEED------\n")
+
 
 @dataclass(frozen=True)
 class RoleKey:

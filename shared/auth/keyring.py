@@ -55,6 +55,16 @@ class Keyring:
             "}",
         ]) + "\n"
 
+    def write_user(self, folder: Path, role: str, name: str) -> Path:
+        """A user of ``role`` named ``name``, minted here, as a credentials file in ``folder``
+        (0600 in a 0700 folder): what a process gets when it may act under that name only, since
+        it holds no role key to mint another."""
+        folder.mkdir(parents=True, exist_ok=True)
+        os.chmod(folder, 0o700)
+        path = folder / f"{name}.creds"
+        write_private(path, self.role_key(role).mint(name).to_text())
+        return path
+
     def write_role_keys(self, folder: Path) -> dict[str, Path]:
         """One key file per role in ``folder`` (mode 0600 in a 0700 folder); role -> its path."""
         folder.mkdir(parents=True, exist_ok=True)

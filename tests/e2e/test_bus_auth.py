@@ -30,7 +30,7 @@ from tandem.client import connect
 from tandem.console.source import NatsSource
 from tandem.console.state import ConsoleState
 from tandem.runstate import find_running, nats_dir
-from tandem.shared.auth.credentials import RoleKey, connect_options, load_credentials
+from tandem.shared.auth.credentials import RoleKey, UserCreds, connect_options, load_credentials
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import encode
 from tandem.shared.protocol.fleet import DrainRequest, ScaleRequest
@@ -180,22 +180,27 @@ async def test_every_abuse_fails_with_a_permission_error_and_the_victim_is_unhar
     assert tokens == alone, "the victim's stream changed under the attack"
 
 
-async def test_a_worker_key_speaks_only_for_its_own_id(up):
-    """A decode worker's role key mints users named after their instance id: it may beat and serve
-    under that id only."""
-    key = load_credentials(nats_dir(up.data_dir) / "auth" / "decode.key")
+async def test_a_workers_credentials_speak_only_for_its_own_id(up):
+    """tandem up gives each child a user minted for its instance id, never a role key: holding the
+    prefill worker's credentials, one may beat as that prefill worker and nothing else (not as the
+    decode worker, not as a client, not under any other prefill id)."""
+    mine = up.instance("prefill")
+    creds = load_credentials(nats_dir(up.data_dir) / "auth" / f"{mine}.creds")
+    assert isinstance(creds, UserCreds), "a child holds its own user, not a key that mints others"
     attacker = Attacker()
-    nc = await nats.connect(up.url, error_cb=attacker.on_error, **connect_options(key, "decode-mine"))
-    other = up.instance("decode")
-    await nc.publish(subjects.heartbeat("decode", "decode-mine"), b"x")  # its own: allowed
-    await nc.publish(subjects.heartbeat("decode", other), b"x")
-    await nc.subscribe(subjects.decode_admit(other))
-    await nc.publish(subjects.ROUTER_GENERATE, b"x")
+    nc = await nats.connect(up.url, error_cb=attacker.on_error, **connect_options(creds, "ignored"))
+    decoder = up.instance("decode")
+    await nc.publish(subjects.heartbeat("prefill", mine), b"x")  # its own: allowed
+    for subject in (subjects.heartbeat("prefill", "prefill-other"), subjects.heartbeat("decode", decoder),
+                    subjects.ROUTER_GENERATE):
+        await nc.publish(subject, b"x")
+    await nc.subscribe(subjects.decode_admit(decoder))
     await nc.flush()
-    assert await attacker.refused("publish", subjects.heartbeat("decode", other)), attacker.errors
-    assert await attacker.refused("subscription", subjects.decode_admit(other)), attacker.errors
-    assert await attacker.refused("publish", subjects.ROUTER_GENERATE), attacker.errors
-    assert not any("decode-mine" in e for e in attacker.errors), f"its own heartbeat was refused: {attacker.errors}"
+    for subject in (subjects.heartbeat("prefill", "prefill-other"), subjects.heartbeat("decode", decoder),
+                    subjects.ROUTER_GENERATE):
+        assert await attacker.refused("publish", subject), (subject, attacker.errors)
+    assert await attacker.refused("subscription", subjects.decode_admit(decoder)), attacker.errors
+    assert not any(mine.lower() in e for e in attacker.errors), f"its own heartbeat was refused: {attacker.errors}"
     await nc.close()
 
 
@@ -204,10 +209,11 @@ def test_the_state_file_and_role_keys_are_their_owners_only(up):
     assert stat.S_IMODE(state_file.stat().st_mode) == 0o600, oct(state_file.stat().st_mode)
     folder = nats_dir(up.data_dir) / "auth"
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700, oct(folder.stat().st_mode)
-    keys = sorted(folder.iterdir())
-    assert [k.name for k in keys] == sorted(f"{r}.key" for r in ("client", "frontend", "router", "prefill", "decode",
-                                                                 "kvstore", "planner", "trainer", "operator"))
-    assert all(stat.S_IMODE(k.stat().st_mode) == 0o600 for k in keys), [oct(k.stat().st_mode) for k in keys]
+    files = sorted(folder.iterdir())
+    children = find_running(up.data_dir).metrics_urls  # every child, by instance id
+    assert {f.name for f in files} >= {f"{child}.creds" for child in children}, [f.name for f in files]
+    assert not [f for f in files if f.suffix == ".key" and f.name != "client.key"], "no role key but a client's"
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files), [oct(f.stat().st_mode) for f in files]
     assert set(json.loads(state_file.read_text())["keys"]) == {"client", "operator"}, "only what commands need"
 
 
