@@ -16,6 +16,7 @@ import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import nats
 
@@ -32,9 +33,17 @@ def credentials_for(role: str, url: str | None, creds_file: str | None = None,
     if path:
         return load_credentials(path)
     state = find_running(data_dir)
-    if state is None or (url and url != state.nats_url) or role not in state.keys:
+    if state is None or (url and same_server(url) != same_server(state.nats_url)) or role not in state.keys:
         return None
     return RoleKey.from_dict(state.keys[role])
+
+
+def same_server(url: str) -> tuple[str, int]:
+    """What two URLs of one server share: ``nats://localhost:4222``, ``127.0.0.1:4222`` and
+    ``tls://127.0.0.1`` all name the server at 127.0.0.1 port 4222."""
+    parsed = urlsplit(url if "://" in url else f"nats://{url}")
+    host = (parsed.hostname or "127.0.0.1").lower()
+    return ("127.0.0.1" if host in ("localhost", "::1") else host), parsed.port or 4222
 
 
 def bus_options(role: str, name: str, url: str | None, *, creds: str | None = None,
