@@ -5,7 +5,7 @@
     tandem serve router|prefill|decode|kvstore|planner|trainer --nats-url URL [its settings flags]
     tandem train [--default] [--model tiny|1b|3b|7b|DIR] [--steps N] [--batch-size B] [--seq-len S] ...
     tandem generate PROMPT|-|@FILE [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
-                           [--stop S ...] [--json] [--nats-url URL]
+                           [--stop S ...] [--logprobs N] [--json] [--nats-url URL]
     tandem bench serve [--dataset-name random|prefix] [--request-rate R] [--goodput ttft:MS tpot:MS]
                        [--base-url http://HOST:PORT] ...
     tandem bench compare [--concurrency 1 8 32 64] [--requests N] [--json-out FILE]   (also: plain `tandem bench`)
@@ -59,7 +59,8 @@ SETTINGS_NOTE = ("Each flag is also a TANDEM_ environment variable (shown after 
                  "a flag wins over its variable. The settings: shared/infra/config.py.")
 # generate's flag for each SamplingParams field: a refused value is reported by its flag.
 SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
-                  "top_k": "--top-k", "seed": "--seed", "stop": "--stop", "ignore_eos": "--ignore-eos"}
+                  "top_k": "--top-k", "seed": "--seed", "stop": "--stop", "ignore_eos": "--ignore-eos",
+                  "logprobs": "--logprobs"}
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 
 
@@ -115,6 +116,9 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="go on past the model's end-of-sequence token")
     gen.add_argument("--timeout", metavar="SECONDS", type=float, default=60.0,
                      help="seconds without output before giving up")
+    gen.add_argument("--logprobs", metavar="N", type=int,
+                     help="with --json: each token's log-probability and the N most likely tokens of its step "
+                          "(0..20; raw log_softmax of the model's logits)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
     from tandem.train_cli import add_train_parser
@@ -240,14 +244,27 @@ def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.shared.protocol.serving import SamplingParams
 
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+                  seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
     try:
         SamplingParams(**params)
     except ValidationError as exc:
         raise UsageError(invalid_value(exc, SamplingParams, SAMPLING_FLAGS)) from None
     if not args.timeout > 0:
         raise UsageError("--timeout must be > 0")
+    if args.logprobs is not None and not args.json:
+        raise UsageError("--logprobs needs --json (the streamed text has no place for them)")
     return params
+
+
+def logprobs_fields(result) -> dict[str, Any]:
+    """``--json``'s logprobs fields for a ``Completion`` that asked for them (none when it did not):
+    per token its id, logprob and top alternatives, and their sum."""
+    if result.logprobs is None:
+        return {}
+    tokens = [{"token_id": token_id, "logprob": entry.logprob,
+               "top_logprobs": [{"token_id": top_id, "logprob": value} for top_id, value in entry.top]}
+              for token_id, entry in zip(result.token_ids, result.logprobs)]
+    return {"logprobs": tokens, "cumulative_logprob": result.cumulative_logprob}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -279,6 +296,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     "request_id": result.request_id, "text": result.text,
                     "prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids,
                     "finish_reason": result.finish_reason, "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
+                    **logprobs_fields(result),
                 }))
                 return
             # Closed on every way out (Ctrl-C cancels this task, a closed stdout raises): closing a

@@ -42,7 +42,15 @@ from tandem.shared.auth.credentials import CredentialsError
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError, first_error
 from tandem.shared.protocol.codec import decode, encode
-from tandem.shared.protocol.serving import Cancel, GenerateAccepted, GenerateRequest, Probe, SamplingParams, StreamChunk
+from tandem.shared.protocol.serving import (
+    Cancel,
+    GenerateAccepted,
+    GenerateRequest,
+    Probe,
+    SamplingParams,
+    StreamChunk,
+    TokenLogprobs,
+)
 
 log = logging.getLogger("tandem.client")
 
@@ -118,6 +126,8 @@ class Chunk:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    # With ``logprobs=N`` asked: one entry per token of ``token_ids`` (its logprob and the top N).
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -132,6 +142,9 @@ class Completion:
     decode_worker: str = ""  # where the router placed it
     prefill_worker: str | None = None
     token_times: list[float] = field(default_factory=list, repr=False)
+    # With ``logprobs=N`` asked: one entry per output token, and the sum of their logprobs.
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
 
 
 _LOST = None  # put into a stream's queue when the connection drops: wakes it at once
@@ -242,7 +255,7 @@ class RequestStream:
                 # Prefill and decode workers publish independently: release chunks in index order.
                 ready = self._pending.pop(self._next_index)
                 self._next_index += len(ready.token_ids)
-                return Chunk(ready.token_ids, ready.text, ready.finish_reason)
+                return Chunk(ready.token_ids, ready.text, ready.finish_reason, ready.logprobs)
             try:
                 data = await asyncio.wait_for(self._queue.get(), min(self.timeout_s, client.worker_timeout_s / 4))
             except TimeoutError:
@@ -337,6 +350,7 @@ class Client:
         """Run one request to the end and return the whole output with its timings."""
         start = time.perf_counter()
         text, ids, times, reason = [], [], [], None
+        logprobs: list[TokenLogprobs] = []
         stream = self.stream(prompt, model=model, request_id=request_id, timeout_s=timeout_s, **params)
         async with stream:
             async for chunk in stream:
@@ -345,11 +359,15 @@ class Client:
                 ids.extend(chunk.token_ids)
                 times.extend([now] * len(chunk.token_ids))
                 reason = chunk.finish_reason
+                logprobs.extend(chunk.logprobs or ())
         accepted = stream.accepted
         ttft = times[0] - start if times else None
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+        asked = stream.request.params.logprobs is not None
         return Completion("".join(text), ids, accepted.prompt_token_ids, reason, ttft, tpot, accepted.request_id,
-                          accepted.decode_worker, accepted.prefill_worker, times)
+                          accepted.decode_worker, accepted.prefill_worker, times,
+                          logprobs if asked else None,
+                          sum(entry.logprob for entry in logprobs) if asked else None)
 
     def _request(self, prompt, model, request_id, params: dict) -> GenerateRequest:
         """The request to send, or :class:`InvalidRequestError` naming the first field out of its

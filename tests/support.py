@@ -46,6 +46,8 @@ BAD_SAMPLING: list[tuple[str, object]] = [
     ("stop_token_ids", list(range(MAX_STOP_TOKEN_IDS + 1))),
     ("stop", [""]),
     ("stop", ["x" * (MAX_STOP_STRING_CHARS + 1)]),
+    ("logprobs", -1),
+    ("logprobs", 21),
 ]
 # Prompt token ids out of [0, 2**31), each one msgpack can carry.
 BAD_PROMPT_TOKEN_IDS: list[list[int]] = [[2**31], [2**64 - 1], [-1]]

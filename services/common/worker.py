@@ -35,7 +35,7 @@ from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError, shortened
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.fleet import Heartbeat
-from tandem.shared.protocol.serving import Cancel, RequestSpec, StreamChunk
+from tandem.shared.protocol.serving import Cancel, RequestSpec, StreamChunk, TokenLogprobs
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -266,7 +266,7 @@ class EngineWorker(ServiceRuntime):
                 self.send_error(out.request_id, stream, out.error)
                 continue
             self.send_chunk(stream, out.request_id, out.new_token_ids, out.text_delta,
-                            out.finish_reason if out.finished else None)
+                            out.finish_reason if out.finished else None, logprobs=out.logprobs)
             if out.finished:
                 self.log.debug("%s finished: %s after %d tokens", out.request_id, out.finish_reason, stream.next_index)
 
@@ -275,11 +275,13 @@ class EngineWorker(ServiceRuntime):
         return False
 
     def send_chunk(self, stream: Stream, request_id: str, token_ids: list[int], text: str,
-                   finish_reason: str | None, error: ErrorReply | None = None) -> None:
+                   finish_reason: str | None, error: ErrorReply | None = None,
+                   logprobs: list[TokenLogprobs] | None = None) -> None:
+        """Queue one chunk on the request's stream; ``logprobs``: one entry per token, when asked."""
         if not token_ids and not text and finish_reason is None and error is None:
             return
         chunk = StreamChunk(request_id=request_id, index=stream.next_index, token_ids=list(token_ids),
-                            text=text, finish_reason=finish_reason, error=error)
+                            text=text, finish_reason=finish_reason, error=error, logprobs=logprobs)
         stream.next_index += len(token_ids)
         # One task per engine step publishes every chunk of that step, not one task per chunk.
         self._outbox.append((request_id, stream.subject, encode(chunk)))

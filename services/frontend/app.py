@@ -35,6 +35,7 @@ from tandem.services.frontend.errors import (
     not_supported,
     unknown_model,
 )
+from tandem.services.frontend.logprobs import TokenText, asked_logprobs, chat_logprobs, completion_logprobs
 from tandem.services.frontend.metrics import FrontendMetrics
 from tandem.shared.protocol.serving import SamplingParams
 from tandem.shared.text.tokenizer import HFTokenizer, Tokenizer
@@ -89,10 +90,15 @@ class Frontend:
                 params[name] = getattr(request, name)
         if request.stop_token_ids:
             params["stop_token_ids"] = list(request.stop_token_ids)
+        logprobs = asked_logprobs(request)
+        if logprobs is not None:
+            params["logprobs"] = logprobs
+        # Chat's number of alternatives is its top_logprobs.
+        logprobs_field = "top_logprobs" if isinstance(request, schemas.ChatCompletionRequest) else "logprobs"
         try:
             SamplingParams(**params)
         except ValidationError as exc:
-            raise from_validation(exc, {"max_tokens": max_tokens_field}) from None
+            raise from_validation(exc, {"max_tokens": max_tokens_field, "logprobs": logprobs_field}) from None
         return params
 
     def chat_prompt(self, request: schemas.ChatCompletionRequest) -> list[int]:
@@ -263,8 +269,24 @@ class Gate:
             self.frontend.metrics.http.labels(path if path in KNOWN_PATHS else "other", str(status)).inc()
 
 
+@dataclass
+class Collected:
+    """One choice's whole output: its text's parts, and with logprobs asked its tokens and entries."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+
+    def add(self, chunk) -> None:  # noqa: ANN001 - a tandem.client.Chunk
+        self.text.append(chunk.text)
+        if chunk.logprobs is not None:
+            self.token_ids.extend(chunk.token_ids)
+            self.logprobs.extend(chunk.logprobs)
+
+
 def build_app(frontend: Frontend) -> FastAPI:
     app = FastAPI(title="tandem", version=__version__, docs_url="/docs", redoc_url=None)
+    text_of = TokenText(frontend.model.tokenizer)
 
     @app.exception_handler(APIError)
     async def on_api_error(_request: Request, exc: APIError) -> JSONResponse:
@@ -354,7 +376,7 @@ def build_app(frontend: Frontend) -> FastAPI:
                 weakref.finalize(events, release)
                 return StreamingResponse(events, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            texts = await collect_unless_disconnected(request, streams, tally)
+            outputs = await collect_unless_disconnected(request, streams, tally)
         except BaseException:
             release()
             raise
@@ -362,23 +384,29 @@ def build_app(frontend: Frontend) -> FastAPI:
         tally.finish(frontend.metrics)
         usage = schemas.Usage.of(tally.prompt_tokens, tally.completion_tokens())
         created = schemas.now()
+        with_logprobs = params.get("logprobs") is not None
         if chat:
-            choices = [schemas.ChatChoice(index=i, message=schemas.ChatResponseMessage(content=texts[i]),
-                                          finish_reason=tally.reasons.get(i)) for i in range(len(streams))]
+            choices = [schemas.ChatChoice(
+                index=i, message=schemas.ChatResponseMessage(content="".join(out.text)),
+                logprobs=chat_logprobs(out.token_ids, out.logprobs, text_of) if with_logprobs else None,
+                finish_reason=tally.reasons.get(i)) for i, out in enumerate(outputs)]
             return JSONResponse(schemas.ChatCompletion(id=request_id, created=created, model=model, choices=choices,
                                                        usage=usage).model_dump())
-        choices = [schemas.CompletionChoice(index=i, text=texts[i], finish_reason=tally.reasons.get(i))
-                   for i in range(len(streams))]
+        choices = [schemas.CompletionChoice(
+            index=i, text="".join(out.text),
+            logprobs=completion_logprobs(out.token_ids, out.logprobs, text_of) if with_logprobs else None,
+            finish_reason=tally.reasons.get(i)) for i, out in enumerate(outputs)]
         return JSONResponse(schemas.Completion(id=request_id, created=created, model=model, choices=choices,
                                                usage=usage).model_dump())
 
-    async def collect_unless_disconnected(request: Request, streams: list[RequestStream], tally: Tally) -> list[str]:
-        texts = [[] for _ in streams]
+    async def collect_unless_disconnected(request: Request, streams: list[RequestStream],
+                                          tally: Tally) -> list[Collected]:
+        outputs = [Collected() for _ in streams]
 
         async def collect() -> None:
             async for i, chunk in merged(streams):
                 tally.on_chunk(frontend.metrics, i, chunk)
-                texts[i].append(chunk.text)
+                outputs[i].add(chunk)
 
         async def disconnected() -> None:
             while not await request.is_disconnected():
@@ -399,11 +427,12 @@ def build_app(frontend: Frontend) -> FastAPI:
             work.result()
         except TandemError as exc:
             raise from_tandem(exc, exc.param) from None
-        return ["".join(t) for t in texts]
+        return outputs
 
     async def stream_events(streams: list[RequestStream], tally: Tally, request_id: str, model: str, chat: bool,
                             include_usage: bool, release: Callable[[], None]) -> AsyncIterator[str]:
         created = schemas.now()
+        text_offsets = [0] * len(streams)  # per choice: where its next token's text starts
         try:
             if chat:
                 for i in range(len(streams)):
@@ -415,12 +444,18 @@ def build_app(frontend: Frontend) -> FastAPI:
                     if not chunk.token_ids and not chunk.text and chunk.finish_reason is None:
                         continue  # a token whose text is incomplete still goes out (empty), as vLLM sends it
                     if chat:
+                        logprobs = None if chunk.logprobs is None else \
+                            chat_logprobs(chunk.token_ids, chunk.logprobs, text_of)
                         yield sse(chat_chunk(request_id, created, model, i, schemas.ChatDelta(content=chunk.text),
-                                             chunk.finish_reason))
+                                             chunk.finish_reason, logprobs))
                     else:
+                        logprobs = None
+                        if chunk.logprobs is not None:
+                            logprobs = completion_logprobs(chunk.token_ids, chunk.logprobs, text_of, text_offsets[i])
+                            text_offsets[i] += sum(map(len, logprobs.tokens))
                         yield sse(schemas.Completion(
                             id=request_id, created=created, model=model,
-                            choices=[schemas.CompletionChoice(index=i, text=chunk.text,
+                            choices=[schemas.CompletionChoice(index=i, text=chunk.text, logprobs=logprobs,
                                                               finish_reason=chunk.finish_reason)]))
             except TandemError as exc:  # mid-stream: the status line has gone, so the error goes as an event
                 yield sse(from_tandem(exc, exc.param).body)
@@ -441,9 +476,10 @@ def build_app(frontend: Frontend) -> FastAPI:
 
 
 def chat_chunk(request_id: str, created: int, model: str, index: int, delta: schemas.ChatDelta,
-               finish_reason: str | None = None) -> schemas.ChatCompletionChunk:
+               finish_reason: str | None = None,
+               logprobs: schemas.ChatLogprobs | None = None) -> schemas.ChatCompletionChunk:
     return schemas.ChatCompletionChunk(id=request_id, created=created, model=model,
-                                       choices=[schemas.ChatChunkChoice(index=index, delta=delta,
+                                       choices=[schemas.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
                                                                         finish_reason=finish_reason)])
 
 

@@ -39,7 +39,7 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
 
 
 def not_supported(field: str) -> APIError:
-    return bad_request(f"{field} is not supported yet: tandem's engine has no parallel sampling, log-probabilities, "
+    return bad_request(f"{field} is not supported yet: tandem's engine has no parallel sampling, "
                        f"penalties or tools (leave {field} out)", field, "unsupported_parameter")
 
 

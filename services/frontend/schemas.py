@@ -1,8 +1,8 @@
 """The OpenAI API's request and response bodies, as pydantic models (what crosses the HTTP boundary).
 
 Requests take OpenAI's fields and vLLM's extensions (``top_k``, ``ignore_eos``, ``stop_token_ids``).
-Fields the engine has no support for yet (``n`` > 1, ``best_of``, log-probabilities, penalties,
-``logit_bias``, ``echo``, ``suffix``, tools) are declared, so that :func:`unsupported` can refuse them
+Fields the engine has no support for yet (``n`` > 1, ``best_of``, penalties, ``logit_bias``,
+``echo``, ``suffix``, tools) are declared, so that :func:`unsupported` can refuse them
 with a 400 naming the field, instead of silently ignoring what a client asked for. Unknown fields
 are ignored, as OpenAI's API and vLLM do. Value bounds are not repeated here: they are the bus's
 own (:class:`tandem.shared.protocol.serving.SamplingParams`), checked when the request is built.
@@ -40,11 +40,13 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Completions: an int, the top alternatives per token; chat: a bool, with ``top_logprobs``
+    # (see ``logprobs.asked_logprobs``).
+    logprobs: Any = None
+    top_logprobs: int | None = None
     # Not served yet (see unsupported()):
     n: int = 1
     best_of: int | None = None
-    logprobs: Any = None
-    top_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
@@ -102,10 +104,6 @@ def unsupported(request: SamplingFields) -> str | None:
         return "n"
     if request.best_of not in (None, 1):
         return "best_of"
-    if request.logprobs not in (None, False, 0):
-        return "logprobs"
-    if request.top_logprobs not in (None, 0):
-        return "top_logprobs"
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(request, name) != 0:
             return name
@@ -148,10 +146,20 @@ class Usage(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completion logprobs: per token its text, logprob, top alternatives (text to
+    logprob, the sampled token included) and where its text starts in the choice's text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -169,10 +177,24 @@ class ChatResponseMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token text's UTF-8 bytes
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -193,7 +215,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -121,7 +121,7 @@ class PrefillService(EngineWorker):
         if msg is None or out.finish_reason != PREFILLED:
             return False
         # The first token goes to the client now; the hand-off happens in the background.
-        self.send_chunk(stream, out.request_id, out.new_token_ids, out.text_delta, None)
+        self.send_chunk(stream, out.request_id, out.new_token_ids, out.text_delta, None, logprobs=out.logprobs)
         self.handoffs[out.request_id] = msg.decode_worker  # a drain waits for it
         self.spawn(self.tracked_hand_off(msg, out, stream), f"hand-off of {out.request_id}")
         return True

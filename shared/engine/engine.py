@@ -37,6 +37,7 @@ from tandem.shared.engine.sequence import EngineRequest, RequestOutput, Sequence
 from tandem.shared.infra.config import EngineSettings
 from tandem.shared.kvcache.block_manager import BlockManager
 from tandem.shared.protocol.block_hashes import prefix_hashes
+from tandem.shared.protocol.serving import TokenLogprobs
 from tandem.shared.text.tokenizer import Tokenizer
 
 # The engine's config is the settings' engine section: one class, so a knob added there (with its
@@ -94,7 +95,8 @@ class LLMEngine:
                               else self.runner.graphs is not None)
         self._in_flight: InFlightStep | None = None
         self.num_overlapped_steps = 0
-        self._text_pending: list[tuple[Sequence, int]] = []  # (sequence, its newest token) awaiting text
+        # (sequence, its newest token, that token's logprobs if asked) awaiting text
+        self._text_pending: list[tuple[Sequence, int, TokenLogprobs | None]] = []
         self._arrivals = itertools.count()
         self._aborted_outputs: list[RequestOutput] = []
         self._failed_rows: list[RequestOutput] = []  # error outputs of requests a step ended alone
@@ -171,7 +173,7 @@ class LLMEngine:
         if self._in_flight is not None:
             done, self._in_flight = self._in_flight, self._queue_ahead(self._in_flight)
             outputs += self._catch_up_text()
-            outputs += self._postprocess(done.batch, done.tokens.wait())
+            outputs += self._postprocess(done.batch, done.tokens)
             if self._in_flight is not None:
                 return outputs
         batch = self.scheduler.schedule()
@@ -183,7 +185,7 @@ class LLMEngine:
             self._in_flight = InFlightStep(batch, self._sample(batch, pending))
             return outputs + self._catch_up_text()
         outputs += self._catch_up_text()
-        return outputs + self._postprocess(batch, [] if pending is None else self._sample(batch, pending).wait())
+        return outputs + self._postprocess(batch, None if pending is None else self._sample(batch, pending))
 
     def _queue_ahead(self, step: InFlightStep) -> InFlightStep | None:
         """Queue the decode step after the in-flight ``step``, fed by its tokens on the device; None
@@ -213,19 +215,26 @@ class LLMEngine:
                 self.runner.import_kv(seq.block_table[first:], kv)
             self.scheduler.hash_computed(seq)  # its prompt blocks hold valid K/V now: cacheable
 
-    def _postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[RequestOutput]:
+    def _postprocess(self, batch: ScheduledBatch, tokens: SampledTokens | None) -> list[RequestOutput]:
+        """Append ``tokens`` (the step's sampled rows, None when no item sampled) to their sequences."""
         outputs = []
-        sampled_ids = iter(sampled)
+        sampled = [] if tokens is None else tokens.wait()
+        sampled_logprobs = None if tokens is None else tokens.wait_logprobs()
+        row = 0
         for item in batch.items:
-            token_id = next(sampled_ids) if item.samples else None
+            token_id = logprobs = None
+            if item.samples:
+                token_id = sampled[row]
+                logprobs = None if sampled_logprobs is None else sampled_logprobs[row]
+                row += 1
             try:
                 if not self.scheduler.postprocess_item(item, token_id, text_later=self.async_output):
                     continue
                 seq = item.seq
                 if self.async_output and can_defer_text(seq):
-                    self._text_pending.append((seq, seq.token_ids[-1]))
+                    self._text_pending.append((seq, seq.token_ids[-1], logprobs))
                 else:
-                    outputs.append(self._make_output(seq, seq.token_ids[-1:]))
+                    outputs.append(self._make_output(seq, seq.token_ids[-1:], logprobs))
             except Exception as exc:  # this row's own work: it alone ends
                 self._fail_row(item.seq, exc)
         return outputs
@@ -233,12 +242,12 @@ class LLMEngine:
     def _catch_up_text(self) -> list[RequestOutput]:
         pending, self._text_pending = self._text_pending, []
         outputs = []
-        for seq, token in pending:
+        for seq, token, logprobs in pending:
             if seq.finish_reason in ENDED_APART:
                 continue  # its abort or error output already went out
             try:
                 catch_up_text(seq)
-                outputs.append(self._make_output(seq, [token]))
+                outputs.append(self._make_output(seq, [token], logprobs))
             except Exception as exc:
                 self._fail_row(seq, exc)
         return outputs
@@ -286,7 +295,8 @@ class LLMEngine:
         """
         return self.block_manager.drain_events()
 
-    def _make_output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+    def _make_output(self, seq: Sequence, new_token_ids: list[int],
+                     logprobs: TokenLogprobs | None = None) -> RequestOutput:
         reason = seq.finish_reason
         finished = seq.status is SequenceStatus.FINISHED
         # "prefilled" is a hand-off, not an end: keep held-back text for the decode worker to send.
@@ -303,6 +313,7 @@ class LLMEngine:
             kv=self._exported_kv.pop(seq.request_id, None),
             kv_hashes=self._exported_hashes.pop(seq.request_id, None),
             error=seq.error,
+            logprobs=None if logprobs is None else [logprobs],
         )
 
     def _on_finish(self, seq: Sequence) -> None:

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.shared.engine.cuda_graphs import DecodeGraphs
-from tandem.shared.engine.sampling import sample, sample_rows_alone
+from tandem.shared.engine.sampling import SampledLogprobs, gather_logprobs, sample, sample_rows_alone
 from tandem.shared.engine.scheduler import ScheduledBatch
 from tandem.shared.infra.devcopy import host_values_to
 from tandem.shared.kvcache.attention import AttentionMetadata, build_attention_metadata
 from tandem.shared.kvcache.cache import allocate_kv_cache, gather_blocks, scatter_blocks
+from tandem.shared.protocol.serving import TokenLogprobs
 
 
 @dataclass
@@ -39,11 +40,21 @@ class SampledTokens:
     # Rows whose own sampling raised, with what it raised: their ids are placeholders and the
     # engine ends their sequences; every other row has its token.
     failed_rows: dict[int, Exception] = field(default_factory=dict)
+    # The rows that asked for logprobs, host copies made with the ids' (None: no row asked).
+    logprobs: SampledLogprobs | None = None
 
     def wait(self) -> list[int]:
         if self.done is not None:
             self.done.synchronize()
         return self.host.tolist()
+
+    def wait_logprobs(self) -> list[TokenLogprobs | None] | None:
+        """One entry per row (None for rows that did not ask), or None when no row asked."""
+        if self.logprobs is None:
+            return None
+        if self.done is not None:
+            self.done.synchronize()
+        return self.logprobs.per_row(self.host.shape[0])
 
 
 class ModelRunner:
@@ -165,7 +176,9 @@ class ModelRunner:
         """Queue sampling of a launched step and the copy of its ids to the host; wait for neither.
 
         When sampling the batch raises, its rows are sampled one by one: rows that fail alone are
-        listed in ``failed_rows``; when none does, the failure is the batch's and is raised."""
+        listed in ``failed_rows``; when none does, the failure is the batch's and is raised. The
+        logprobs of rows that ask are taken from the same logits and ids on either path (a failed
+        row's entry is of its placeholder id, and is dropped with its sequence)."""
         self.last_logits = pending.logits  # the rows sampled from, for tests and debugging
         try:
             ids, failed = sample(pending.logits, pending.params, pending.output_indices, self.generator), {}
@@ -173,15 +186,14 @@ class ModelRunner:
             ids, failed = sample_rows_alone(pending.logits, pending.params, pending.output_indices, self.generator)
             if not failed:
                 raise  # every row samples alone: not one row's fault (device memory, say)
+        logprobs = gather_logprobs(pending.logits, ids, pending.params)
         if ids.device.type != "cuda":
-            return SampledTokens(ids, ids, None, failed)
-        # Pinned, from torch's caching host allocator: it hands a block out again only once the
-        # copies recorded on it are done, so two steps in flight never share a landing place.
-        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-        host.copy_(ids, non_blocking=True)
-        done = torch.cuda.Event()
+            return SampledTokens(ids, ids, None, failed, logprobs)
+        host = _to_pinned(ids)
+        host_logprobs = None if logprobs is None else logprobs.map(_to_pinned)
+        done = torch.cuda.Event()  # recorded after every copy: one wait covers ids and logprobs
         done.record()
-        return SampledTokens(ids, host, done, failed)
+        return SampledTokens(ids, host, done, failed, host_logprobs)
 
     def _run_decode_graph(self, batch: ScheduledBatch) -> torch.Tensor:
         seqs = [item.seq for item in batch.items]
@@ -200,3 +212,13 @@ class ModelRunner:
     def import_kv(self, block_table: Seq[int], kv: torch.Tensor) -> None:
         """Write exported blocks ``kv`` into the first ``kv.shape[0]`` blocks of ``block_table``."""
         scatter_blocks(self.kv_cache, list(block_table[: kv.shape[0]]), kv)
+
+
+def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """Queue a copy of a device tensor to pinned host memory; read it after the stream's event.
+
+    Pinned, from torch's caching host allocator: it hands a block out again only once the copies
+    recorded on it are done, so two steps in flight never share a landing place."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host

@@ -13,16 +13,23 @@ worker sampling tokens 1.. reproduce a single worker. Unseeded rows share one gl
 
 That independence also lets a batch whose sampling raised be sampled again row by row
 (``sample_rows_alone``): the rows at fault are found and the others keep their tokens.
+
+Logprobs (``SamplingParams.logprobs``, ``gather_logprobs``) are the raw ``log_softmax`` of the
+model's logits, as vLLM V1 returns them by default: not of the distribution after temperature,
+top-k and top-p, so greedy and sampled rows report the same kind of number and a token's logprob
+does not depend on how it was drawn. They are computed on the device, only for the rows that ask
+and only when some row of the batch does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from tandem.shared.infra.devcopy import host_values_to
-from tandem.shared.protocol.serving import GREEDY_TEMPERATURE, SamplingParams
+from tandem.shared.protocol.serving import GREEDY_TEMPERATURE, SamplingParams, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 
@@ -92,6 +99,50 @@ def sample(
     # Exp(1) draws can underflow to 0; a tiny floor keeps p / E finite and zero-probability rows at 0.
     sampled = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
     return torch.where(greedy, greedy_ids, sampled)
+
+
+@dataclass
+class SampledLogprobs:
+    """Logprobs of one sampled batch's rows that asked for them: ``rows`` (their batch rows, in
+    order) and ``top_counts`` (each one's N) are host lists; the tensors may be on the device."""
+
+    rows: list[int]
+    top_counts: list[int]
+    chosen: torch.Tensor  # float32 [R]: the sampled token's logprob
+    top_ids: torch.Tensor  # long [R, K], K = max(top_counts): most likely first
+    top_values: torch.Tensor  # float32 [R, K]
+
+    def map(self, move: Callable[[torch.Tensor], torch.Tensor]) -> SampledLogprobs:
+        """The same record with each tensor replaced by ``move(tensor)`` (a copy to the host, say)."""
+        return SampledLogprobs(self.rows, self.top_counts, move(self.chosen), move(self.top_ids), move(self.top_values))
+
+    def per_row(self, num_rows: int) -> list[TokenLogprobs | None]:
+        """One entry per batch row (None for rows that did not ask); the tensors must be readable."""
+        entries: list[TokenLogprobs | None] = [None] * num_rows
+        chosen, top_ids, top_values = self.chosen.tolist(), self.top_ids.tolist(), self.top_values.tolist()
+        for i, (row, count) in enumerate(zip(self.rows, self.top_counts)):
+            # model_construct: the values come from the model, not from a peer; no need to validate them.
+            entries[row] = TokenLogprobs.model_construct(
+                logprob=chosen[i], top=list(zip(top_ids[i][:count], top_values[i][:count])))
+        return entries
+
+
+def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                    params: Sequence[SamplingParams]) -> SampledLogprobs | None:
+    """Logprobs of ``token_ids`` (``LongTensor[B]``, sampled from float32 ``logits[B, V]``) and each
+    row's top ``params[i].logprobs`` alternatives, for the rows that ask; None, with no device
+    work, when none does. Raw ``log_softmax`` of the logits (see the module docstring)."""
+    rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return None
+    if len(rows) < len(params):
+        index = host_values_to(logits.device, rows, torch.long)
+        logits, token_ids = logits.index_select(0, index), token_ids.index_select(0, index)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
+    top_counts = [min(params[row].logprobs, logits.shape[-1]) for row in rows]
+    top_values, top_ids = logprobs.topk(max(top_counts), dim=-1)
+    return SampledLogprobs(rows, top_counts, chosen, top_ids, top_values)
 
 
 def sample_rows_alone(

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from tandem.shared.protocol.base import first_error
-from tandem.shared.protocol.serving import SamplingParams
+from tandem.shared.protocol.serving import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +73,8 @@ class RequestOutput:
     # With finish_reason "error": why the engine ended this request alone (its own part of a step
     # raised; the rest of the batch went on), as "ExceptionType: message".
     error: str | None = None
+    # With ``params.logprobs`` set: one entry per token of ``new_token_ids``; else None.
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class SequenceStatus(enum.Enum):

@@ -15,6 +15,7 @@ MAX_STOP_TOKEN_IDS = 1024  # each is compared against every sampled token of the
 INT32_MAX = 2**31 - 1  # token ids, top_k and max_tokens fit int32 (vocabularies and contexts are far smaller)
 SEED_LIMIT = 2**63  # seeds are < 2**63 (torch.Generator.manual_seed takes them on every version)
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (as vLLM): 1/T would overflow the logits
+MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (as vLLM's default and OpenAI's top_logprobs)
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
@@ -56,6 +57,18 @@ class SamplingParams(BaseModel):
         default_factory=list, max_length=MAX_STOP_STRINGS)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
+    # None: off. N: each output token's log-probability and the N most likely tokens of its step
+    # (raw log_softmax of the model's logits, before temperature, top-k and top-p; see engine.sampling).
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class TokenLogprobs(BaseModel):
+    """One output token's log-probability and its step's most likely tokens, most likely first
+    (``(token id, logprob)``; the sampled token may be among them)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    logprob: float
+    top: list[tuple[int, float]] = Field(default_factory=list, max_length=MAX_LOGPROBS)
 
 
 class GenerateRequest(WireMessage):
@@ -137,6 +150,8 @@ class StreamChunk(WireMessage):
     text: str
     finish_reason: str | None = None
     error: ErrorReply | None = None
+    # With ``params.logprobs`` set: one entry per token of ``token_ids``, in order; else None.
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class Probe(WireMessage):

@@ -115,6 +115,30 @@ def test_generate_takes_the_prompt_from_stdin_or_a_file(system, source, tmp_path
     assert len(result["token_ids"]) == 4
 
 
+def test_generate_json_prints_logprobs_of_the_model(system, tiny, tmp_path):
+    """``--logprobs 2 --json``: each token's logprob and its step's top 2, equal to ``log_softmax``
+    of the model's own logits (the first token comes from the prefill worker, the rest from decode)."""
+    import torch
+
+    from tandem.shared.model.reference import reference_logits
+
+    prompt = "def add(a, b):"
+    done = tandem(["generate", prompt, "--nats-url", system.url, "--max-tokens", "5", "--temperature", "0",
+                   "--ignore-eos", "--logprobs", "2", "--json"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    tokens, entries = result["token_ids"], result["logprobs"]
+    assert [e["token_id"] for e in entries] == tokens and len(tokens) == 5
+    ids = result["prompt_token_ids"] + tokens
+    expected = torch.log_softmax(reference_logits(tiny.model, ids[:-1])[len(ids) - 1 - len(tokens):], dim=-1)
+    for token, entry, row in zip(tokens, entries, expected):
+        assert entry["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+        values, top_ids = row.topk(2)
+        assert [t["token_id"] for t in entry["top_logprobs"]] == top_ids.tolist()
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(values.tolist(), abs=1e-4)
+    assert result["cumulative_logprob"] == pytest.approx(sum(e["logprob"] for e in entries))
+
+
 def abort_count(url: str) -> float:
     """Requests the decode workers ended as aborted (cancelled or their client gone)."""
     async def scrape() -> float:

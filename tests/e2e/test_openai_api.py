@@ -20,6 +20,7 @@ from support import assert_pools_free, prompt_of
 from tandem.client import connect
 from tandem.discovery import service_infos
 from tandem.services.frontend.chat_template import tiny_template
+from tandem.shared.text.tokenizer import ByteTokenizer
 from tandem.supervisor import wait_until_ready
 
 KEY = "sekrit-key"
@@ -69,6 +70,67 @@ async def test_completion_matches_the_bus_client_with_usage(api):
     assert (result.usage.prompt_tokens, result.usage.completion_tokens, result.usage.total_tokens) == (40, 12, 52)
     assert result.id.startswith("cmpl-") and result.model == "tiny" and result.created > 0 and \
         result.object == "text_completion"
+
+
+def token_text(token_id: int) -> str:
+    return ByteTokenizer().decode([token_id])  # the tiny model's tokenizer
+
+
+async def test_completion_logprobs_equal_the_bus_clients(api):
+    """The first token's logprobs come from the prefill worker, the others from decode: both reach
+    the bus client and the HTTP answer, whole and streamed, as the same numbers."""
+    prompt = prompt_of(33)
+    async with connect(api.url) as bus:
+        expected = await bus.complete(prompt, max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
+    assert len(expected.logprobs) == 10 and all(len(e.top) == 3 for e in expected.logprobs)
+    assert expected.cumulative_logprob == pytest.approx(sum(e.logprob for e in expected.logprobs))
+    for token, entry in zip(expected.token_ids, expected.logprobs):  # greedy: the most likely token
+        assert entry.logprob == pytest.approx(entry.top[0][1]) and entry.logprob <= 0
+        assert token == entry.top[0][0] or entry.top[0][1] == entry.top[1][1]  # (ties aside)
+
+    client = client_for(api)
+    result = await client.completions.create(model="tiny", prompt=prompt, max_tokens=10, logprobs=3, **GREEDY)
+    shaped = result.choices[0].logprobs
+    assert shaped.tokens == [token_text(t) for t in expected.token_ids]
+    # Approximate: a CPU forward's last bits depend on what else shares the batch.
+    assert shaped.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+    for top, token, entry in zip(shaped.top_logprobs, expected.token_ids, expected.logprobs):
+        want = {token_text(i): v for i, v in entry.top}
+        want.setdefault(token_text(token), entry.logprob)  # the sampled token is always there
+        assert top == pytest.approx(want, abs=1e-4)
+    offsets = [sum(len(token) for token in shaped.tokens[:i]) for i in range(len(shaped.tokens))]
+    assert shaped.text_offset == offsets
+
+    stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=10, logprobs=3, stream=True,
+                                             **GREEDY)
+    pieces = [c.choices[0].logprobs async for c in stream if c.choices and c.choices[0].logprobs]
+    assert [t for p in pieces for t in p.token_logprobs] == pytest.approx(shaped.token_logprobs, abs=1e-4)
+    assert [o for p in pieces for o in p.text_offset] == shaped.text_offset
+
+    plain = await client.completions.create(model="tiny", prompt=prompt, max_tokens=10, **GREEDY)
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == result.choices[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_chat_top_logprobs_equal_the_bus_clients(api, stream):
+    messages = [{"role": "user", "content": "a function"}]
+    rendered = tiny_template().render(messages, add_generation_prompt=True)
+    async with connect(api.url) as bus:
+        expected = await bus.complete(rendered, max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    client = client_for(api)
+    asked = dict(model="tiny", messages=messages, max_completion_tokens=6, logprobs=True, top_logprobs=2, **GREEDY)
+    if stream:
+        content = [t for c in [c async for c in await client.chat.completions.create(stream=True, **asked)]
+                   if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    else:
+        content = (await client.chat.completions.create(**asked)).choices[0].logprobs.content
+    assert [t.token for t in content] == [token_text(t) for t in expected.token_ids]
+    assert [t.logprob for t in content] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+    assert [t.bytes for t in content] == [list(token_text(t).encode()) for t in expected.token_ids]
+    assert [[a.token for a in t.top_logprobs] for t in content] == \
+        [[token_text(i) for i, _ in e.top] for e in expected.logprobs]
+    assert [[a.logprob for a in t.top_logprobs] for t in content] == \
+        [pytest.approx([v for _, v in e.top], abs=1e-4) for e in expected.logprobs]
 
 
 async def test_streamed_completion_joins_to_the_whole_and_ends_with_usage(api):
@@ -159,7 +221,8 @@ BAD_BODIES = [
     ({"seed": -1}, 400, "seed", "greater than or equal to 0"),
     ({"stop": [""]}, 400, "stop", "at least 1 character"),
     ({"n": 2}, 400, "n", "not supported"),
-    ({"logprobs": 2}, 400, "logprobs", "not supported"),
+    ({"logprobs": 21}, 400, "logprobs", "less than or equal to 20"),
+    ({"logprobs": True}, 400, "logprobs", "integer"),
     ({"presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     ({"temperature": "hot"}, 400, "temperature", "valid number"),
     ({"model": "gpt-4"}, 404, "model", "does not exist"),

@@ -126,3 +126,50 @@ def test_overlapped_graph_steps_give_the_same_tokens() -> None:
     assert none == 0 and count > 20, f"{count} steps overlapped"
     for request_id, expected in plain.items():
         assert overlapped[request_id] == expected, f"{request_id}: overlapped steps differ"
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_logprobs_with_graphs_overlap_and_async_output_match_log_softmax() -> None:
+    """Logprobs copied to pinned memory with the ids (graphs, overlapped steps, async output all on,
+    the CUDA defaults) equal ``log_softmax`` of the contiguous reference's logits, and rows without
+    logprobs get the tokens they get in a batch where no row asks."""
+    from tandem.shared.model.reference import reference_logits
+
+    loaded = load_model("random:llama-test", device="cuda", dtype=torch.float32)
+
+    def generate(with_logprobs: bool) -> tuple[dict, int]:
+        config = EngineConfig(block_size=16, num_blocks=512, max_num_seqs=32, max_num_batched_tokens=2048,
+                              max_model_len=512, enable_prefix_caching=False)
+        engine = LLMEngine(loaded.model, loaded.tokenizer, config, "cuda")
+        assert engine.runner.graphs is not None and engine.overlap_steps and engine.async_output
+        for i in range(12):
+            params = SamplingParams(max_tokens=16 + 3 * (i % 4), temperature=0.0 if i % 3 else 0.8, seed=i, top_k=50,
+                                    ignore_eos=True, logprobs=(i % 4) * 2 if with_logprobs and i % 2 == 0 else None)
+            prompt = list(range(300 + 5 * i, 300 + 5 * i + 10 + 7 * i))
+            engine.add_request(EngineRequest(request_id=f"r{i}", prompt_token_ids=prompt, params=params))
+        out: dict[str, tuple[list[int], list, list[int], SamplingParams]] = {}
+        requests = {r.request_id: r for r in engine.scheduler.requests.values()}
+        while engine.has_unfinished():
+            for o in engine.step():
+                seq = requests[o.request_id]
+                tokens, entries, _, _ = out.get(o.request_id, ([], [], seq.token_ids[:seq.num_prompt_tokens],
+                                                                 seq.params))
+                out[o.request_id] = (tokens + o.new_token_ids, entries + (o.logprobs or []),
+                                     seq.token_ids[:seq.num_prompt_tokens], seq.params)
+        return out, engine.num_overlapped_steps
+
+    plain, _ = generate(False)
+    asked, overlapped = generate(True)
+    assert overlapped > 10
+    for request_id, (tokens, entries, prompt, params) in asked.items():
+        assert tokens == plain[request_id][0], f"{request_id}: logprobs changed the tokens"
+        if params.logprobs is None:
+            assert entries == []
+            continue
+        assert len(entries) == len(tokens)
+        expected = torch.log_softmax(reference_logits(loaded.model, prompt + tokens[:-1])[len(prompt) - 1:], dim=-1)
+        for token, entry, row in zip(tokens, entries, expected):
+            assert entry.logprob == pytest.approx(row[token].item(), abs=2e-3)
+            assert len(entry.top) == params.logprobs
+            assert [v for _, v in entry.top] == pytest.approx(row.topk(params.logprobs).values.tolist(), abs=2e-3)

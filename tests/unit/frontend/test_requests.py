@@ -6,9 +6,11 @@ import pytest
 from pydantic import ValidationError
 
 from tandem.client import InvalidRequestError, NoWorkersError, PromptTooLongError, UnknownModelError
-from tandem.services.frontend.errors import from_tandem, from_validation
+from tandem.services.frontend.errors import APIError, from_tandem, from_validation
+from tandem.services.frontend.logprobs import TokenText, asked_logprobs, chat_logprobs, completion_logprobs
 from tandem.services.frontend.schemas import ChatCompletionRequest, CompletionRequest, unsupported
-from tandem.shared.protocol.serving import SamplingParams
+from tandem.shared.protocol.serving import SamplingParams, TokenLogprobs
+from tandem.shared.text.tokenizer import ByteTokenizer
 
 
 @pytest.mark.parametrize("prompt,expected", [
@@ -22,7 +24,7 @@ def test_every_openai_prompt_form_is_a_list_of_prompts(prompt, expected):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("n", 2), ("best_of", 3), ("logprobs", 1), ("top_logprobs", 2), ("presence_penalty", 0.1),
+    ("n", 2), ("best_of", 3), ("presence_penalty", 0.1),
     ("frequency_penalty", -0.5), ("repetition_penalty", 1.2), ("logit_bias", {"1": 2.0}), ("echo", True),
     ("suffix", "x"),
 ])
@@ -68,3 +70,55 @@ def test_bus_errors_map_to_openai_statuses(exc, param, status, code):
     error = from_tandem(exc, param)
     assert (error.status, error.body.error.code, error.body.error.param) == (status, code, param or
                                                                              ("model" if status == 404 else None))
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **fields)
+
+
+@pytest.mark.parametrize("request_,expected", [
+    (CompletionRequest(prompt="x"), None),
+    (CompletionRequest(prompt="x", logprobs=0), 0),
+    (CompletionRequest(prompt="x", logprobs=3), 3),
+    (chat(), None),
+    (chat(logprobs=False), None),
+    (chat(logprobs=True), 0),
+    (chat(logprobs=True, top_logprobs=4), 4),
+], ids=lambda v: repr(v)[:40])
+def test_logprobs_asked_the_openai_way(request_, expected):
+    assert asked_logprobs(request_) == expected
+
+
+@pytest.mark.parametrize("request_,param", [
+    (CompletionRequest(prompt="x", logprobs=True), "logprobs"),
+    (CompletionRequest(prompt="x", logprobs="2"), "logprobs"),
+    (chat(logprobs=2), "logprobs"),
+    (chat(top_logprobs=2), "top_logprobs"),
+    (chat(logprobs=False, top_logprobs=2), "top_logprobs"),
+], ids=lambda v: repr(v)[:40])
+def test_logprobs_of_the_wrong_kind_are_refused_by_field(request_, param):
+    with pytest.raises(APIError) as caught:
+        asked_logprobs(request_)
+    assert caught.value.status == 400 and caught.value.body.error.param == param
+
+
+ENTRIES = [TokenLogprobs(logprob=-0.5, top=[(104, -0.5), (105, -1.5)]),
+           TokenLogprobs(logprob=-2.0, top=[(33, -0.25), (105, -1.75)])]
+
+
+def test_completion_logprobs_shape_offsets_and_sampled_token_in_top():
+    text_of = TokenText(ByteTokenizer())
+    shaped = completion_logprobs([104, 105], ENTRIES, text_of, text_offset=7)
+    assert shaped.tokens == ["h", "i"]
+    assert shaped.token_logprobs == [-0.5, -2.0]
+    assert shaped.top_logprobs == [{"h": -0.5, "i": -1.5}, {"!": -0.25, "i": -1.75}]
+    assert shaped.text_offset == [7, 8]
+
+
+def test_chat_logprobs_shape_has_bytes_and_exactly_the_top():
+    shaped = chat_logprobs([104, 105], ENTRIES, TokenText(ByteTokenizer())).model_dump()
+    first = shaped["content"][0]
+    assert first == {"token": "h", "logprob": -0.5, "bytes": [104],
+                     "top_logprobs": [{"token": "h", "logprob": -0.5, "bytes": [104]},
+                                      {"token": "i", "logprob": -1.5, "bytes": [105]}]}
+    assert [t["token"] for t in shaped["content"][1]["top_logprobs"]] == ["!", "i"]
