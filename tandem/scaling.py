@@ -67,7 +67,7 @@ class Scaler:
 
     async def run(self) -> None:
         nc = await nats.connect(self.sup.url, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                **self.sup.bus_options("tandem-up-scaler"))
+                                **self.sup.own_connect_options("tandem-up-scaler"))
         # Only a supervisor that wrote a state file keeps it current (the benchmarks write none).
         tracker = asyncio.create_task(self.track_urls(nc)) if self.sup.state is not None else None
         pinger = asyncio.create_task(self.ping_loop(nc))

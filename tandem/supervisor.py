@@ -44,7 +44,7 @@ from tandem.flags import SERVICE_SETTINGS, argv
 from tandem.gpus import memory_share, pick_gpu, visible_gpus
 from tandem.runstate import RunState, remove_state, state_file, write_state
 from tandem.shared.auth.credentials import connect_options
-from tandem.shared.auth.keyring import Keyring, write_private
+from tandem.shared.auth.keyring import Keyring, private_folder, write_private
 from tandem.shared.auth.roles import role_for_service
 from tandem.shared.infra.config import Settings
 from tandem.shared.infra.natsserver import NatsServer, die_with_parent
@@ -131,8 +131,7 @@ class Supervisor:
                                            auth_config=self.keyring.server_config() if self.keyring else "")
             self.url = self.server.url
             if self.keyring is not None:
-                self.creds_dir = self.server.workdir / "auth"
-                self.creds_dir.mkdir(mode=0o700, exist_ok=True)
+                self.creds_dir = private_folder(self.server.workdir / "auth")
         if self.gpus is None:
             self.gpus = visible_gpus(self.settings.engine.device)
         self.wanted = {"kvstore": self.num_kvstore, "decode": self.num_decode, "prefill": self.num_prefill,
@@ -142,7 +141,7 @@ class Supervisor:
                 for _ in range(self.wanted[service]):
                     self.spawn(service)
 
-    def bus_options(self, name: str) -> dict[str, Any]:
+    def own_connect_options(self, name: str) -> dict[str, Any]:
         """``nats.connect`` options for up's own connections: the operator's identity (with
         ``--nats-url``, the credentials given with ``--creds``, as the children get them)."""
         if self.keyring is not None:
@@ -284,7 +283,7 @@ class Supervisor:
         """Until every child answers ``$SRV.PING`` and the router has heard from every worker; then
         the planner (it counts the workers when it starts) and every child's URLs."""
         want = {s: sum(c.service == s for c in self.children) for s in SERVICE_ORDER}
-        options = self.bus_options("tandem-up")
+        options = self.own_connect_options("tandem-up")
         await wait_until_ready(self.url, want, self.check_children, timeout_s, options)
         if self.wanted.get("planner") and not any(c.service == "planner" for c in self.children):
             self.spawn("planner")

@@ -59,21 +59,25 @@ class Keyring:
         """A user of ``role`` named ``name``, minted here, as a credentials file in ``folder``
         (0600 in a 0700 folder): what a process gets when it may act under that name only, since
         it holds no role key to mint another."""
-        folder.mkdir(parents=True, exist_ok=True)
-        os.chmod(folder, 0o700)
-        path = folder / f"{name}.creds"
+        path = private_folder(folder) / f"{name}.creds"
         write_private(path, self.role_key(role).mint(name).to_text())
         return path
 
     def write_role_keys(self, folder: Path) -> dict[str, Path]:
         """One key file per role in ``folder`` (mode 0600 in a 0700 folder); role -> its path."""
-        folder.mkdir(parents=True, exist_ok=True)
-        os.chmod(folder, 0o700)
+        private_folder(folder)
         paths = {}
         for role in self.roles:
             paths[role] = folder / f"{role}.key"
             write_private(paths[role], self.role_key(role).to_text())
         return paths
+
+
+def private_folder(folder: Path) -> Path:
+    """``folder``, made if absent, readable by this user only (0700); returns it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    return folder
 
 
 def write_private(path: Path, text: str) -> None:
