@@ -66,8 +66,9 @@ class Scaler:
         self.stale_after_s = sup.settings.supervisor.health_timeout_s
 
     async def run(self) -> None:
-        nc = await nats.connect(self.sup.url, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                **self.sup.own_connect_options("tandem-up-scaler"))
+        nc = await self.connect()
+        if nc is None:  # asked to stop while connecting
+            return
         # Only a supervisor that wrote a state file keeps it current (the benchmarks write none).
         tracker = asyncio.create_task(self.track_urls(nc)) if self.sup.state is not None else None
         pinger = asyncio.create_task(self.ping_loop(nc))
@@ -86,6 +87,21 @@ class Scaler:
                 await asyncio.gather(tracker, return_exceptions=True)
             if not nc.is_closed:
                 await nc.close()
+
+    async def connect(self) -> nats.NATS | None:
+        """The scaler's connection, or None when a stop is asked first: a signal's KeyboardInterrupt
+        raised inside the connecting transport's callback is swallowed by the loop, and nats-py's
+        first connect then waits on forever (CI saw `up` ignore SIGINT for a minute so)."""
+        connecting = asyncio.ensure_future(nats.connect(self.sup.url, max_reconnect_attempts=-1,
+                                                        reconnect_time_wait=0.5,
+                                                        **self.sup.own_connect_options("tandem-up-scaler")))
+        while not connecting.done():
+            if self.sup.stop_requested:
+                connecting.cancel()
+                await asyncio.gather(connecting, return_exceptions=True)
+                return None
+            await asyncio.wait({connecting}, timeout=0.1)
+        return connecting.result()
 
     def live_ids(self) -> frozenset[str]:
         return frozenset(c.instance_id for c in self.sup.children if c.process.poll() is None)
