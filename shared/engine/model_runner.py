@@ -25,8 +25,11 @@ class PendingStep:
     """A launched step's logits (maybe still being computed) and what sampling needs."""
 
     logits: torch.Tensor
-    params: list
+    params: list  # row i's SamplingParams (a forked sample's own, with its own seed)
     output_indices: list[int]
+    # Row i's sequence: its tokens so far are the row's history (penalties). A sequence appears in
+    # several rows when one set of logits starts several samples (a request's first token with n > 1).
+    seqs: list = field(default_factory=list)
 
 
 @dataclass

@@ -75,6 +75,20 @@ class RequestOutput:
     error: str | None = None
     # With ``params.logprobs`` set: one entry per token of ``new_token_ids``; else None.
     logprobs: list[TokenLogprobs] | None = None
+    # Which of the request's outputs this is (0 for single-output requests); for held outputs
+    # (``params.holds_outputs``, reported whole when the request ends) its rank, best first.
+    sample_index: int = 0
+    cumulative_logprob: float | None = None  # with ``finished``: the sum of this output's token logprobs
+    # ``finished`` ends this output; ``request_finished`` the request (its every output has ended).
+    # Equal for single-output requests; None means the same as ``finished``.
+    request_finished: bool | None = None
+    # With ``params.prompt_logprobs`` set, on the request's first output: one entry per prompt token
+    # (None for the first).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def ends_request(self) -> bool:
+        return self.finished if self.request_finished is None else self.request_finished
 
 
 class SequenceStatus(enum.Enum):

@@ -12,7 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-SCHEMA_VERSION = 2  # 2: PrefillRequest and DecodeRequest carry the RequestSpec whole
+SCHEMA_VERSION = 3  # 2: PrefillRequest and DecodeRequest carry the RequestSpec whole; 3: several outputs per
+# request (n, best_of, beam search), penalties and logit bias, prompt logprobs
 
 
 class ErrorCode(str, Enum):
@@ -39,7 +40,7 @@ class ProtocolError(Exception):
 
 class WireMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    v: Literal[2] = SCHEMA_VERSION
+    v: Literal[3] = SCHEMA_VERSION
 
 
 class ErrorReply(WireMessage):

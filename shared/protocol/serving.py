@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from tandem.shared.protocol.base import ErrorReply, WireMessage
 from tandem.shared.protocol.kv import KVTransfer, RingSlots
@@ -16,6 +16,8 @@ INT32_MAX = 2**31 - 1  # token ids, top_k and max_tokens fit int32 (vocabularies
 SEED_LIMIT = 2**63  # seeds are < 2**63 (torch.Generator.manual_seed takes them on every version)
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (as vLLM): 1/T would overflow the logits
 MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (as vLLM's default and OpenAI's top_logprobs)
+MAX_SAMPLES = 64  # outputs, candidates (best_of) or beams of one request: each holds a row of every step
+MAX_LOGIT_BIAS = 1024  # biased tokens per request (OpenAI allows 300); each is one scatter into its row
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
@@ -60,6 +62,55 @@ class SamplingParams(BaseModel):
     # None: off. N: each output token's log-probability and the N most likely tokens of its step
     # (raw log_softmax of the model's logits, before temperature, top-k and top-p; see engine.sampling).
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # None: off. N: the same for every prompt token but the first (it has no logits before it).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Penalties on the logits before sampling, as vLLM (and OpenAI for presence/frequency) define them:
+    # presence subtracts once per token already in the output, frequency once per occurrence;
+    # repetition divides a positive logit (multiplies a negative one) of a token seen in the prompt or
+    # the output. 0, 0 and 1 are off.
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0, allow_inf_nan=False)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)  # eos and stop token ids are masked until this many outputs
+    # (token id, bias) pairs added to the logits (a list, not a map: msgpack maps take string keys only).
+    logit_bias: list[tuple[TokenId, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]]] = Field(
+        default_factory=list, max_length=MAX_LOGIT_BIAS)
+    # Several outputs: n samples, drawn from best_of candidates (the n with the highest cumulative
+    # logprob are returned; with best_of > n nothing streams until all candidates end). Sample i has
+    # its own randomness: with a seed, its tokens depend only on (seed, i), not on the batch.
+    n: int = Field(1, ge=1, le=MAX_SAMPLES)
+    best_of: int | None = Field(None, ge=1, le=MAX_SAMPLES)
+    # Beam search with this many beams (1: off), as transformers' generate(num_beams=k, do_sample=False):
+    # deterministic (temperature, top-p, top-k and seed do not apply), the n best finished beams come
+    # back when the search ends, each scored sum(logprobs) / length ** length_penalty.
+    beam_width: int = Field(1, ge=1, le=MAX_SAMPLES)
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0, allow_inf_nan=False)
+    early_stopping: bool | Literal["never"] = False  # transformers' meaning: True, False (heuristic), "never"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SamplingParams:
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.beam_width > 1:
+            if self.best_of is not None:
+                raise ValueError("best_of does not apply to beam search (beam_width > 1); set n <= beam_width")
+            if self.n > self.beam_width:
+                raise ValueError(f"n ({self.n}) must not exceed beam_width ({self.beam_width})")
+            if self.stop:
+                raise ValueError("stop strings do not apply to beam search; use stop_token_ids")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
+    @property
+    def num_candidates(self) -> int:
+        """Sequences the request runs at once: its beams, else its best_of (or n) samples."""
+        return self.beam_width if self.beam_width > 1 else (self.best_of or self.n)
+
+    @property
+    def holds_outputs(self) -> bool:
+        """Outputs come only when the request ends (the best are chosen among more than are returned)."""
+        return self.beam_width > 1 or self.num_candidates > self.n
 
 
 class TokenLogprobs(BaseModel):
@@ -141,7 +192,11 @@ class DecodeRequest(WireMessage):
 
 
 class StreamChunk(WireMessage):
-    """Worker to client: output tokens ``index .. index+len(token_ids)-1`` and their text."""
+    """Worker to client: output ``sample_index``'s tokens ``index .. index+len(token_ids)-1`` and
+    their text. A request with ``n`` outputs streams them interleaved, each ending with its own
+    ``finish_reason``; the request ends when all ``n`` have (or at the first ``error``, which ends
+    every output). Held outputs (``SamplingParams.holds_outputs``) come whole at the end, best
+    first: ``sample_index`` is then the rank."""
 
     kind: Literal["chunk"] = "chunk"
     request_id: str
@@ -152,6 +207,12 @@ class StreamChunk(WireMessage):
     error: ErrorReply | None = None
     # With ``params.logprobs`` set: one entry per token of ``token_ids``, in order; else None.
     logprobs: list[TokenLogprobs] | None = None
+    sample_index: int = Field(0, ge=0, lt=MAX_SAMPLES)
+    # On an output's last chunk: the sum of its tokens' logprobs (raw log_softmax, as ``logprobs``).
+    cumulative_logprob: float | None = None
+    # With ``params.prompt_logprobs`` set, on the request's first chunk: one entry per prompt token,
+    # None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Probe(WireMessage):

@@ -36,6 +36,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from support import worker_beats
 
 from tandem.shared.protocol import subjects
+from tandem.shared.protocol.base import SCHEMA_VERSION
 from tandem.shared.protocol.fleet import DrainRequest, Heartbeat
 from tandem.shared.protocol.kv import KVEvent
 
@@ -127,7 +128,8 @@ async def fuzz(system) -> FuzzRun:
                                                      stored=[1]).model_dump(), False),
         (subjects.kv_events("kvstore", kvs), KVEvent(source=kvs, service="kvstore", namespace="fuzz", seq=1,
                                                       stored=[1]).model_dump(), False),
-        (subjects.CANCEL, {"v": 2, "kind": "cancel", "request_id": "fuzz-c", "stream_subject": "_INBOX.fuzz.c"}, True),
+        (subjects.CANCEL, {"v": SCHEMA_VERSION, "kind": "cancel", "request_id": "fuzz-c",
+                           "stream_subject": "_INBOX.fuzz.c"}, True),
     ]
     published = Counter()
 

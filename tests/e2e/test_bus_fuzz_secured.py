@@ -29,6 +29,7 @@ from tandem.shared.auth.credentials import connect_options, load_credentials
 from tandem.shared.auth.keyring import Keyring
 from tandem.shared.infra.natsserver import NatsServer
 from tandem.shared.protocol import subjects
+from tandem.shared.protocol.base import SCHEMA_VERSION
 from tandem.supervisor import wait_until_ready
 
 SEED = 4321
@@ -151,9 +152,10 @@ async def fuzz(secured) -> FuzzRun:
             out.failures.append(f"{cls}: {verdict}")
 
     dec, kvs = secured.instance("decode"), secured.instance("kvstore")
-    garbage_targets = {subjects.heartbeat("decode", dec): {"v": 2, "kind": "heartbeat"},
-                       subjects.kv_events("kvstore", kvs): {"v": 2, "kind": "kv_event"},
-                       subjects.CANCEL: {"v": 2, "kind": "cancel", "request_id": "x", "stream_subject": "_INBOX.x"}}
+    garbage_targets = {subjects.heartbeat("decode", dec): {"v": SCHEMA_VERSION, "kind": "heartbeat"},
+                       subjects.kv_events("kvstore", kvs): {"v": SCHEMA_VERSION, "kind": "kv_event"},
+                       subjects.CANCEL: {"v": SCHEMA_VERSION, "kind": "cancel", "request_id": "x",
+                                        "stream_subject": "_INBOX.x"}}
     sent = Counter()
 
     async def publish_garbage() -> None:
