@@ -169,3 +169,47 @@ def record_logits(engine: LLMEngine) -> dict[tuple[str, int], torch.Tensor]:
         launch_and_note, launch_decode_and_note, sample_async_and_log)
     return logged
 
+
+
+@dataclass
+class Outputs:
+    """Everything an engine reported for one request with one or several outputs, by output index."""
+
+    samples: dict[int, Result] = field(default_factory=dict)
+    cumulative_logprobs: dict[int, float | None] = field(default_factory=dict)
+    ended: bool = False
+
+    def tokens(self) -> list[list[int]]:
+        return [self.samples[i].tokens for i in sorted(self.samples)]
+
+
+def run_outputs(engine: LLMEngine, requests: list[EngineRequest], max_steps: int = 5000,
+                watch=None) -> dict[str, Outputs]:
+    """``run`` for requests with several outputs: what each output of each request got, keyed by
+    ``sample_index``. Checks on the way that no output reports after it finished and no request
+    after it ended, that a request ends exactly once with its last output, and at the end that the
+    pool is entirely free. ``watch(engine)`` is called after every step (to look at block counts)."""
+    for request in requests:
+        engine.add_request(request)
+    results = {r.request_id: Outputs() for r in requests}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            outputs = results[out.request_id]
+            assert not outputs.ended, f"{out.request_id} reported after it ended"
+            sample = outputs.samples.setdefault(out.sample_index, Result())
+            assert not sample.finish_reason, f"{out.request_id}#{out.sample_index} reported after finishing"
+            sample.tokens += out.new_token_ids
+            sample.text += out.text_delta
+            if out.finished:
+                sample.finish_reason, sample.kv = out.finish_reason, out.kv
+                outputs.cumulative_logprobs[out.sample_index] = out.cumulative_logprob
+            outputs.ended = out.ends_request
+        if watch is not None:
+            watch(engine)
+    assert not engine.has_unfinished(), "engine did not finish"
+    assert all(o.ended for o in results.values()), "a request never ended"
+    stats = engine.stats()
+    assert stats["free_blocks"] == stats["num_blocks"] and stats["running"] == stats["waiting"] == 0
+    return results

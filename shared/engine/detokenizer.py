@@ -38,10 +38,12 @@ class IncrementalDetokenizer:
         self.text = ""  # accepted output text (cut before a stop string once one is seen)
         self.num_emitted = 0  # characters of ``text`` already returned by ``take_delta``
 
-    def update(self, token_ids: Seq[int], num_tokens: int, final: bool = False) -> bool:
+    def update(self, token_ids: Seq[int], num_tokens: int, final: bool = False, find_stops: bool = True) -> bool:
         """Fold ``token_ids[:num_tokens]`` into ``text``; return True if a stop string was hit.
 
         ``final`` accepts unstable text too (the request is finishing for another reason).
+        ``find_stops=False`` folds without looking for stop strings (a sequence short of its
+        ``min_tokens``); later calls find only stop strings that end in their own new text.
         """
         prefix_text = self.tokenizer.decode(list(token_ids[self.prefix_offset : self.read_offset]))
         new_text = self.tokenizer.decode(list(token_ids[self.prefix_offset : num_tokens]))
@@ -50,7 +52,7 @@ class IncrementalDetokenizer:
         old_len = len(self.text)
         self.text += new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, num_tokens
-        return self._cut_at_stop(old_len) if self.stop else False
+        return self._cut_at_stop(old_len) if self.stop and find_stops else False
 
     def take_delta(self, finished: bool) -> str:
         """Return the not yet emitted text that can no longer become part of a stop string."""
@@ -62,9 +64,9 @@ class IncrementalDetokenizer:
         return delta
 
     def _cut_at_stop(self, old_len: int) -> bool:
-        # A hit must end in the new text, so it starts at most max_stop_len - 1 chars before it.
-        start = max(0, old_len - self.max_stop_len + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        # A hit must end in the new text, so it starts at most len(s) - 1 chars before it (earlier
+        # text was searched when it came, or must not be: the text of the first min_tokens tokens).
+        hits = [i for i in (self.text.find(s, max(0, old_len - len(s) + 1)) for s in self.stop) if i >= 0]
         if not hits:
             return False
         self.text = self.text[: min(hits)]
@@ -84,19 +86,22 @@ def check_stop(seq: Sequence, eos_token_ids: Seq[int], max_model_len: int, text:
     """Detokenize the newest token of ``seq`` and return its finish reason, or None.
 
     Order: stop/eos token (kept in token ids, not in text), stop string, max_tokens, max_model_len.
+    The first ``min_tokens`` output tokens end it only by length, as in vLLM: stop tokens are not
+    sampled before then (``logits_processors``) and stop strings must end in the text after them.
     ``text=False`` decides on token ids alone and leaves the text to :func:`catch_up_text` (only for
     a sequence without stop strings, whose text cannot end it).
     """
     detok = seq.detokenizer if text else None
     token = seq.token_ids[-1]
     params = seq.params
-    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+    may_stop = seq.num_output_tokens > params.min_tokens
+    if may_stop and (token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids)):
         reason: str | None = "stop"
         if detok is not None:  # flush text held back for an incomplete character
             detok.update(seq.token_ids, seq.num_tokens - 1, final=True)
         return reason
     reason = None
-    if detok is not None and detok.update(seq.token_ids, seq.num_tokens):
+    if detok is not None and detok.update(seq.token_ids, seq.num_tokens, find_stops=may_stop):
         reason = "stop"
     elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
         reason = "length"
@@ -107,8 +112,9 @@ def check_stop(seq: Sequence, eos_token_ids: Seq[int], max_model_len: int, text:
 
 def can_defer_text(seq: Sequence) -> bool:
     """Whether a sequence's text may lag its tokens by a step: not when stop strings (text) decide
-    when it ends, nor for a prefill-only sequence, whose one token starts a hand-off at once."""
-    return not seq.params.stop and not seq.prefill_only
+    when it ends, nor for a prefill-only sequence, whose one token starts a hand-off at once, nor
+    for one output of several (a group's outputs are made together)."""
+    return not seq.params.stop and not seq.prefill_only and seq.group is None
 
 
 def catch_up_text(seq: Sequence) -> None:

@@ -1,6 +1,6 @@
 """``LLMEngine``: the synchronous engine core the prefill and decode services run in a worker thread.
 
-``step()`` = schedule a batch -> scatter imported KV -> run the model and sample -> postprocess
+``step()`` = schedule a batch -> queue its swaps, scatter imported KV -> run the model and sample -> postprocess
 (append tokens, stop checks, free finished) -> one ``RequestOutput`` per request that got a token.
 
 Prefill/decode hand-off: a ``prefill_only`` request finishes right after its first sampled token
@@ -24,20 +24,28 @@ for the batch as a whole (the forward, a device out of memory) still raises from
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 
 import torch
 
+from tandem.shared.engine.beam_search import BeamHypothesis, token_entry
 from tandem.shared.engine.detokenizer import IncrementalDetokenizer, can_defer_text, catch_up_text
 from tandem.shared.engine.model_runner import ModelRunner, PendingStep, SampledTokens
 from tandem.shared.engine.overlap import InFlightStep, is_pure_decode, plan_ahead
-from tandem.shared.engine.scheduler import ScheduledBatch, Scheduler
+from tandem.shared.engine.preemption_cost import PreemptionCosts
+from tandem.shared.engine.prompt_logprobs import PromptLogprobs
+from tandem.shared.engine.scheduler import ScheduledBatch, ScheduledSequence, Scheduler
 from tandem.shared.engine.sequence import EngineRequest, RequestOutput, Sequence, SequenceStatus, checked_params
+from tandem.shared.engine.sequence_group import SequenceGroup
+from tandem.shared.engine.swapping import Swapper
 from tandem.shared.infra.config import EngineSettings
 from tandem.shared.kvcache.block_manager import BlockManager
+from tandem.shared.kvcache.cache import kv_cache_bytes_per_block
+from tandem.shared.kvcache.swap_space import SwapSpace
 from tandem.shared.protocol.block_hashes import prefix_hashes
-from tandem.shared.protocol.serving import TokenLogprobs
+from tandem.shared.protocol.serving import SamplingParams, TokenLogprobs
 from tandem.shared.text.tokenizer import Tokenizer
 
 # The engine's config is the settings' engine section: one class, so a knob added there (with its
@@ -47,8 +55,10 @@ from tandem.shared.text.tokenizer import Tokenizer
 # max_model_len (also capped by the model's RoPE table), enable_prefix_caching (off: no lookups, no
 # cached blocks, no KV events), enforce_eager (CUDA: no decode graphs), async_output (detokenize a
 # step's tokens while the device runs the next step; None: on for CUDA, where the forward runs
-# asynchronously to the host) and overlap_steps (queue the next decode step before the host has this
-# one's tokens, see ``overlap.py``; None: on with CUDA graphs, off otherwise). device, dtype and the
+# asynchronously to the host), overlap_steps (queue the next decode step before the host has this
+# one's tokens, see ``overlap.py``; None: on with CUDA graphs, off otherwise), swap_space_gib (host
+# memory preempted sequences' blocks are swapped out to; 0: preemption recomputes) and
+# preemption_mode (auto, swap or recompute: see the scheduler). device, dtype and the
 # memory budgets are the worker's: ``LLMEngine`` takes the resolved device and dtype as arguments.
 EngineConfig = EngineSettings
 
@@ -78,6 +88,9 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len, model.config.max_position_embeddings)
         dtype = dtype if dtype is not None else next(model.parameters()).dtype
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        cfg = model.config
+        self.swap_space = SwapSpace.for_cache(config.swap_space_gib, cfg.num_layers, config.block_size,
+                                              cfg.num_kv_heads, cfg.head_dim, dtype, device)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -85,10 +98,18 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=tokenizer.eos_token_ids,
             on_finish=self._on_finish,
+            swapper=None if self.swap_space is None else Swapper(self.block_manager, self.swap_space),
+            preemption_mode=config.preemption_mode,
         )
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, device, dtype,
                                   cuda_graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
-                                  max_model_len=self.max_model_len)
+                                  max_model_len=self.max_model_len, eos_token_ids=tokenizer.eos_token_ids,
+                                  swap_space=self.swap_space)
+        # "auto" preemption prices recompute against swap at the runner's rates for its device type.
+        block_bytes = kv_cache_bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        self.preemption_costs = PreemptionCosts.for_model(cfg, block_bytes, self.runner.compute_flops_per_s,
+                                                          self.runner.copy_bytes_per_s)
+        self.scheduler.swap_is_cheaper = self.preemption_costs.swap_is_cheaper
         self.async_output = (config.async_output if config.async_output is not None
                              else self.runner.device.type == "cuda")
         self.overlap_steps = (config.overlap_steps if config.overlap_steps is not None
@@ -102,11 +123,12 @@ class LLMEngine:
         self._failed_rows: list[RequestOutput] = []  # error outputs of requests a step ended alone
         self._exported_kv: dict[str, torch.Tensor] = {}
         self._exported_hashes: dict[str, list[int]] = {}
+        self.groups: dict[str, SequenceGroup] = {}  # unfinished requests with several outputs
 
     def add_request(self, request: EngineRequest) -> None:
         """Validate and queue a request; ``ValueError`` says what is wrong with it."""
         prompt, outputs, params = list(request.prompt_token_ids), list(request.output_token_ids), request.params
-        if request.request_id in self.scheduler.requests:
+        if request.request_id in self.scheduler.requests or request.request_id in self.groups:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         params = checked_params(params)
         if not prompt:
@@ -121,31 +143,77 @@ class LLMEngine:
             raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {min(all_ids)}..{max(all_ids)}")
         if outputs and (len(outputs) >= params.max_tokens or len(all_ids) >= self.max_model_len):
             raise ValueError(f"request {request.request_id!r} already has all its {len(outputs)} output tokens")
+        outside = [token for token, _ in params.logit_bias if token >= self.vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias names token id {outside[0]}, outside the vocabulary [0, {self.vocab_size})")
         if request.kv is not None:
             self._check_kv(request.kv, len(prompt), bool(outputs))
+        prompt_logprobs = self._owed_prompt_logprobs(request, params)
+        group = None
+        if params.num_candidates > 1:
+            if outputs:
+                raise ValueError(f"request {request.request_id!r} has several outputs: its first tokens are all "
+                                 "sampled where the prompt's last token is computed (hand it off without them)")
+            max_new = min(params.max_tokens, self.scheduler.max_seq_len - len(prompt))
+            eos = frozenset() if params.ignore_eos else self.scheduler.eos_token_ids
+            stops = frozenset(params.stop_token_ids) | eos
+            group = SequenceGroup.create(request.request_id, params, stops, max_new)
         seq = Sequence(
             request_id=request.request_id,
             token_ids=all_ids,
             num_prompt_tokens=len(prompt),
-            params=params,
+            params=params if group is None else group.candidate_params[0],
             arrival=next(self._arrivals),
             prefill_only=request.prefill_only,
-            export_on_finish=request.export_on_finish,
+            # A group's outputs share blocks: offering each one's blocks to a KV-store is left out.
+            export_on_finish=request.export_on_finish and group is None,
             pending_kv=request.kv,
             detokenizer=IncrementalDetokenizer(self.tokenizer, len(prompt), params.stop),
+            group=group,
+            fan_out=1 if group is None else group.prompt_fan_out(request.prefill_only),
+            prompt_logprobs=prompt_logprobs,
+            cumulative_logprob=request.output_cumulative_logprob,
         )
         if outputs:  # replay the prefill worker's text so deltas continue where it stopped
-            seq.detokenizer.update(seq.token_ids, seq.num_tokens)
+            # (stop strings looked for as it did: not in the text of the first min_tokens tokens)
+            seq.detokenizer.update(seq.token_ids, seq.num_tokens, find_stops=len(outputs) > params.min_tokens)
             seq.detokenizer.take_delta(finished=False)
         self.scheduler.add(seq)
+        if group is not None:
+            group.live.append(seq)
+            self.groups[request.request_id] = group
+
+    def _owed_prompt_logprobs(self, request: EngineRequest, params: SamplingParams) -> PromptLogprobs | None:
+        """The record of the prompt logprobs this engine computes for ``request``: none unless asked,
+        nor for a hand-off (its prompt was computed, and its prompt logprobs sent, where its K/V
+        come from). A prefix import is refused: the imported positions would have none."""
+        if params.prompt_logprobs is None:
+            return None
+        if request.kv is None:
+            return PromptLogprobs()
+        if request.output_token_ids or request.kv.shape[0] * self.config.block_size >= len(request.prompt_token_ids):
+            return None
+        raise ValueError("prompt_logprobs need every prompt token computed here: import no prefix with them")
 
     def abort(self, request_id: str) -> bool:
         """Free the request's blocks now; its "abort" output comes from the next ``step``."""
-        seq = self.scheduler.abort(request_id)
-        if seq is None:
-            return False
+        group = self.groups.pop(request_id, None)
+        if group is not None:
+            seq = group.live[0]
+            self._end_group(group, "abort")
+        else:
+            seq = self.scheduler.abort(request_id)
+            if seq is None:
+                return False
         self._aborted_outputs.append(self._make_output(seq, []))
         return True
+
+    def _end_group(self, group: SequenceGroup, reason: str) -> None:
+        """Finish every live sequence of ``group`` with ``reason`` (their blocks go back at once)."""
+        for seq in group.live:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, reason)
+        group.live.clear()
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return an output per request that got a token or was aborted.
@@ -179,6 +247,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return outputs + self._catch_up_text()
+        self._apply_swaps(batch)
         self._scatter_imports(batch)
         pending = self.runner.launch(batch)
         if self.overlap_steps and pending is not None and is_pure_decode(batch):
@@ -203,13 +272,29 @@ class LLMEngine:
         """Queue the sampling of ``batch``'s launched step; a row whose own sampling raised ends its
         request alone (its id is a placeholder that postprocessing skips, the sequence being finished)."""
         tokens = self.runner.sample_async(pending)
-        if tokens.failed_rows:
-            sampling = [item.seq for item in batch.items if item.samples]  # the step's rows, in order
-            for row, exc in tokens.failed_rows.items():
-                self._fail_row(sampling[row], exc)
+        for row, exc in tokens.failed_rows.items():
+            if not pending.seqs[row].is_finished:  # a group's prompt has a row per candidate
+                self._fail_row(pending.seqs[row], exc)
         return tokens
 
+    def _apply_swaps(self, batch: ScheduledBatch) -> None:
+        """Queue the batch's swap copies, swap-outs first, before anything else of it.
+
+        Queueing is enough, nothing waits: every copy and kernel of the engine goes on the current
+        stream, in the order the host queues it. A swap-out's copy is queued after the steps that
+        wrote its blocks and before this batch's swap-ins, copy-on-write copies, imports and
+        forward, the first that may write into the device blocks it freed; a swap-in's copy before
+        the forward that reads it. A host block is written by a swap-out and read by a swap-in,
+        both on that stream, and the host itself never touches the swap space.
+        """
+        if batch.swap_out:
+            self.runner.swap_out(batch.swap_out)
+        if batch.swap_in:
+            self.runner.swap_in(batch.swap_in)
+
     def _scatter_imports(self, batch: ScheduledBatch) -> None:
+        """Write the batch's imported K/V and copy-on-write copies into the cache (queued before its forward)."""
+        self.runner.copy_blocks(batch.copies)
         for seq, kv, first in batch.imports:
             if kv.shape[0]:
                 self.runner.import_kv(seq.block_table[first:], kv)
@@ -221,23 +306,166 @@ class LLMEngine:
         sampled = [] if tokens is None else tokens.wait()
         sampled_logprobs = None if tokens is None else tokens.wait_logprobs()
         row = 0
+        beam_groups: dict[str, SequenceGroup] = {}  # searches with a beam stepped in this batch
         for item in batch.items:
-            token_id = logprobs = None
-            if item.samples:
-                token_id = sampled[row]
-                logprobs = None if sampled_logprobs is None else sampled_logprobs[row]
-                row += 1
+            count = item.seq.fan_out if item.samples else 0  # the item's rows (several: a group's prompt)
+            ids = sampled[row : row + count]
+            row_logprobs = [None] * count if sampled_logprobs is None else sampled_logprobs[row : row + count]
+            row += count
+            if item.seq.group is not None:
+                outputs += self._postprocess_group_item(item, ids, row_logprobs, beam_groups)
+                continue
+            token_id = ids[0] if ids else None
+            logprobs = row_logprobs[0] if ids else None
             try:
                 if not self.scheduler.postprocess_item(item, token_id, text_later=self.async_output):
                     continue
                 seq = item.seq
+                if logprobs is not None:
+                    seq.cumulative_logprob += logprobs.logprob
                 if self.async_output and can_defer_text(seq):
                     self._text_pending.append((seq, seq.token_ids[-1], logprobs))
                 else:
                     outputs.append(self._make_output(seq, seq.token_ids[-1:], logprobs))
             except Exception as exc:  # this row's own work: it alone ends
                 self._fail_row(item.seq, exc)
+        for group in beam_groups.values():
+            beam = group.live[0]
+            try:
+                outputs += self._beam_step(group)
+            except Exception as exc:  # the search's own work: this request alone ends
+                self._fail_row(beam, exc)
         return outputs
+
+    # -- requests with several outputs (see sequence_group.py) -------------------------------------
+    def _postprocess_group_item(self, item: ScheduledSequence, ids: list[int], logprobs: list,
+                                beam_groups: dict[str, SequenceGroup]) -> list[RequestOutput]:
+        """``_postprocess`` for one item of a group: ``ids``/``logprobs`` are its rows' (one per
+        candidate for the group's prompt, one for a sample or a beam, none for a partial chunk)."""
+        seq, group = item.seq, item.seq.group
+        try:
+            if not self.scheduler.advance(item) or not item.samples:
+                return []
+            if seq.fan_out == 0:  # the prompt prefilled for a hand-off: the decode worker samples
+                self.scheduler.finish(seq, "prefilled")
+                group.live.clear()
+                del self.groups[group.request_id]
+                return [self._make_output(seq, [])]
+            if group.is_beam_search:
+                seq.beam_candidates = list(logprobs[0].top)
+                beam_groups[group.request_id] = group
+                return []
+            samples = [seq]
+            if seq.fan_out > 1:  # the prompt's logits start every candidate: fork them off it
+                samples += [self._fork(group, seq) for _ in range(seq.fan_out - 1)]
+                seq.fan_out = 1
+            outputs = []
+            for sample, token_id, entry in zip(samples, ids, logprobs):
+                self.scheduler.append_token(sample, token_id)
+                outputs += self._sample_outputs(group, sample, entry)
+            return outputs
+        except Exception as exc:
+            self._fail_row(seq, exc)
+            return []
+
+    def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+        """A new sequence of ``group`` sharing ``parent``'s blocks, text state and tokens so far."""
+        child = self.scheduler.fork(parent, group.next_index)
+        child.detokenizer = copy.copy(parent.detokenizer)
+        if not group.is_beam_search:
+            child.params = group.candidate_params[group.next_index]
+            group.live.append(child)
+        group.next_index += 1
+        return child
+
+    def _sample_outputs(self, group: SequenceGroup, seq: Sequence, entry: TokenLogprobs) -> list[RequestOutput]:
+        """What a sample's new token reports: its output when outputs stream, else nothing until the
+        request ends, when the ``n`` best samples are reported whole."""
+        seq.cumulative_logprob += entry.logprob
+        wants_logprobs = group.params.logprobs is not None
+        if seq.is_finished:
+            group.live.remove(seq)
+            group.ended.append(seq)
+        if group.params.holds_outputs:
+            if wants_logprobs:
+                seq.held_logprobs.append(entry)
+            if group.live:
+                return []
+            del self.groups[group.request_id]
+            best = group.ranked_samples()
+            return [self._held_output(seq, rank, len(best), sample.output_token_ids,
+                                      sample.detokenizer.take_delta(True), sample.finish_reason,
+                                      sample.cumulative_logprob, sample.held_logprobs if wants_logprobs else None)
+                    for rank, sample in enumerate(best)]
+        if not group.live:
+            del self.groups[group.request_id]
+        return [self._make_output(seq, seq.token_ids[-1:], entry if wants_logprobs else None)]
+
+    def _beam_step(self, group: SequenceGroup) -> list[RequestOutput]:
+        """Once every live beam of ``group`` has its candidates: pick the next beams and carry the
+        choice out (a beam picked once goes on, picked again forks, not picked is freed at once);
+        when the search ends, report its ``n`` best hypotheses."""
+        beams = list(group.live)
+        if any(beam.beam_candidates is None for beam in beams):
+            return []  # a beam was preempted or not scheduled this step: the search waits for it
+        candidates = [beam.beam_candidates for beam in beams]
+        for beam in beams:
+            beam.beam_candidates = None
+        keep = group.params.logprobs
+        step = group.beams.step([beam.cumulative_logprob for beam in beams], candidates,
+                                [(beam.output_token_ids, beam.held_logprobs) for beam in beams],
+                                beams[0].num_output_tokens, keep)
+        if step.done:
+            self._end_group(group, "pruned")
+            del self.groups[group.request_id]
+            best = group.beams.best(group.params.n) or self._unfinished_beams(group, step, beams, candidates)
+            return [self._beam_output(beams[0], rank, len(best), hyp) for rank, hyp in enumerate(best)]
+        picked: dict[int, list] = {}
+        for cont in step.next_beams:
+            picked.setdefault(cont.parent, []).append(cont)
+        for index, beam in enumerate(beams):
+            if index not in picked:
+                self.scheduler.finish(beam, "pruned")  # its blocks go back now (shared ones lose a reference)
+        heirs: dict[int, Sequence] = {}
+        for index, conts in picked.items():
+            beam = beams[index]
+            for cont, heir in zip(conts, [beam] + [self._fork(group, beam) for _ in conts[1:]]):
+                heirs[cont.rank] = heir
+                heir.token_ids.append(cont.token_id)
+                heir.cumulative_logprob = cont.score
+                heir.held_logprobs = heir.held_logprobs + token_entry(cont, candidates, keep)
+        group.live = [heirs[cont.rank] for cont in step.next_beams]
+        return []
+
+    @staticmethod
+    def _unfinished_beams(group: SequenceGroup, step, beams: list[Sequence], candidates: list) -> list[BeamHypothesis]:
+        """Fallback when a search ends with nothing finished: its best live continuations."""
+        return [BeamHypothesis([*beams[c.parent].output_token_ids, c.token_id], c.score, c.score,
+                               [*beams[c.parent].held_logprobs, *token_entry(c, candidates, group.params.logprobs)],
+                               stopped=False) for c in step.next_beams[: group.params.n]]
+
+    def _beam_output(self, seq: Sequence, rank: int, count: int, hyp: BeamHypothesis) -> RequestOutput:
+        detok = IncrementalDetokenizer(self.tokenizer, seq.num_prompt_tokens, [])
+        text_ids = seq.token_ids[: seq.num_prompt_tokens] + hyp.token_ids[: len(hyp.token_ids) - hyp.stopped]
+        detok.update(text_ids, len(text_ids), final=True)
+        logprobs = hyp.logprobs if seq.group.params.logprobs is not None else None
+        return self._held_output(seq, rank, count, hyp.token_ids, detok.text, "stop" if hyp.stopped else "length",
+                                 hyp.cumulative_logprob, logprobs)
+
+    @staticmethod
+    def _held_output(seq: Sequence, rank: int, count: int, token_ids: list[int], text: str, reason: str | None,
+                     cumulative_logprob: float, logprobs: list[TokenLogprobs] | None) -> RequestOutput:
+        """One of a request's held outputs, reported whole when it ends: ``rank`` of ``count``, best
+        first; the best one brings the prompt logprobs when they were asked for (``seq`` is any of
+        the group's sequences: they share that record)."""
+        prompt_logprobs = None
+        if rank == 0 and seq.prompt_logprobs is not None:
+            prompt_logprobs = seq.prompt_logprobs.take(seq.num_prompt_tokens)
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=list(token_ids), text_delta=text, finished=True,
+            finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=len(token_ids),
+            logprobs=logprobs, sample_index=rank, cumulative_logprob=cumulative_logprob,
+            request_finished=rank == count - 1, prompt_logprobs=prompt_logprobs)
 
     def _catch_up_text(self) -> list[RequestOutput]:
         pending, self._text_pending = self._text_pending, []
@@ -255,9 +483,15 @@ class LLMEngine:
     def _fail_row(self, seq: Sequence, exc: Exception) -> None:
         """End ``seq`` alone because its own part of a step raised ``exc``: its blocks go back (as
         with an abort) and its "error" output comes from this ``step``; the batch goes on."""
+        group = seq.group
+        if group is not None and self.groups.get(group.request_id) is not group:
+            return  # its request already ended (another of its rows failed first)
         log.warning("request %s failed in its own part of an engine step and ends alone; the rest of "
                     "the batch goes on", seq.request_id, exc_info=exc)
         self.scheduler.fail(seq, f"{type(exc).__name__}: {exc}")
+        if group is not None:  # one output failing ends the request: the others end with it
+            self._end_group(group, "abort")
+            del self.groups[group.request_id]
         self._exported_kv.pop(seq.request_id, None)  # exported before its output failed
         self._exported_hashes.pop(seq.request_id, None)
         self._failed_rows.append(self._make_output(seq, []))
@@ -273,10 +507,18 @@ class LLMEngine:
             "free_blocks": self.block_manager.num_free_blocks,
             "num_blocks": self.block_manager.num_blocks,
             "usage": self.block_manager.usage,
-            "preemptions": self.scheduler.num_preemptions,
+            "preemptions": self.scheduler.num_preemptions,  # by swap and by recompute
+            "swaps": self.scheduler.num_swaps,  # preemptions by swap
+            "recomputes": self.scheduler.num_recomputes,  # preemptions by recompute
+            "swap_fallbacks": self.scheduler.num_swap_fallbacks,  # swapped, then recomputed after all
+            "swapped": len(self.scheduler.swapped),
+            "swap_blocks": 0 if self.swap_space is None else self.swap_space.num_blocks,
+            "free_swap_blocks": 0 if self.swap_space is None else self.swap_space.num_free_blocks,
+            "swap_usage": 0.0 if self.swap_space is None else self.swap_space.usage,
             "prefix_cache_queries": self.block_manager.prefix_queries,  # tokens looked up at admission
             "prefix_cache_hits": self.block_manager.prefix_hits,  # of those, tokens found cached
             "cached_blocks": self.block_manager.num_cached_blocks,  # free but holding a cached prefix
+            "cow_copies": self.block_manager.num_cow_copies,  # blocks copied on a forked sequence's first write
         }
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -302,6 +544,12 @@ class LLMEngine:
         # "prefilled" is a hand-off, not an end: keep held-back text for the decode worker to send.
         # An error output never touches the detokenizer: it may be what failed.
         text = "" if reason in ENDED_APART else seq.detokenizer.take_delta(finished and reason != "prefilled")
+        # The request's first output made after its prompt was computed carries its prompt logprobs.
+        prompt_logprobs = None
+        if seq.prompt_logprobs is not None and reason not in ENDED_APART:
+            prompt_logprobs = seq.prompt_logprobs.take(seq.num_prompt_tokens)
+        group = seq.group
+        reports_logprobs = (seq.params if group is None else group.params).logprobs is not None or group is not None
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_token_ids,
@@ -314,6 +562,11 @@ class LLMEngine:
             kv_hashes=self._exported_hashes.pop(seq.request_id, None),
             error=seq.error,
             logprobs=None if logprobs is None else [logprobs],
+            prompt_logprobs=prompt_logprobs,
+            sample_index=seq.sample_index,
+            cumulative_logprob=seq.cumulative_logprob if finished and reports_logprobs else None,
+            # A group's request ends with the output made once it left ``groups``.
+            request_finished=None if group is None else finished and self.groups.get(group.request_id) is not group,
         )
 
     def _on_finish(self, seq: Sequence) -> None:
@@ -327,17 +580,16 @@ class LLMEngine:
                 self._exported_hashes[seq.request_id] = prefix_hashes(seq.token_ids[:full], self.config.block_size)
 
     def _check_kv(self, kv: torch.Tensor, num_prompt_tokens: int, has_outputs: bool) -> None:
-        """Two kinds of imported K/V: a hand-off covers the whole prompt and comes with the token
-        sampled after it; a prefix (fetched from a KV-store) covers only full blocks before the
-        prompt's last token, which is computed here so that there are logits to sample from."""
+        """Imported K/V come in two kinds: a hand-off with the token sampled after the prompt covers
+        the whole prompt; without a sampled token (a prefix fetched from a KV-store, or a group's
+        prompt handed off to sample its candidates here) it covers at most the whole prompt, and the
+        last prompt token is computed here anyway so that there are logits to sample from."""
         layout = tuple(self.runner.kv_cache.shape[1:])
         if kv.dim() != 1 + len(layout) or tuple(kv.shape[1:]) != layout:
             raise ValueError(f"kv has shape {tuple(kv.shape)}, expected (n, {', '.join(map(str, layout))})")
         whole = -(-num_prompt_tokens // self.config.block_size)
         if has_outputs and kv.shape[0] != whole:
             raise ValueError(f"a hand-off needs the prompt's {whole} blocks of kv, got {kv.shape[0]}")
-        if not has_outputs and not 0 < kv.shape[0] * self.config.block_size < num_prompt_tokens:
-            raise ValueError(
-                f"a prefix import covers full blocks before the prompt's last token: at most "
-                f"{(num_prompt_tokens - 1) // self.config.block_size} blocks, got {kv.shape[0]}"
-            )
+        if not has_outputs and not 0 < kv.shape[0] <= whole:
+            raise ValueError(f"an import without sampled tokens covers at most the prompt's {whole} blocks, "
+                             f"got {kv.shape[0]}")

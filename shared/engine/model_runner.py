@@ -1,23 +1,35 @@
 """Runs one scheduled batch through the model: owns the paged KV cache, builds the flattened
 varlen inputs and attention metadata, takes the hidden row of each sampling sequence's last query
-token, computes its logits and samples. Also moves whole prompt blocks in and out of the cache for
-prefill -> decode hand-offs.
+token, computes its logits, processes them (``logits_processors``) and samples; for sequences
+asking for prompt logprobs it also scores their prefill chunks' prompt tokens (``prompt_logprobs``).
+Also moves whole prompt blocks in and out of the cache for prefill -> decode hand-offs, and
+preempted sequences' blocks to and from the host swap space.
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
 
 from tandem.shared.engine.cuda_graphs import DecodeGraphs
+from tandem.shared.engine.logits_processors import process_logits
+from tandem.shared.engine.prompt_logprobs import PromptRows, compute_prompt_logprobs, rows_scoring_prompt
 from tandem.shared.engine.sampling import SampledLogprobs, gather_logprobs, sample, sample_rows_alone
 from tandem.shared.engine.scheduler import ScheduledBatch
 from tandem.shared.infra.devcopy import host_values_to
 from tandem.shared.kvcache.attention import AttentionMetadata, build_attention_metadata
 from tandem.shared.kvcache.cache import allocate_kv_cache, gather_blocks, scatter_blocks
+from tandem.shared.kvcache.swap_space import SwapSpace
 from tandem.shared.protocol.serving import TokenLogprobs
+
+# (compute FLOP/s, host copy bytes/s) by device type: the effective rates the preemption policy
+# prices recompute and swap with (engine/preemption_cost.py); defaults, not measurements. CPU: a few
+# hundred GFLOP/s of float32 matmul, copies at memory bandwidth. CUDA: bf16 tensor cores at about
+# 40% of an H100's peak, pinned copies over PCIe at about 25 GB/s each way.
+DEVICE_RATES: dict[str, tuple[float, float]] = {"cpu": (300e9, 10e9), "cuda": (400e12, 25e9)}
 
 
 @dataclass
@@ -73,6 +85,8 @@ class ModelRunner:
         generator: torch.Generator | None = None,
         cuda_graph_max_batch: int = 0,
         max_model_len: int = 4096,
+        eos_token_ids: Seq[int] = (),
+        swap_space: SwapSpace | None = None,
     ) -> None:
         config = model.config
         self.model = model
@@ -85,11 +99,17 @@ class ModelRunner:
             self.device,
         )
         self.generator = generator  # for unseeded sampling rows; None = torch's default generator
+        self.eos_token_ids = tuple(eos_token_ids)  # masked with a request's stop ids until its min_tokens
+        self.swap_space = swap_space  # host blocks of swapped-out sequences (None: no swapping)
+        self.compute_flops_per_s, self.copy_bytes_per_s = DEVICE_RATES.get(self.device.type, DEVICE_RATES["cpu"])
         self.graphs: DecodeGraphs | None = None
         self.last_logits: torch.Tensor | None = None
         if self.device.type == "cuda":
             model.fuse_projections()
         if use_graphs:
+            # Garbage first: pinned memory of a dead engine (its swap space) that the collector frees
+            # in the middle of the capture records a CUDA event there, which invalidates the capture.
+            gc.collect()
             self.graphs = DecodeGraphs(model, self.kv_cache, num_blocks, cuda_graph_max_batch, max_model_len)
             self.graphs.capture()
 
@@ -124,27 +144,36 @@ class ModelRunner:
         rows: list[int] = []
         params = []
         output_indices: list[int] = []
+        seqs = []
+        prompt_rows: list[PromptRows] = []  # rows whose logits score prompt tokens (prompt logprobs)
         end = 0
         for item in batch.items:
+            if scoring := rows_scoring_prompt(item.seq, item.num_query_tokens):
+                prompt_rows.append(PromptRows(item.seq, end, scoring))
             end += item.num_query_tokens
             if item.samples:
-                rows.append(end - 1)  # last query token of the sequence
-                params.append(item.seq.params)
-                output_indices.append(item.seq.num_output_tokens)
-        if end == len(batch.items) and self.graphs is not None and self.graphs.can_run(end):
+                seq = item.seq
+                # The last query token's logits; a group's prompt starts several samples from them.
+                rows.extend([end - 1] * seq.fan_out)
+                params.extend(seq.group.first_params() if seq.fan_out > 1 else [seq.params] * seq.fan_out)
+                output_indices.extend([seq.num_output_tokens] * seq.fan_out)
+                seqs.extend([seq] * seq.fan_out)
+        if end == len(batch.items) and not prompt_rows and self.graphs is not None and self.graphs.can_run(end):
             logits = self._run_decode_graph(batch)  # every row is one token: replay a graph
-            if len(rows) < end:
+            if rows != list(range(end)):
                 logits = logits[host_values_to(self.device, rows, torch.long)]
         else:
             input_ids, positions, meta = self.prepare(batch)
             hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            if prompt_rows:
+                self._prompt_logprobs(hidden, prompt_rows)
             if not rows:
                 return None
             row_index = host_values_to(self.device, rows, torch.long)
             logits = self.model.compute_logits(hidden.index_select(0, row_index))
         if not rows:
             return None
-        return PendingStep(logits, params, output_indices)
+        return PendingStep(logits, params, output_indices, seqs)
 
     @torch.inference_mode()
     def sample(self, pending: PendingStep | None) -> list[int]:
@@ -172,21 +201,25 @@ class ModelRunner:
             hidden = self.model(input_ids, host_values_to(self.device, positions, torch.long), self.kv_cache, meta)
             logits = self.model.compute_logits(hidden)
         indices = [seq.num_output_tokens + (i < fed) for i, seq in enumerate(seqs)]
-        return PendingStep(logits, [seq.params for seq in seqs], indices)
+        return PendingStep(logits, [seq.params for seq in seqs], indices, list(seqs))
 
     @torch.inference_mode()
     def sample_async(self, pending: PendingStep) -> SampledTokens:
         """Queue sampling of a launched step and the copy of its ids to the host; wait for neither.
 
-        When sampling the batch raises, its rows are sampled one by one: rows that fail alone are
-        listed in ``failed_rows``; when none does, the failure is the batch's and is raised. The
-        logprobs of rows that ask are taken from the same logits and ids on either path (a failed
-        row's entry is of its placeholder id, and is dropped with its sequence)."""
-        self.last_logits = pending.logits  # the rows sampled from, for tests and debugging
+        Rows are sampled from their processed logits (penalties, ``min_tokens``, ``logit_bias``: see
+        ``logits_processors``; processing happens before sampling only). When sampling the batch
+        raises, its rows are sampled one by one: rows that fail alone are listed in ``failed_rows``;
+        when none does, the failure is the batch's and is raised. The logprobs of rows that ask are
+        the raw logits', of the ids sampled on either path (a failed row's entry is of its
+        placeholder id, and is dropped with its sequence)."""
+        self.last_logits = pending.logits  # the raw rows, for tests and debugging
+        logits = process_logits(pending.logits, pending.params, pending.seqs, pending.output_indices,
+                                self.eos_token_ids)
         try:
-            ids, failed = sample(pending.logits, pending.params, pending.output_indices, self.generator), {}
+            ids, failed = sample(logits, pending.params, pending.output_indices, self.generator), {}
         except Exception:
-            ids, failed = sample_rows_alone(pending.logits, pending.params, pending.output_indices, self.generator)
+            ids, failed = sample_rows_alone(logits, pending.params, pending.output_indices, self.generator)
             if not failed:
                 raise  # every row samples alone: not one row's fault (device memory, say)
         logprobs = gather_logprobs(pending.logits, ids, pending.params)
@@ -197,6 +230,12 @@ class ModelRunner:
         done = torch.cuda.Event()  # recorded after every copy: one wait covers ids and logprobs
         done.record()
         return SampledTokens(ids, host, done, failed, host_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list[PromptRows]) -> None:
+        """Queue the prompt logprobs of a batch's ``prompt_rows`` of ``hidden`` and their copy to the
+        host; each sequence keeps its chunk (see ``prompt_logprobs``)."""
+        to_host = _to_pinned if self.device.type == "cuda" else _same
+        compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows, to_host)
 
     def _run_decode_graph(self, batch: ScheduledBatch) -> torch.Tensor:
         seqs = [item.seq for item in batch.items]
@@ -212,9 +251,50 @@ class ModelRunner:
         return gather_blocks(self.kv_cache, list(block_table[:num_blocks]))
 
     @torch.inference_mode()
+    def copy_blocks(self, pairs: Seq[tuple[int, int]]) -> None:
+        """Copy-on-write: each ``(source, destination)`` block's K/V, every layer, queued on the
+        stream before the step that writes the destinations."""
+        if pairs:
+            sources, destinations = zip(*pairs)
+            scatter_blocks(self.kv_cache, list(destinations), gather_blocks(self.kv_cache, list(sources)))
+
+    @torch.inference_mode()
     def import_kv(self, block_table: Seq[int], kv: torch.Tensor) -> None:
         """Write exported blocks ``kv`` into the first ``kv.shape[0]`` blocks of ``block_table``."""
         scatter_blocks(self.kv_cache, list(block_table[: kv.shape[0]]), kv)
+
+    @torch.inference_mode()
+    def swap_out(self, pairs: Seq[tuple[int, int]]) -> None:
+        """Copy each ``(device block, host block)``'s K/V, every layer, into the swap space: queued
+        on the current stream behind the steps that wrote them and ahead of any later write into the
+        device blocks; the host does not wait (pinned memory on CUDA)."""
+        for device_block, host_block, count in _runs(pairs):
+            self.swap_space.kv[host_block : host_block + count].copy_(
+                self.kv_cache[device_block : device_block + count], non_blocking=True)
+
+    @torch.inference_mode()
+    def swap_in(self, pairs: Seq[tuple[int, int]]) -> None:
+        """Copy each ``(device block, host block)``'s K/V back from the swap space, queued on the
+        current stream ahead of the steps that read them; the host does not wait."""
+        for device_block, host_block, count in _runs(pairs):
+            self.kv_cache[device_block : device_block + count].copy_(
+                self.swap_space.kv[host_block : host_block + count], non_blocking=True)
+
+
+def _runs(pairs: Seq[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(device block, host block)`` pairs as ``(first device block, first host block, count)``
+    runs consecutive on both sides: one copy per run (a victim's blocks are often allocated in a row)."""
+    runs: list[list[int]] = []
+    for device_block, host_block in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == device_block and runs[-1][1] + runs[-1][2] == host_block:
+            runs[-1][2] += 1
+        else:
+            runs.append([device_block, host_block, 1])
+    return [(d, h, n) for d, h, n in runs]
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,14 @@ step N, queues step N+1 for the same sequences with each row's input token taken
 sampled ids *on the device*, then waits for step N and postprocesses it while N+1 runs.
 
 When it applies (``plan_ahead``): step N was a pure decode batch (one token per row, every row
-samples, no prefill-only rows); every running sequence was in step N; the pool has a block for
+samples, no prefill-only rows, every sequence one that goes on alone: ``Sequence.can_overlap``);
+every running sequence was in step N; no row writes into a block shared with another sequence (a
+forked sample's first write copies it, which the scheduler arranges); the pool has a block for
 every row that crosses into a new one; and whatever waits is a hand-off whose prompt K/V came with
 it, which joins step N+1 as one more decode row (the common case on a decode worker: a new request
 every few steps). A sequence that will surely finish at step N (its ``max_tokens`` or the length
-cap) gets no row. Otherwise (a prompt to prefill, a sequence to preempt) the engine waits for step
+cap) gets no row. Otherwise (a prompt to prefill, a sequence to preempt, a swapped sequence to
+resume, whose swap-in copies the scheduler hands the engine with a batch) the engine waits for step
 N and the scheduler decides with every token known.
 
 Why it is exact: a sequence that step N finishes by a stop token, stop string or eos still got a
@@ -42,7 +45,8 @@ class InFlightStep:
 def is_pure_decode(batch: ScheduledBatch) -> bool:
     """Every row computes one token and samples (a hand-off admitted with its prompt's K/V is such
     a row: the K/V were scattered in before the step was queued), and none starts a hand-off."""
-    return all(item.num_query_tokens == 1 and item.samples and not item.seq.prefill_only for item in batch.items)
+    return all(item.num_query_tokens == 1 and item.samples and not item.seq.prefill_only and item.seq.can_overlap
+               for item in batch.items)
 
 
 def finishes_next(seq: Sequence, max_seq_len: int) -> bool:
@@ -58,13 +62,15 @@ def plan_ahead(scheduler: Scheduler, step: ScheduledBatch) -> tuple[ScheduledBat
     flight); the returned list gives each one's row in ``step``, whose sampled id it computes. Then
     come waiting hand-offs admitted as ordinary one-token decode rows (every waiting sequence is one,
     checked first), their imported K/V listed in ``batch.imports``."""
-    if not all(scheduler.is_handoff_ready(seq) for seq in scheduler.waiting):
+    if scheduler.swapped or not all(scheduler.is_handoff_ready(seq) for seq in scheduler.waiting):
         return None
     live = [(row, item.seq) for row, item in enumerate(step.items) if item.seq.status is SequenceStatus.RUNNING]
     if len(live) != len(scheduler.running):
         return None  # a running sequence outside this step: the scheduler places it
     chosen = [(row, seq) for row, seq in live if not finishes_next(seq, scheduler.max_seq_len)]
     manager = scheduler.block_manager
+    if any(manager.needs_copy(seq.block_table, seq.num_tokens) for _, seq in chosen):
+        return None  # a forked sample's first write into a shared block: the scheduler copies it first
     # The step computes the token at index seq.num_tokens: its table must cover num_tokens + 1.
     needed = sum(manager.blocks_needed(seq.block_table, seq.num_tokens + 1) for _, seq in chosen)
     if needed > manager.num_free_blocks:

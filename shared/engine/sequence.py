@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     import torch
 
     from tandem.shared.engine.detokenizer import IncrementalDetokenizer
+    from tandem.shared.engine.prompt_logprobs import PromptLogprobs
+    from tandem.shared.engine.sequence_group import SequenceGroup
 
 
 @dataclass
@@ -40,6 +42,7 @@ class EngineRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     kv: torch.Tensor | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    output_cumulative_logprob: float = 0.0  # the sum of ``output_token_ids``' logprobs, where they were sampled
     prefill_only: bool = False  # stop after the first sampled token and return the prompt's KV
     export_on_finish: bool = False  # return the K/V of every full computed block when it ends (for a KV-store)
 
@@ -55,6 +58,11 @@ def checked_params(params: SamplingParams) -> SamplingParams:
     except ValidationError as exc:
         raise ValueError(f"invalid sampling parameters: {first_error(exc)} "
                          f"(got {reprlib.repr(exc.errors()[0]['input'])})") from None
+
+
+def has_penalties(params: SamplingParams) -> bool:
+    """Whether sampling with ``params`` reads the row's token history (``logits_processors``)."""
+    return params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
 
 
 @dataclass
@@ -94,6 +102,7 @@ class RequestOutput:
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its computed K/V kept (host blocks, shared device blocks)
     FINISHED = "finished"
 
 
@@ -115,9 +124,39 @@ class Sequence:
     pending_kv: torch.Tensor | None = None  # imported prompt KV, kept on CPU until admitted
     prefix_cached_blocks: int = 0  # leading blocks claimed from this engine's prefix cache at admission
     imported_blocks: int = 0  # the blocks after those that came with an import (hand-off or KV-store)
+    # The prompt logprobs this engine owes the request's first output, as its prefill computes them
+    # (None: none asked, or computed upstream); see ``prompt_logprobs.owes_prompt_logprobs``.
+    prompt_logprobs: PromptLogprobs | None = None
     detokenizer: IncrementalDetokenizer | None = None
     finish_reason: str | None = None
     error: str | None = None  # with finish_reason "error": what its own part of a step raised
+    # Several outputs of one request (n > 1, best_of, beams): the group and this output's index in it.
+    group: SequenceGroup | None = None
+    sample_index: int = 0
+    # Samples the next logits of this sequence start: 1 for a plain sequence; a request's candidates
+    # for the prompt of a sampling group (its first tokens come from one set of logits); 0 for a
+    # group's prompt prefilled for a hand-off, whose first tokens the decode worker samples.
+    fan_out: int = 1
+    cumulative_logprob: float = 0.0  # of the output tokens (raw log_softmax), kept for groups
+    # Held outputs (reported when the request ends) keep their per-token logprobs here.
+    held_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # A beam whose step has run: its top continuations ((token id, logprob), best first), waiting
+    # for the group's other beams before the search picks the next beams.
+    beam_candidates: list[tuple[int, float]] | None = None
+
+    @property
+    def key(self) -> str:
+        """The scheduler's name for it: the request id, with the output's index for later outputs."""
+        return self.request_id if self.sample_index == 0 else f"{self.request_id}#{self.sample_index}"
+
+    @property
+    def can_overlap(self) -> bool:
+        """Whether its next step may be queued before its newest token is on the host (see
+        ``overlap.py``): a forked sample's may (it goes on alone), not a beam's or a group's prompt's,
+        whose next rows depend on the whole group; nor with penalties, which need that token in the
+        row's history."""
+        alone = self.group is None or (not self.group.is_beam_search and self.fan_out == 1)
+        return alone and not has_penalties(self.params)
 
     @property
     def num_tokens(self) -> int:

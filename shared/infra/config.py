@@ -52,7 +52,7 @@ import types
 import typing
 import uuid
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 from pydantic.dataclasses import dataclass
@@ -143,6 +143,13 @@ class EngineSettings:
                                                          "the host (auto: wherever decode CUDA graphs run)")
     async_output: bool | None = Field(None, description="detokenize a step's tokens while the device runs the next "
                                                         "one (auto: on CUDA)")
+    swap_space_gib: float = Field(0.0, ge=0, description="host memory, in GiB, that preempted sequences' KV blocks "
+                                                         "are swapped out to (pinned on CUDA; 0: no swapping, "
+                                                         "preempted sequences are recomputed)")
+    preemption_mode: Literal["auto", "swap", "recompute"] = Field(
+        "auto", description="how a preempted sequence comes back: auto (per sequence, whichever of swapping its KV "
+                            "blocks out and back or recomputing them costs less), swap (whenever the swap space has "
+                            "room), recompute (never swap)")
 
 
 @dataclass(config=SECTION)

@@ -23,6 +23,10 @@ Invariants (checked by the tests):
   (taken from the free list for new contents, which drops its hash). Writes go only to blocks a
   single sequence holds, at positions past its computed tokens (the scheduler's side of this).
 - ``num_cached_blocks`` counts the free blocks with a hash.
+- Forked tables (parallel samples, beams: ``fork``) share every block, the partly filled last one
+  too. A block is written only while one table holds it: a table about to write into a block whose
+  ``ref_count`` exceeds 1 first takes a private copy (``copy_on_write``); the other holders keep
+  the original. So shared blocks are read-only, like cached ones.
 - Every change of the set of hashes in ``hash_to_block`` is reported once by ``drain_events``, as the
   net change since the previous drain (``stored`` and ``removed`` are disjoint), so the pending events
   never exceed ``2 * num_blocks`` hashes even if nobody drains them.
@@ -67,6 +71,7 @@ class BlockManager:
         # Keys only (values unused): O(1) popleft, append and removal from the middle.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        self.num_cow_copies = 0  # blocks copied because a forked table wrote into a shared one
         self.prefix_queries = 0  # tokens looked up at admission
         self.prefix_hits = 0  # of those, tokens found in the cache
         self._num_cached_free = 0
@@ -137,6 +142,42 @@ class BlockManager:
         if block.ref_count <= 0:
             raise ValueError(f"block {block_id} is free; only referenced blocks can be shared")
         block.ref_count += 1
+
+    def fork(self, block_table: Sequence[int]) -> list[int]:
+        """A new table sharing every block of ``block_table`` (ref +1 each): a forked sample or beam
+        reads the same K/V until it writes (see ``copy_on_write``)."""
+        for block_id in block_table:
+            self.share(block_id)
+        return list(block_table)
+
+    def needs_copy(self, block_table: Sequence[int], position: int) -> bool:
+        """Whether writing token ``position`` into the table first needs a private copy of its block."""
+        index = position // self.block_size
+        return index < len(block_table) and self.blocks[block_table[index]].ref_count > 1
+
+    def blocks_to_write(self, block_table: Sequence[int], position: int, num_tokens: int) -> int:
+        """Free blocks a write of tokens ``position .. num_tokens - 1`` takes: new blocks plus a copy
+        of a shared block it starts in."""
+        return self.blocks_needed(block_table, num_tokens) + self.needs_copy(block_table, position)
+
+    def can_write(self, block_table: Sequence[int], position: int, num_tokens: int) -> bool:
+        return self.blocks_to_write(block_table, position, num_tokens) <= len(self.free_block_ids)
+
+    def copy_on_write(self, block_table: list[int], position: int) -> tuple[int, int] | None:
+        """Make the block that token ``position`` goes to private before it is written: when other
+        tables share it, put a fresh block in its place (ref -1 on the original, which they keep)
+        and return ``(original, copy)`` for the caller to copy the K/V; None when it is already
+        private (or not allocated yet). ``NoFreeBlocksError`` if no block is free."""
+        if not self.needs_copy(block_table, position):
+            return None
+        index = position // self.block_size
+        if not self.free_block_ids:
+            raise NoFreeBlocksError(f"no free block to copy shared block {block_table[index]} into")
+        original = block_table[index]
+        self.blocks[original].ref_count -= 1  # > 0: the others still hold it
+        block_table[index] = self._take_free_block()
+        self.num_cow_copies += 1
+        return original, block_table[index]
 
     def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Block ids of the longest cached chain of full blocks starting at ``token_ids[0]``.

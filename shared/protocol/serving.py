@@ -182,6 +182,8 @@ class DecodeRequest(WireMessage):
     kind: Literal["decode"] = "decode"
     spec: RequestSpec
     output_token_ids: list[TokenId] = Field(default_factory=list)  # sampled (and streamed) by the prefill worker
+    # The sum of those tokens' logprobs, so the request's cumulative_logprob counts them too.
+    output_cumulative_logprob: float = Field(0.0, le=0.0, allow_inf_nan=False)
     transfer: KVTransfer | None = None  # KV sent ahead as NATS frames ...
     ring: RingSlots | None = None  # ... or left in the decode worker's shared-memory ring
     kv_namespace: str = ""  # the sender's KV layout: must equal the receiver's when KV comes along

@@ -16,16 +16,25 @@ class SequenceBlocks(BaseModel):
     block_table: list[int]
     prefix_cached_blocks: int = 0  # leading blocks claimed from this worker's prefix cache
     imported_blocks: int = 0  # leading blocks that came from a hand-off or the KV-store
+    sample_index: int = 0  # which output of its request (n > 1, best_of, beams): each has its own table
+
+
+MAX_SHOWN_REF_COUNT = 255  # a ref count byte saturates here
 
 
 class BlockSnapshot(WireMessage):
-    """A worker's KV pool: one state byte per physical block and every live sequence's block table."""
+    """A worker's KV pool: one state byte and one ref count byte per physical block, every live
+    sequence's block table, and how many blocks copy-on-write has copied so far."""
 
     kind: Literal["block_snapshot"] = "block_snapshot"
     instance_id: str
     num_blocks: int
     block_size: int
     states: bytes  # per block: 0 free, 1 in use, 2 free but cached, 3 shared (ref count > 1)
+    # Per block: the block tables holding it (MAX_SHOWN_REF_COUNT: that many or more); empty from a
+    # worker that does not send them.
+    ref_counts: bytes = b""
+    cow_copies: int = 0  # blocks copied since the worker started because a forked table wrote into a shared one
     sequences: list[SequenceBlocks]
 
 

@@ -173,3 +173,61 @@ def test_logprobs_with_graphs_overlap_and_async_output_match_log_softmax() -> No
             assert entry.logprob == pytest.approx(row[token].item(), abs=2e-3)
             assert len(entry.top) == params.logprobs
             assert [v for _, v in entry.top] == pytest.approx(row.topk(params.logprobs).values.tolist(), abs=2e-3)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_logits_processing_and_prompt_logprobs_with_graphs_overlap_and_async_output() -> None:
+    """With the CUDA defaults on (graphs, overlapped steps, async output), every token of rows with
+    penalties, min_tokens and logit_bias is what the sampler draws from ``process_logits`` of its
+    step's raw logits recomputed on the CPU (so the device's batched processing, its one upload and
+    the histories it reads are right), and prompt logprobs (copied to pinned memory across prefill
+    chunks) equal ``log_softmax`` of the contiguous reference's logits."""
+    from factories import make_sequence, record_logits
+
+    from tandem.shared.engine.logits_processors import process_logits
+    from tandem.shared.engine.sampling import sample
+    from tandem.shared.model.reference import reference_logits
+
+    loaded = load_model("random:llama-test", device="cuda", dtype=torch.float32)
+    config = EngineConfig(block_size=16, num_blocks=512, max_num_seqs=32, max_num_batched_tokens=64,
+                          max_model_len=512, enable_prefix_caching=True)
+    engine = LLMEngine(loaded.model, loaded.tokenizer, config, "cuda")
+    assert engine.runner.graphs is not None and engine.overlap_steps and engine.async_output
+    raw = record_logits(engine)
+    kinds = [
+        dict(repetition_penalty=1.5), dict(frequency_penalty=0.8, presence_penalty=0.4), dict(min_tokens=12),
+        dict(logit_bias=[(11, 4.0), (300, -5.0)]), dict(repetition_penalty=0.7, logit_bias=[(5, 2.0)]), {},
+    ]
+    requests = []
+    for i in range(18):
+        params = SamplingParams(max_tokens=12 + i % 5, temperature=0.0 if i % 3 else 0.8, seed=i, top_k=50,
+                                stop_token_ids=[7 + i], prompt_logprobs=3 if i % 4 == 0 else None, **kinds[i % 6])
+        prompt = [(37 * i + 11 * j) % 400 for j in range(10 + 9 * i)]  # repeats, for the penalties to count
+        requests.append(EngineRequest(request_id=f"r{i}", prompt_token_ids=prompt, params=params))
+        engine.add_request(requests[-1])
+    out: dict[str, list] = {r.request_id: [] for r in requests}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].append(o)
+    eos = engine.runner.eos_token_ids
+    for request in requests:
+        params, prompt = request.params, request.prompt_token_ids
+        tokens = [t for o in out[request.request_id] for t in o.new_token_ids]
+        for index, token in enumerate(tokens):
+            seq = make_sequence(request.request_id, prompt=prompt + tokens[:index])
+            seq.num_prompt_tokens = len(prompt)
+            processed = process_logits(raw[(request.request_id, index)].cpu()[None], [params], [seq], [index], eos)
+            # Sampled on the GPU again: a seeded row's noise comes from a CUDA generator.
+            expected = sample(processed.cuda(), [params], [index]).item()
+            assert token == expected, f"{request.request_id}: token {index} is not drawn from the processed logits"
+        assert len(tokens) >= params.min_tokens
+        first = out[request.request_id][0].prompt_logprobs
+        if params.prompt_logprobs is None:
+            assert first is None
+            continue
+        expected = torch.log_softmax(reference_logits(loaded.model, prompt), dim=-1)
+        assert len(first) == len(prompt) and first[0] is None
+        for position, entry in enumerate(first[1:], start=1):
+            assert entry.logprob == pytest.approx(expected[position - 1, prompt[position]].item(), abs=2e-3)
+            assert [v for _, v in entry.top] == pytest.approx(expected[position - 1].topk(3).values.tolist(), abs=2e-3)

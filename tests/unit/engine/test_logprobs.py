@@ -137,7 +137,7 @@ def test_sample_async_fallback_keeps_logprobs(tiny, monkeypatch) -> None:
     monkeypatch.setattr(model_runner, "sample_rows_alone",
                         lambda logits, params, indices, gen: (logits.argmax(-1), {1: RuntimeError("row 1")}))
     runner = ModelRunner.__new__(ModelRunner)
-    runner.generator = None
+    runner.generator, runner.eos_token_ids = None, ()
     logits = torch.randn(2, 30)
     pending = model_runner.PendingStep(logits, [SamplingParams(temperature=0.0, logprobs=1)] * 2, [0, 0])
     tokens = runner.sample_async(pending)

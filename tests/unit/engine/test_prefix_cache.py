@@ -191,11 +191,27 @@ def test_prefix_import_matches_fresh_computation(tiny, prompt_len: int, blocks: 
     assert_all_free(engine)
 
 
-@pytest.mark.parametrize("prompt_len,blocks", [(48, 3), (32, 2), (20, 0)])
-def test_prefix_import_must_leave_the_last_token(tiny, prompt_len: int, blocks: int) -> None:
+@pytest.mark.parametrize("prompt_len,blocks", [(48, 4), (33, 4), (20, 0)])
+def test_an_import_without_sampled_tokens_covers_at_most_the_prompt(tiny, prompt_len: int, blocks: int) -> None:
     kv = torch.zeros(blocks, *make_engine(tiny).runner.kv_cache.shape[1:])
-    with pytest.raises(ValueError, match="prefix import"):
+    with pytest.raises(ValueError, match="covers at most the prompt"):
         make_engine(tiny).add_request(EngineRequest("x", (BASE + OTHER)[:prompt_len], greedy(2), kv=kv))
+
+
+@pytest.mark.parametrize("prompt_len", [32, 33, 47])
+def test_a_whole_prompt_imported_without_a_token_recomputes_only_its_last(tiny, prompt_len: int) -> None:
+    """How a request with several outputs is handed off: the whole prompt's K/V and no sampled
+    token. The last prompt token is computed again (for logits to sample from), nothing else."""
+    prompt = (BASE + OTHER)[:prompt_len]
+    donor = run(make_engine(tiny, caching=False), [EngineRequest("p", prompt, greedy(2), prefill_only=True)])
+    engine = make_engine(tiny)
+    computed = []
+    launch = engine.runner.launch
+    engine.runner.launch = lambda batch: computed.append(batch.num_batched_tokens) or launch(batch)
+    results = run(engine, [EngineRequest("imp", prompt, greedy(6), kv=donor["p"].kv)])
+    expected, _ = reference(tiny, prompt, 6)
+    assert results["imp"].tokens == expected
+    assert computed[0] == 1, f"computed {computed[0]} tokens of an imported prompt"
 
 
 def test_hand_offs_sharing_a_prefix_share_its_blocks_and_match_reference(tiny) -> None:
