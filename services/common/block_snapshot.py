@@ -2,9 +2,10 @@
 
 ``take_snapshot(engine, instance_id)`` reads the block manager and the scheduler into a
 :class:`BlockSnapshot`: one state byte per physical block (0 free, 1 in use, 2 free but cached,
-3 shared by more than one block table) and every live sequence's block table with how many of its
-leading blocks came from the prefix cache and how many were imported (a hand-off or a KV-store
-fetch). The engine is not thread-safe, so the worker takes the snapshot on its engine thread
+3 shared by more than one block table) and its ref count, the blocks copy-on-write has copied so
+far (forked samples and beams share blocks until one writes), and every live sequence's block
+table with how many of its leading blocks came from the prefix cache and how many were imported
+(a hand-off or a KV-store fetch). The engine is not thread-safe, so the worker takes the snapshot on its engine thread
 (:meth:`EngineThread.call`), between two steps. ``register_blocks_endpoint(worker)`` serves it on
 ``tandem.v1.<service>.<id>.blocks`` (any request payload); ``tandem console`` asks for it::
 
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import encode
-from tandem.shared.protocol.views import BlockSnapshot, KVTransferEvent, SequenceBlocks
+from tandem.shared.protocol.views import MAX_SHOWN_REF_COUNT, BlockSnapshot, KVTransferEvent, SequenceBlocks
 
 if TYPE_CHECKING:
     from tandem.services.common.worker import EngineWorker
@@ -42,14 +43,17 @@ def take_snapshot(engine: LLMEngine, instance_id: str) -> BlockSnapshot:
         (SHARED if b.ref_count > 1 else IN_USE) if b.ref_count else (CACHED if b.block_hash is not None else FREE)
         for b in bm.blocks
     )
+    ref_counts = bytes(min(b.ref_count, MAX_SHOWN_REF_COUNT) for b in bm.blocks)
     sched = engine.scheduler
     sequences = [
         SequenceBlocks(request_id=seq.request_id, num_tokens=seq.num_tokens, block_table=list(seq.block_table),
-                       prefix_cached_blocks=seq.prefix_cached_blocks, imported_blocks=seq.imported_blocks)
+                       prefix_cached_blocks=seq.prefix_cached_blocks, imported_blocks=seq.imported_blocks,
+                       sample_index=getattr(seq, "sample_index", 0))
         for seq in [*sched.running, *sched.waiting][:MAX_SEQUENCES]
     ]
     return BlockSnapshot(instance_id=instance_id, num_blocks=bm.num_blocks, block_size=bm.block_size,
-                         states=states, sequences=sequences)
+                         states=states, ref_counts=ref_counts, cow_copies=getattr(bm, "num_cow_copies", 0),
+                         sequences=sequences)
 
 
 async def register_blocks_endpoint(worker: EngineWorker) -> None:

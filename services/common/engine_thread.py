@@ -192,7 +192,7 @@ class EngineThread:
             if self._on_scheduled is not None and len(self._scheduled) < len(self._live):
                 self._note_scheduled(outputs, started)
             for out in outputs:
-                if out.finished:
+                if out.ends_request:
                     self._live.discard(out.request_id)
                     self._scheduled.discard(out.request_id)
             self.stats = self.engine.stats()

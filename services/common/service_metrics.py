@@ -18,8 +18,9 @@ Workers (:class:`WorkerMetrics`, fed from each engine step's outputs in ``Engine
 - ``tandem:prompt_tokens_total`` (prompt tokens prefilled here), ``tandem:generation_tokens_total``
   (tokens sampled here), ``tandem:request_success_total{finished_reason}`` (requests finished here);
 - read from the engine: ``tandem:num_requests_running``, ``tandem:num_requests_waiting``,
-  ``tandem:kv_cache_usage_perc`` (0..1), ``tandem:prefix_cache_queries_total`` and
-  ``tandem:prefix_cache_hits_total`` (tokens), ``tandem:num_preemptions_total``,
+  ``tandem:num_requests_swapped`` (preempted to the swap space), ``tandem:kv_cache_usage_perc``
+  (0..1), ``tandem:prefix_cache_queries_total`` and ``tandem:prefix_cache_hits_total`` (tokens),
+  ``tandem:num_preemptions_total`` and, of those, ``tandem:num_swap_preemptions_total``,
   ``tandem:engine_busy_seconds_total`` (time inside engine steps: prefill throughput for the
   planner), ``tandem:engine_steps_total``, ``tandem:worker_draining``.
 
@@ -72,10 +73,12 @@ class WorkerMetrics:
         stat = lambda key: (lambda: stats().get(key, 0))  # noqa: E731 - read at scrape time
         prom.gauge_fn("tandem:num_requests_running", "sequences in the running batch", stat("running"))
         prom.gauge_fn("tandem:num_requests_waiting", "sequences waiting for admission", stat("waiting"))
+        prom.gauge_fn("tandem:num_requests_swapped", "preempted sequences in the swap space", stat("swapped"))
         prom.gauge_fn("tandem:kv_cache_usage_perc", "KV blocks in use, 0..1", stat("usage"))
         prom.counter_fn("tandem:prefix_cache_queries", "prompt tokens looked up", stat("prefix_cache_queries"))
         prom.counter_fn("tandem:prefix_cache_hits", "of those, tokens found cached", stat("prefix_cache_hits"))
         prom.counter_fn("tandem:num_preemptions", "sequences preempted", stat("preemptions"))
+        prom.counter_fn("tandem:num_swap_preemptions", "of those, swapped out (not recomputed)", stat("swaps"))
         prom.counter_fn("tandem:engine_busy_seconds", "time spent inside engine steps", busy_s)
         prom.counter_fn("tandem:engine_steps", "engine steps run", steps)
         prom.gauge_fn("tandem:worker_draining", "1 while draining", lambda: float(draining()))
@@ -85,15 +88,16 @@ class WorkerMetrics:
         now = time.time() if now is None else now
         n = len(out.new_token_ids)
         if n:
-            if stream.next_index == 0:
+            if stream.next_index == 0 and not stream.later_outputs:  # the request's first token, of any output
                 self.ttft.observe(max(0.0, now - stream.arrival))
                 self.prompt_tokens.inc(out.num_prompt_tokens)
                 stream.first_token = now
-            elif stream.last_token:
+            elif stream.last_token and out.sample_index == 0:  # latencies between output 0's tokens
                 self.itl.observe(max(0.0, now - stream.last_token))
-            stream.last_token = now
+            if out.sample_index == 0:
+                stream.last_token = now
             self.generation_tokens.inc(n)
-        if out.finished and out.finish_reason != FINISHED:
+        if out.ends_request and out.finish_reason != FINISHED:
             self.success.labels(out.finish_reason or "unknown").inc()
             self.e2e.observe(max(0.0, now - stream.arrival))
             self.req_prompt.observe(out.num_prompt_tokens)

@@ -86,12 +86,14 @@ def engine_config(settings: Settings, loaded: LoadedModel, device: torch.device,
 
 
 def engine_request(spec: RequestSpec, *, kv: torch.Tensor | None = None, output_token_ids: Sequence[int] = (),
-                   prefill_only: bool = False, export_on_finish: bool = False) -> EngineRequest:
+                   output_cumulative_logprob: float = 0.0, prefill_only: bool = False,
+                   export_on_finish: bool = False) -> EngineRequest:
     """The engine's request for ``spec``, the one place a worker builds it; the keywords are what
     the hop adds (KV that came along, tokens sampled upstream, what to return at the end)."""
     return EngineRequest(
         request_id=spec.request_id, prompt_token_ids=list(spec.prompt_token_ids), params=spec.params, kv=kv,
-        output_token_ids=list(output_token_ids), prefill_only=prefill_only, export_on_finish=export_on_finish,
+        output_token_ids=list(output_token_ids), output_cumulative_logprob=output_cumulative_logprob,
+        prefill_only=prefill_only, export_on_finish=export_on_finish,
     )
 
 
@@ -100,14 +102,26 @@ class Stream:
     """Where one request's tokens go and how many output tokens it has emitted so far."""
 
     subject: str
-    next_index: int = 0
+    next_index: int = 0  # output 0's next token index (a request's only output, unless it asked for several)
     arrival: float = 0.0  # unix time the router accepted it (0: when it reached this worker)
     first_token: float = 0.0  # unix times of its first and latest output token, for latency metrics
     last_token: float = 0.0
     received: float = field(default_factory=time.time)  # when it reached this worker
 
+    later_outputs: dict[int, int] = field(default_factory=dict)  # the same for outputs 1.. of a request with several
+
     def __post_init__(self) -> None:
         self.arrival = self.arrival or self.received
+
+    def index(self, sample_index: int) -> int:
+        """The index output ``sample_index``'s next token has in its stream."""
+        return self.next_index if sample_index == 0 else self.later_outputs.get(sample_index, 0)
+
+    def advance(self, sample_index: int, num_tokens: int) -> None:
+        if sample_index == 0:
+            self.next_index += num_tokens
+        else:
+            self.later_outputs[sample_index] = self.index(sample_index) + num_tokens
 
 
 class EngineWorker(ServiceRuntime):
@@ -164,7 +178,7 @@ class EngineWorker(ServiceRuntime):
         stats = self.thread.stats if self.thread else self.engine.stats()
         return Heartbeat(
             service=self.name, instance_id=self.instance_id, host=self.host, pid=os.getpid(),
-            model=self.model_name, running=stats["running"], waiting=stats["waiting"],
+            model=self.model_name, running=stats["running"], waiting=stats["waiting"] + stats.get("swapped", 0),
             free_blocks=stats["free_blocks"], num_blocks=stats["num_blocks"],
             block_size=self.engine_config.block_size, max_model_len=self.max_model_len, kv_namespace=self.kv_namespace,
             prefix_cache_queries=stats.get("prefix_cache_queries", 0),
@@ -175,7 +189,7 @@ class EngineWorker(ServiceRuntime):
     def busy(self) -> bool:
         """Whether this worker still holds requests (a drain waits until it does not)."""
         stats = self.thread.stats if self.thread else self.engine.stats()
-        return bool(self.streams) or bool(stats["running"] or stats["waiting"])
+        return bool(self.streams) or bool(stats["running"] or stats["waiting"] or stats.get("swapped", 0))
 
     def on_scheduled(self, request_ids: list[str], started: float) -> None:
         for request_id in request_ids:
@@ -257,7 +271,7 @@ class EngineWorker(ServiceRuntime):
             if stream is None:
                 continue
             self.serving.on_output(out, stream, now)
-            if out.finished:
+            if out.ends_request:
                 del self.streams[out.request_id]
             if self.handle_output(out, stream):
                 continue
@@ -266,9 +280,12 @@ class EngineWorker(ServiceRuntime):
                 self.send_error(out.request_id, stream, out.error)
                 continue
             self.send_chunk(stream, out.request_id, out.new_token_ids, out.text_delta,
-                            out.finish_reason if out.finished else None, logprobs=out.logprobs)
-            if out.finished:
-                self.log.debug("%s finished: %s after %d tokens", out.request_id, out.finish_reason, stream.next_index)
+                            out.finish_reason if out.finished else None, logprobs=out.logprobs,
+                            prompt_logprobs=out.prompt_logprobs, sample_index=out.sample_index,
+                            cumulative_logprob=out.cumulative_logprob)
+            if out.ends_request:
+                self.log.debug("%s finished: %s after %d tokens", out.request_id, out.finish_reason,
+                               stream.index(out.sample_index))
 
     def handle_output(self, out: RequestOutput, stream: Stream) -> bool:
         """Subclass hook: True when the output was dealt with and needs no plain chunk."""
@@ -276,13 +293,18 @@ class EngineWorker(ServiceRuntime):
 
     def send_chunk(self, stream: Stream, request_id: str, token_ids: list[int], text: str,
                    finish_reason: str | None, error: ErrorReply | None = None,
-                   logprobs: list[TokenLogprobs] | None = None) -> None:
-        """Queue one chunk on the request's stream; ``logprobs``: one entry per token, when asked."""
-        if not token_ids and not text and finish_reason is None and error is None:
+                   logprobs: list[TokenLogprobs] | None = None,
+                   prompt_logprobs: list[TokenLogprobs | None] | None = None, sample_index: int = 0,
+                   cumulative_logprob: float | None = None) -> None:
+        """Queue one chunk on the request's stream; ``logprobs``: one entry per token, when asked;
+        ``prompt_logprobs``: the request's, on its first chunk, when asked."""
+        if not token_ids and not text and finish_reason is None and error is None and prompt_logprobs is None:
             return
-        chunk = StreamChunk(request_id=request_id, index=stream.next_index, token_ids=list(token_ids),
-                            text=text, finish_reason=finish_reason, error=error, logprobs=logprobs)
-        stream.next_index += len(token_ids)
+        chunk = StreamChunk(request_id=request_id, index=stream.index(sample_index), token_ids=list(token_ids),
+                            text=text, finish_reason=finish_reason, error=error, logprobs=logprobs,
+                            prompt_logprobs=prompt_logprobs, sample_index=sample_index,
+                            cumulative_logprob=cumulative_logprob)
+        stream.advance(sample_index, len(token_ids))
         # One task per engine step publishes every chunk of that step, not one task per chunk.
         self._outbox.append((request_id, stream.subject, encode(chunk)))
         if len(self._outbox) == 1:

@@ -129,7 +129,9 @@ class DecodeService(EngineWorker):
             kv = await asyncio.to_thread(self.received_kv, msg) if msg.ring is not None else self.received_kv(msg)
         finally:
             self.admitting.discard(spec.request_id)
-        work = engine_request(spec, kv=kv, output_token_ids=msg.output_token_ids, export_on_finish=bool(msg.kvstore))
+        work = engine_request(spec, kv=kv, output_token_ids=msg.output_token_ids,
+                              output_cumulative_logprob=msg.output_cumulative_logprob,
+                              export_on_finish=bool(msg.kvstore))
         self.streams[spec.request_id] = Stream(spec.stream_subject, next_index=len(msg.output_token_ids),
                                                arrival=spec.arrival_time, first_token=msg.first_token_time,
                                                last_token=msg.first_token_time)
@@ -149,7 +151,7 @@ class DecodeService(EngineWorker):
         await request.respond(encode(Ack(request_id=spec.request_id)))
 
     def handle_output(self, out: RequestOutput, stream: Stream) -> bool:
-        offer = self.offers.pop(out.request_id, None) if out.finished else None
+        offer = self.offers.pop(out.request_id, None) if out.ends_request else None
         if offer is not None and out.kv is not None:
             # The full blocks past what the store holds: mostly the generated ones (the prefill
             # worker offered the prompt's), so a next turn repeating this conversation finds them.

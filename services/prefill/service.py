@@ -39,11 +39,13 @@ PREFILLED = "prefilled"  # the engine's finish reason for a prefill-only sequenc
 
 
 def handoff_request(msg: PrefillRequest, output_token_ids: list[int], kv_namespace: str, block_size: int,
-                    first_token_time: float) -> DecodeRequest:
+                    first_token_time: float, output_cumulative_logprob: float = 0.0) -> DecodeRequest:
     """What admits ``msg``'s sequence at its decode worker once prefilled here: the same spec,
-    the tokens sampled here, and the hop's own fields (the KV's transfer or ring slots go in later)."""
+    the tokens sampled here (and their logprobs' sum), and the hop's own fields (the KV's transfer
+    or ring slots go in later)."""
     return DecodeRequest(
         spec=msg.spec, output_token_ids=list(output_token_ids), kv_namespace=kv_namespace, kvstore=msg.kvstore,
+        output_cumulative_logprob=output_cumulative_logprob,
         # The full prompt blocks go to the store from here; decode offers the blocks after them.
         kvstore_held_blocks=len(msg.spec.prompt_token_ids) // block_size, first_token_time=first_token_time,
     )
@@ -78,7 +80,9 @@ class PrefillService(EngineWorker):
 
     async def admit(self, msg: PrefillRequest, request: Request) -> None:
         spec = msg.spec
-        prefix = await self.fetch_prefix(msg) if msg.kvstore and msg.kvstore_fetch_blocks else None
+        # Prompt logprobs score every prompt token, so none of the prompt may come from a store.
+        fetch = msg.kvstore and msg.kvstore_fetch_blocks and spec.params.prompt_logprobs is None
+        prefix = await self.fetch_prefix(msg) if fetch else None
         try:
             await self.thread.add(engine_request(spec, kv=prefix, prefill_only=True))
         except Exception as exc:  # refused by the engine (ValueError) or failed: the router hears why
@@ -117,11 +121,13 @@ class PrefillService(EngineWorker):
         return torch.frombuffer(blob, dtype=torch.uint8).view(self.dtype).view(len(found), *layout)
 
     def handle_output(self, out: RequestOutput, stream: Stream) -> bool:
-        msg = self.pending.pop(out.request_id, None) if out.finished else None
+        msg = self.pending.pop(out.request_id, None) if out.ends_request else None
         if msg is None or out.finish_reason != PREFILLED:
             return False
-        # The first token goes to the client now; the hand-off happens in the background.
-        self.send_chunk(stream, out.request_id, out.new_token_ids, out.text_delta, None, logprobs=out.logprobs)
+        # The first token goes to the client now (a request with several outputs has none: its
+        # decode worker samples them all); the hand-off happens in the background.
+        self.send_chunk(stream, out.request_id, out.new_token_ids, out.text_delta, None, logprobs=out.logprobs,
+                        prompt_logprobs=out.prompt_logprobs)
         self.handoffs[out.request_id] = msg.decode_worker  # a drain waits for it
         self.spawn(self.tracked_hand_off(msg, out, stream), f"hand-off of {out.request_id}")
         return True
@@ -146,7 +152,7 @@ class PrefillService(EngineWorker):
         request_id, prompt = msg.spec.request_id, msg.spec.prompt_token_ids
         kv: torch.Tensor = out.kv.contiguous()
         admit = handoff_request(msg, out.new_token_ids, self.kv_namespace, self.settings.engine.block_size,
-                                stream.first_token)
+                                stream.first_token, out.cumulative_logprob or 0.0)
         timeout = self.settings.bus.request_timeout_s
         try:
             slots = await self.write_to_ring(msg, kv)

@@ -38,7 +38,14 @@ from tandem.shared.protocol.block_hashes import prefix_hashes
 from tandem.shared.protocol.codec import decode, encode, error_reply
 from tandem.shared.protocol.fleet import Heartbeat, RouteCandidate, RoutingDecision
 from tandem.shared.protocol.kv import KVEvent
-from tandem.shared.protocol.serving import DecodeRequest, GenerateAccepted, GenerateRequest, PrefillRequest, RequestSpec
+from tandem.shared.protocol.serving import (
+    DecodeRequest,
+    GenerateAccepted,
+    GenerateRequest,
+    PrefillRequest,
+    RequestSpec,
+    SamplingParams,
+)
 
 THREAD_TOKENIZE_CHARS = 32768  # longer prompts tokenize in a thread (7.5M characters stalled the loop ~0.3 s)
 
@@ -47,8 +54,9 @@ def request_spec(msg: GenerateRequest, prompt_token_ids: list[int], model: str, 
                  max_model_len: int) -> RequestSpec:
     """The request as prefill and decode workers see it: ``msg`` with its prompt tokenized, its model
     resolved, its ``max_tokens`` set (unset: what the context leaves) and its arrival stamped. Built
-    once per request; the workers carry it on unchanged. A prompt the context cannot hold, or a
-    ``max_tokens`` beyond what it leaves, is refused (as vLLM does), never silently cut."""
+    once per request; the workers carry it on unchanged. A prompt the context cannot hold, a
+    ``max_tokens`` beyond what it leaves, or a ``min_tokens`` beyond the ``max_tokens`` granted, is
+    refused (as vLLM does), never silently cut."""
     room = max_model_len - len(prompt_token_ids)
     if room < 1:
         raise ProtocolError(ErrorCode.PROMPT_TOO_LONG,
@@ -60,10 +68,27 @@ def request_spec(msg: GenerateRequest, prompt_token_ids: list[int], model: str, 
         raise ProtocolError(ErrorCode.INVALID_REQUEST,
                             f"max_tokens is {max_tokens}, but the context ({max_model_len} tokens) leaves {room} after "
                             f"the {len(prompt_token_ids)}-token prompt: ask for at most {room}", "max_tokens")
+    # SamplingParams checks min_tokens against a max_tokens it was given; one granted here (model_copy
+    # validates nothing) is checked here, or the spec would carry a pair no worker could decode.
+    if msg.params.min_tokens > max_tokens:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST,
+                            f"min_tokens is {msg.params.min_tokens}, but the context ({max_model_len} tokens) leaves "
+                            f"{max_tokens} after the {len(prompt_token_ids)}-token prompt: ask for at most "
+                            f"{max_tokens}", "min_tokens")
     params = msg.params if max_tokens == msg.params.max_tokens else msg.params.model_copy(
         update={"max_tokens": max_tokens})
     return RequestSpec(request_id=msg.request_id, prompt_token_ids=prompt_token_ids, params=params,
                        stream_subject=msg.stream_subject, model=model, arrival_time=accepted_at)
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """Refuse a ``logit_bias`` naming a token the model does not have (its bias would index past the
+    logits' row on the workers)."""
+    outside = [token for token, _ in params.logit_bias if token >= vocab_size]
+    if outside:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST,
+                            f"logit_bias names token id {outside[0]}, outside the vocabulary of {vocab_size} tokens",
+                            "logit_bias")
 
 
 def prefill_request(spec: RequestSpec, dec: Heartbeat, store: str, fetch: int, held: int) -> PrefillRequest:
@@ -249,6 +274,7 @@ class Router(ServiceRuntime):
 
     async def place_valid(self, msg: GenerateRequest, accepted_at: float) -> GenerateAccepted:
         ids = await self.tokenize(msg)
+        check_logit_bias(msg.params, self.meta.config.vocab_size)
         decoders = self.alive("decode", self.meta.name)
         if not decoders:
             raise ProtocolError(ErrorCode.NO_WORKERS, f"no decode worker serves {self.meta.name!r}")

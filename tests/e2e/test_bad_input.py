@@ -119,6 +119,8 @@ CASES = [
     # Every sampling parameter and token id out of its bounds, each refused before any engine sees it.
     *[(with_params(**{name: value}), "invalid_request", name) for name, value in BAD_SAMPLING],
     *[(with_prompt_ids(ids), "invalid_request", "prompt_token_ids") for ids in BAD_PROMPT_TOKEN_IDS],
+    # A valid token id (it fits int32) outside the model's vocabulary: the engine refuses it by name.
+    (with_params(logit_bias=[[3, 1.0], [2**31 - 1, 1.0]]), "invalid_request", "logit_bias"),
     (too_long_prompt, "prompt_too_long", ""),
     (unknown_model, "unknown_model", ""),
     *[(with_stream_subject(subject), "invalid_request", "stream_subject") for subject in BAD_STREAM_SUBJECTS],

@@ -10,10 +10,14 @@ import asyncio
 
 import nats
 import pytest
+import torch
+from factories import make_engine, run, run_outputs
 from support import PARITY_LENGTHS, assert_pools_free, prompt_of, worker_beats
 
 from tandem.client import Client, connect
-from tandem.shared.model.reference import reference_generate
+from tandem.shared.engine.sequence import EngineRequest
+from tandem.shared.model.reference import reference_generate, reference_logits
+from tandem.shared.protocol.serving import SamplingParams
 
 PREFILL_CHUNK = 32
 NEW_TOKENS = 10
@@ -115,3 +119,47 @@ async def test_stop_string_ends_output_before_it(system):
     assert stopped.finish_reason == "stop", f"{stop!r} in {free.text!r} did not stop generation"
     assert stopped.text == free.text[: free.text.index(stop)], "text must end right before the stop string"
     assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)], "same seed, same tokens up to the stop"
+
+
+async def test_penalties_and_prompt_logprobs_through_prefill_and_decode(system, tiny):
+    """The prefill worker samples token 0 and scores the prompt, the decode worker goes on with
+    token 0 in the penalties' history: the tokens of one in-process engine, the prompt's logprobs
+    of a full forward."""
+    params = dict(max_tokens=16, temperature=0.8, seed=5, min_tokens=16, repetition_penalty=1.4,
+                  frequency_penalty=0.6, presence_penalty=0.3, logit_bias=[[32, 2.0]])
+    async with connect(system.url) as client:
+        result = await client.complete(prompt_of(45), prompt_logprobs=2, **params)
+    assert result.prefill_worker is not None, "the prompt should have gone through the prefill worker"
+    ids = result.prompt_token_ids
+    local = run(make_engine(tiny, budget=PREFILL_CHUNK), [EngineRequest("r", ids, SamplingParams(**params))])["r"]
+    assert result.token_ids == local.tokens
+    expected = torch.log_softmax(reference_logits(tiny.model, ids), dim=-1)
+    entries = result.prompt_logprobs
+    assert len(entries) == len(ids) and entries[0] is None
+    for position, entry in enumerate(entries[1:], start=1):
+        assert entry.logprob == pytest.approx(expected[position - 1, ids[position]].item(), abs=1e-4)
+        assert [value for _, value in entry.top] == pytest.approx(expected[position - 1].topk(2).values.tolist(),
+                                                                 abs=1e-4)
+
+
+
+@pytest.mark.parametrize("params", [
+    dict(n=3, temperature=1.5, seed=21),
+    dict(n=2, best_of=4, temperature=1.5, seed=21),
+    dict(beam_width=3, n=2),
+], ids=["n", "best_of", "beams"])
+async def test_several_outputs_through_prefill_and_decode(system, tiny, params):
+    """The prefill worker computes the prompt once and samples nothing; the decode worker imports
+    its K/V and samples every output (forks sharing the prompt's blocks): the outputs of one
+    in-process engine, best first, and every block back afterwards."""
+    params = dict(max_tokens=12, ignore_eos=True, **params)
+    async with connect(system.url) as client:
+        result = await client.complete(prompt_of(45), **params)
+    assert result.prefill_worker is not None, "the prompt should have gone through the prefill worker"
+    local = run_outputs(make_engine(tiny, budget=PREFILL_CHUNK),
+                        [EngineRequest("r", result.prompt_token_ids, SamplingParams(**params))])["r"]
+    ranked = sorted(local.samples, key=lambda i: -local.cumulative_logprobs[i])
+    assert [o.token_ids for o in result.outputs] == [local.samples[i].tokens for i in ranked]
+    assert [o.cumulative_logprob for o in result.outputs] == pytest.approx(
+        [local.cumulative_logprobs[i] for i in ranked], abs=1e-4)
+    await assert_pools_free(system.url)

@@ -1,7 +1,8 @@
 """The GPU serving benchmarks run on CPU too (small models), so their code paths stay working.
 
 ``benchmarks/serving_gpu.py`` falls back to ``random:llama-test`` and ``benchmarks/serving_system.py``
-to the tiny model behind a real ``tandem up``; ``benchmarks/kv_transfer.py`` moves CPU memory.
+to the tiny model behind a real ``tandem up``; ``benchmarks/kv_transfer.py`` moves CPU memory;
+``benchmarks/swap_vs_recompute.py`` serves the tiny model on a small pool.
 These tests check that each prints its figures.
 """
 
@@ -59,3 +60,32 @@ def test_kv_transfer_benchmark_moves_the_bytes_both_ways() -> None:
     row = out.stdout.strip().splitlines()[-1].split("|")
     assert (row[0].strip() == "64 KiB" and float(row[1].replace(",", "")) > 0
             and float(row[2].replace(",", "")) > 0), out.stdout
+
+
+def test_several_outputs_benchmark_prints_shared_blocks_and_the_beam_peer() -> None:
+    """One n = 8 request holds the prompt's full blocks once (8 independent requests hold 8 copies);
+    the beam search figure compares the engine with transformers' generate(num_beams=4)."""
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "several_outputs.py")], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    blocks, beam = figures(out.stdout)
+    # 100-token prompt, 16 tokens each: 6 shared full blocks, 8 copies of the partial one, 8 new ones.
+    assert (blocks["one_request"]["peak_blocks"], blocks["independent_requests"]["peak_blocks"]) == (22, 64), blocks
+    assert blocks["one_request"]["output_tokens"] == blocks["independent_requests"]["output_tokens"] == 8 * 16
+    assert beam["figure"] == "beam" and beam["tandem"]["output_tokens"] == 12, beam
+    assert beam["tandem_over_transformers"] > 0
+
+
+def test_swap_vs_recompute_benchmark_preempts_both_ways() -> None:
+    """The same workload on a pool too small for it, preempting by swap and by recompute: the same
+    tokens either way, each run's preemptions of its own kind, and the throughput ratio."""
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "swap_vs_recompute.py"), "--modes", "swap,recompute",
+                          "--requests", "8", "--prompt-len", "32", "--output-len", "64"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = {g["figure"]: g for g in figures(out.stdout)}
+    swap, recompute, both = got["swap"], got["recompute"], got["swap_vs_recompute"]
+    assert swap["output_tokens"] == recompute["output_tokens"] == 8 * 64
+    assert swap["swaps"] == swap["preemptions"] > 0 and swap["recomputes"] == 0, swap
+    assert recompute["recomputes"] == recompute["preemptions"] > 0 and recompute["swaps"] == 0, recompute
+    assert both["same_tokens"] == "8/8" and both["swap_over_recompute"] > 0, both

@@ -170,3 +170,44 @@ async def test_a_request_it_cannot_serve_is_refused_with_a_typed_error(prefill, 
     assert isinstance(reply, ErrorReply) and reply.code == code, reply
     await idle(service)
     assert not bus.messages_on(spec.stream_subject)
+
+
+async def test_prompt_logprobs_come_with_the_first_token_and_no_prefix_is_fetched(prefill, tiny) -> None:
+    """A store holding the prompt's first blocks is not asked for them when the request wants
+    prompt logprobs (each prompt token must be scored here); without them, it is."""
+    from tandem.shared.model.reference import reference_logits
+
+    bus, service = prefill
+    dec = await FakeDecode(bus).start()
+    asked: list[bytes] = []
+
+    async def store(msg) -> None:  # a store that fails every fetch: the worker computes the prefix
+        asked.append(msg.data)
+        await msg.respond(b"")
+
+    await bus.subscribe(subjects.kvstore_get("store-x"), cb=store)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    spec = spec_for(service, "scored").model_copy(update={"params": params})
+    stream = await bus.subscribe(spec.stream_subject)
+    work = PrefillRequest(spec=spec, decode_worker=DECODE, kvstore="store-x", kvstore_fetch_blocks=2,
+                          kvstore_held_blocks=2)
+    reply = decode((await bus.request(subjects.prefill(service.instance_id), encode(work), timeout=10)).data)
+    assert isinstance(reply, Ack)
+    (first,) = await chunks(stream, 1)
+    await asyncio.wait_for(dec.admitted, 30)
+    assert not asked, "the prefix must not come from the store"
+    expected = torch.log_softmax(reference_logits(tiny.model, PROMPT), dim=-1)
+    assert len(first.prompt_logprobs) == len(PROMPT) and first.prompt_logprobs[0] is None
+    for position, entry in enumerate(first.prompt_logprobs[1:], start=1):
+        assert entry.logprob == pytest.approx(expected[position - 1, PROMPT[position]].item(), abs=1e-4)
+    await idle(service)
+
+    plain = spec_for(service, "plain")
+    work = work.model_copy(update={"spec": plain})
+    await bus.subscribe(plain.stream_subject)
+    dec.admitted = asyncio.get_running_loop().create_future()
+    assert isinstance(decode((await bus.request(subjects.prefill(service.instance_id), encode(work),
+                                                timeout=10)).data), Ack)
+    await asyncio.wait_for(dec.admitted, 30)
+    assert asked, "without prompt logprobs the store is asked"
+    await idle(service)

@@ -73,6 +73,35 @@ def test_spec_refuses_what_the_context_cannot_hold(asked, context: int, code: st
         assert f"at most {context - len(PROMPT)}" in caught.value.message, "the message should say what fits"
 
 
+@pytest.mark.parametrize("min_tokens,refused", [(2048 - len(PROMPT), False), (2048 - len(PROMPT) + 1, True)])
+def test_spec_refuses_min_tokens_past_the_max_tokens_it_grants(min_tokens: int, refused: bool) -> None:
+    """An unset max_tokens becomes what the context leaves; a min_tokens above that is refused
+    naming min_tokens (the granted pair would fail SamplingParams' own check on every worker)."""
+    params = SamplingParams(max_tokens=None, min_tokens=min_tokens)
+    msg = generate_request().model_copy(update={"params": params})
+    if not refused:
+        spec = request_spec(msg, PROMPT, "tiny", 1.0, 2048)
+        assert over_the_bus(decode_request(spec, store="", held=0)).spec == spec, "a spec every worker decodes"
+        return
+    with pytest.raises(ProtocolError) as caught:
+        request_spec(msg, PROMPT, "tiny", 1.0, 2048)
+    assert (caught.value.code.value, caught.value.param) == ("invalid_request", "min_tokens")
+    assert f"at most {2048 - len(PROMPT)}" in caught.value.message
+
+
+@pytest.mark.parametrize("bias,refused", [([(0, 1.0), (258, -1.0)], False), ([(259, 1.0)], True), ([], False)])
+def test_logit_bias_past_the_vocabulary_is_refused(bias, refused: bool) -> None:
+    from tandem.services.router.service import check_logit_bias
+
+    params = SamplingParams(logit_bias=bias)
+    if not refused:
+        check_logit_bias(params, 259)
+        return
+    with pytest.raises(ProtocolError) as caught:
+        check_logit_bias(params, 259)
+    assert (caught.value.code.value, caught.value.param) == ("invalid_request", "logit_bias")
+
+
 def test_spec_reaches_a_decode_worker_prefilling_alone() -> None:
     spec = request_spec(generate_request(), PROMPT, "tiny", accepted_at=12.0, max_model_len=2048)
     admit = over_the_bus(decode_request(spec, store="kvstore-a", held=2))

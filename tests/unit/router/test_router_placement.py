@@ -167,6 +167,28 @@ async def test_a_bad_request_gets_a_typed_error_and_the_router_goes_on(router, p
     assert isinstance(await place(bus, generate("r2")), GenerateAccepted), "the next good request is placed"
 
 
+@pytest.mark.parametrize(("params", "param", "says"), [
+    (dict(max_tokens=None, min_tokens=5000), "min_tokens",
+     "min_tokens is 5000, but the context (2048 tokens) leaves 1968 after the 80-token prompt: ask for at most 1968"),
+    (dict(logit_bias=[(5, 1.0), ("vocab", -3.0)]), "logit_bias", "logit_bias names token id {vocab}, outside the "
+                                                                 "vocabulary of {vocab} tokens"),
+], ids=["min_tokens-past-the-granted-max", "logit_bias-outside-the-vocabulary"])
+async def test_what_no_worker_could_serve_is_refused_naming_its_field(router, params, param, says) -> None:
+    bus, service = router
+    fleet = await workers(bus, service.meta.name, ("decode", "decode-a", 0), ("prefill", "prefill-p", 0))
+    vocab = service.meta.config.vocab_size
+    if "logit_bias" in params:
+        params["logit_bias"] = [(vocab if token == "vocab" else token, bias) for token, bias in params["logit_bias"]]
+    payload = encode(GenerateRequest(request_id="r1", prompt_token_ids=PROMPT, params=SamplingParams(**params),
+                                     stream_subject="_INBOX.tandem.client.r1"))
+
+    reply = await place(bus, payload)
+
+    assert isinstance(reply, ErrorReply), reply
+    assert (reply.code, reply.param, reply.message) == (ErrorCode.INVALID_REQUEST, param, says.format(vocab=vocab))
+    assert not fleet["decode-a"].work and not fleet["prefill-p"].work
+
+
 async def test_no_decode_worker_is_a_typed_error(router) -> None:
     bus, service = router
     await workers(bus, service.meta.name, ("prefill", "prefill-p", 0))
