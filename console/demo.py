@@ -40,16 +40,21 @@ def _services() -> list[ServiceRow]:
 
 
 def _blocks() -> BlockSnapshot:
-    """decode-a's pool of 640 blocks: three sequences, a shared system prompt, some cached blocks."""
-    states = bytearray(640)
+    """decode-a's pool of 640 blocks: two requests sharing a system prompt, one request of three
+    samples sharing their prompt's blocks (two of them copied the partly filled last one on
+    writing), some cached blocks."""
+    states, refs = bytearray(640), bytearray(640)
     system_prompt = [0, 1, 2, 3]  # shared by two sequences (ref count 2)
     seq_a = system_prompt + [4, 5, 6, 7, 8, 9, 10, 11]
     seq_b = system_prompt + [40, 41, 42, 43, 44, 45]
-    seq_c = [80 + i for i in range(20)]
-    for block in seq_a + seq_b + seq_c:
-        states[block] = 1
-    for block in system_prompt:
-        states[block] = 3
+    samples_prompt = [80 + i for i in range(16)]  # forked to the request's three samples (ref count 3)
+    samples = [samples_prompt + [96, 97, 98, 99], samples_prompt + [100, 101], samples_prompt + [102, 103]]
+    for table in (seq_a, seq_b, *samples):
+        for block in table:
+            refs[block] += 1
+    for block, count in enumerate(refs):
+        if count:
+            states[block] = 3 if count > 1 else 1
     for block in list(range(120, 160)) + list(range(200, 212)) + list(range(300, 420)):
         states[block] = 2
     sequences = [
@@ -57,11 +62,11 @@ def _blocks() -> BlockSnapshot:
                        imported_blocks=11),
         SequenceBlocks(request_id="req-0002", num_tokens=150, block_table=seq_b, prefix_cached_blocks=4,
                        imported_blocks=5),
-        SequenceBlocks(request_id="req-0003", num_tokens=317, block_table=seq_c, prefix_cached_blocks=0,
-                       imported_blocks=0),
+        *(SequenceBlocks(request_id="req-0003", num_tokens=tokens, block_table=table, sample_index=i)
+          for i, (table, tokens) in enumerate(zip(samples, (317, 281, 290)))),
     ]
     return BlockSnapshot(instance_id="decode-a", num_blocks=640, block_size=16, states=bytes(states),
-                         sequences=sequences)
+                         ref_counts=bytes(refs), cow_copies=2, sequences=sequences)
 
 
 def _timeline() -> TrainTimeline:

@@ -15,8 +15,9 @@ from tandem.shared.protocol.training import TimelineOp
 from tandem.shared.protocol.views import BlockSnapshot, KVTransferEvent
 
 # state byte -> (glyph, style, label); see BlockSnapshot
+SHARED = 3
 BLOCK_STYLES = {0: ("·", "grey42", "free"), 1: ("█", "green", "in use"), 2: ("▒", "dodger_blue2", "cached"),
-                3: ("█", "magenta", "shared")}
+                SHARED: ("█", "magenta", "shared")}
 SELECTED = ("█", "bold yellow", "selected sequence")
 PRIORITY = (3, 1, 2, 0)  # which state a cell standing for several blocks shows
 LANE_STYLES = {"compute": "green", "h2d": "dodger_blue2", "d2h": "red", "optimizer": "magenta",
@@ -39,9 +40,23 @@ def bar(fraction: float, width: int = 20, style: str = "green") -> Text:
     return Text.assemble(("█" * filled, style), ("░" * (width - filled), "grey30"))
 
 
+def ref_glyph(ref_count: int) -> str:
+    """A shared block's cell: how many block tables hold it, 2-9, or + for more."""
+    return str(ref_count) if ref_count < 10 else "+"
+
+
+def ref_count(snapshot: BlockSnapshot, block: int) -> int:
+    """``block``'s ref count as the worker sent it; 2 (shared) or 1 from a worker that sends none."""
+    if len(snapshot.ref_counts) > block:
+        return snapshot.ref_counts[block]
+    return 2 if snapshot.states[block] == SHARED else int(snapshot.states[block] == 1)
+
+
 def block_grid(snapshot: BlockSnapshot, width: int, height: int, highlight: frozenset[int] = frozenset()) -> Text:
     """The pool as rows of cells; when it does not fit, one cell stands for several blocks and
-    shows the most telling state among them (shared, in use, cached, free)."""
+    shows the most telling state among them (shared, in use, cached, free). A shared cell shows
+    its ref count (the highest among its blocks), so a block every sample of a request shares
+    stands out from one two prompts share."""
     width, rows = max(1, width), max(1, height)
     per_cell = max(1, -(-snapshot.num_blocks // (width * rows)))
     text = Text(no_wrap=True)
@@ -53,22 +68,44 @@ def block_grid(snapshot: BlockSnapshot, width: int, height: int, highlight: froz
         else:
             state = min((snapshot.states[b] for b in group), key=PRIORITY.index)
             glyph, style, _ = BLOCK_STYLES.get(state, ("?", "red", "?"))
+            if state == SHARED and snapshot.ref_counts:
+                glyph = ref_glyph(max(ref_count(snapshot, b) for b in group if snapshot.states[b] == SHARED))
         text.append(glyph, style)
         if (cell + 1) % width == 0 and cell + 1 < cells:
             text.append("\n")
     return text
 
 
+def packed(entries: list[Text], width: int, gap: str = "  ") -> Text:
+    """``entries`` on as few lines of ``width`` as they fit, never one split across two."""
+    text, used = Text(), 0
+    for entry in entries:
+        if used and used + len(gap) + len(entry) > width:
+            text.append("\n")
+            used = 0
+        elif used:
+            text.append(gap)
+            used += len(gap)
+        text.append_text(entry)
+        used += len(entry)
+    return text
+
+
 def block_legend(snapshot: BlockSnapshot, width: int, height: int) -> Text:
     counts = {s: snapshot.states.count(s) for s in BLOCK_STYLES}
-    text = Text()
+    entries = []
     for state, (glyph, style, label) in BLOCK_STYLES.items():
-        text.append(glyph, style).append(f" {label} {counts[state]}  ")
-    text.append(SELECTED[0], SELECTED[1]).append(" selected")
+        if state == SHARED and snapshot.ref_counts:
+            glyph = ref_glyph(2)
+        entries.append(Text.assemble((glyph, style), f" {label} {counts[state]}"))
+        if state == SHARED and snapshot.ref_counts:
+            entries.append(Text("(digit: tables holding it)", "grey50"))
+    entries.append(Text.assemble((SELECTED[0], SELECTED[1]), " selected"))
+    entries.append(Text(f"copied on write {snapshot.cow_copies}"))
     per_cell = max(1, -(-snapshot.num_blocks // (max(1, width) * max(1, height))))
     if per_cell > 1:
-        text.append(f"  (1 cell = {per_cell} blocks)")
-    return text
+        entries.append(Text(f"(1 cell = {per_cell} blocks)"))
+    return packed(entries, width)
 
 
 class BlockGrid(Widget):
@@ -80,9 +117,12 @@ class BlockGrid(Widget):
     def render(self) -> Text:
         if self.snapshot is None:
             return Text("no block snapshot yet", style="italic grey50")
-        rows = max(1, self.size.height - 2)
-        grid = block_grid(self.snapshot, self.size.width, rows, self.highlight)
-        return Text("\n").join([grid, Text(""), block_legend(self.snapshot, self.size.width, rows)])
+        width, height = self.size.width, self.size.height
+        # The legend takes the lines it needs below a blank one; the grid the rest.
+        legend_lines = len(block_legend(self.snapshot, width, max(1, height - 2)).plain.splitlines())
+        rows = max(1, height - 1 - legend_lines)
+        grid = block_grid(self.snapshot, width, rows, self.highlight)
+        return Text("\n").join([grid, Text(""), block_legend(self.snapshot, width, rows)])
 
 
 def hidden_fraction(ops: list[TimelineOp]) -> float | None:

@@ -5,7 +5,10 @@
     tandem serve router|prefill|decode|kvstore|planner|trainer --nats-url URL [its settings flags]
     tandem train [--default] [--model tiny|1b|3b|7b|DIR] [--steps N] [--batch-size B] [--seq-len S] ...
     tandem generate PROMPT|-|@FILE [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
-                           [--stop S ...] [--logprobs N] [--json] [--nats-url URL]
+                           [--stop S ...] [--n N] [--best-of N] [--beam-width K] [--length-penalty F]
+                           [--early-stopping true|false|never] [--presence-penalty X] [--frequency-penalty X]
+                           [--repetition-penalty X] [--min-tokens N] [--logit-bias ID=BIAS ...]
+                           [--logprobs N] [--prompt-logprobs N] [--json] [--nats-url URL]
     tandem bench serve [--dataset-name random|prefix] [--request-rate R] [--goodput ttft:MS tpot:MS]
                        [--base-url http://HOST:PORT] ...
     tandem bench compare [--concurrency 1 8 32 64] [--requests N] [--json-out FILE]   (also: plain `tandem bench`)
@@ -16,7 +19,7 @@
 The settings flags are generated from :mod:`tandem.shared.infra.config` (:mod:`tandem.flags`): every
 one is also a ``TANDEM_*`` environment variable, and ``tandem serve <service> --help`` lists each
 with its default. Every other flag's help ends with its default too. Flags are never abbreviated
-(``--n`` is an error, not ``--nats-url``), and a command line that cannot run gets one line naming
+(``--nats`` is an error, not ``--nats-url``), and a command line that cannot run gets one line naming
 what to change, exit status 2.
 """
 
@@ -60,7 +63,12 @@ SETTINGS_NOTE = ("Each flag is also a TANDEM_ environment variable (shown after 
 # generate's flag for each SamplingParams field: a refused value is reported by its flag.
 SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
                   "top_k": "--top-k", "seed": "--seed", "stop": "--stop", "ignore_eos": "--ignore-eos",
-                  "logprobs": "--logprobs"}
+                  "logprobs": "--logprobs", "prompt_logprobs": "--prompt-logprobs", "n": "--n",
+                  "best_of": "--best-of", "beam_width": "--beam-width", "length_penalty": "--length-penalty",
+                  "early_stopping": "--early-stopping", "presence_penalty": "--presence-penalty",
+                  "frequency_penalty": "--frequency-penalty", "repetition_penalty": "--repetition-penalty",
+                  "min_tokens": "--min-tokens", "logit_bias": "--logit-bias"}
+EARLY_STOPPING = {"true": True, "false": False, "never": "never"}  # --early-stopping's words -> the wire's values
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 
 
@@ -116,10 +124,37 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="go on past the model's end-of-sequence token")
     gen.add_argument("--timeout", metavar="SECONDS", type=float, default=60.0,
                      help="seconds without output before giving up")
+    gen.add_argument("--n", metavar="N", type=int, default=1,
+                     help="outputs to return (1..64); more than one are printed whole at the end, best first")
+    gen.add_argument("--best-of", metavar="N", type=int,
+                     help="draw N candidates and return the --n with the highest cumulative logprob (default: --n)")
+    gen.add_argument("--beam-width", metavar="K", type=int, default=1,
+                     help="beam search with K beams, returning the --n best (deterministic; --temperature, --top-p, "
+                          "--top-k and --seed do not apply); 1: off")
+    gen.add_argument("--length-penalty", metavar="F", type=float, default=1.0,
+                     help="beam search: a beam scores sum(logprobs) / length ** F")
+    gen.add_argument("--early-stopping", choices=tuple(EARLY_STOPPING), default="false",
+                     help="beam search: true stops once --beam-width beams have finished, false when a better one "
+                          "is unlikely (a heuristic), never only when none can be better (transformers' meanings)")
+    gen.add_argument("--presence-penalty", metavar="X", type=float, default=0.0,
+                     help="subtract X from the logit of every token already in the output (-2..2)")
+    gen.add_argument("--frequency-penalty", metavar="X", type=float, default=0.0,
+                     help="subtract X from a token's logit per time it is already in the output (-2..2)")
+    gen.add_argument("--repetition-penalty", metavar="X", type=float, default=1.0,
+                     help="divide the positive logits (multiply the negative) of tokens in the prompt or output by X; "
+                          "1: off")
+    gen.add_argument("--min-tokens", metavar="N", type=int, default=0,
+                     help="no end-of-sequence or stop token before N output tokens")
+    gen.add_argument("--logit-bias", metavar="ID=BIAS", type=logit_bias_pair, action="append", default=[],
+                     help="add BIAS (-100..100) to token ID's logit (repeatable)")
     gen.add_argument("--logprobs", metavar="N", type=int,
                      help="with --json: each token's log-probability and the N most likely tokens of its step "
                           "(0..20; raw log_softmax of the model's logits)")
-    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    gen.add_argument("--prompt-logprobs", metavar="N", type=int,
+                     help="with --json: the same for every prompt token but the first (0..20)")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object instead of streaming: prompt_token_ids and outputs (each text, "
+                          "token_ids, finish_reason, cumulative_logprob, logprobs), best first")
 
     from tandem.train_cli import add_train_parser
 
@@ -236,6 +271,15 @@ def read_prompt(arg: str, stdin: TextIO | None = None) -> str:
     return prompt
 
 
+def logit_bias_pair(text: str) -> tuple[int, float]:
+    """``--logit-bias ID=BIAS`` as (token id, bias); its bounds are the wire's, checked with the rest."""
+    token, _, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes ID=BIAS (a token id and a number), not {text!r}") from None
+
+
 def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
     """generate's sampling flags as SamplingParams fields, checked against its bounds first: a value
     out of bounds is :class:`UsageError` naming the flag and the bound the model declares."""
@@ -244,27 +288,70 @@ def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.shared.protocol.serving import SamplingParams
 
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+                  seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+                  prompt_logprobs=args.prompt_logprobs, n=args.n, best_of=args.best_of, beam_width=args.beam_width,
+                  length_penalty=args.length_penalty, early_stopping=EARLY_STOPPING[args.early_stopping],
+                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                  repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
+                  logit_bias=list(args.logit_bias))
     try:
         SamplingParams(**params)
     except ValidationError as exc:
         raise UsageError(invalid_value(exc, SamplingParams, SAMPLING_FLAGS)) from None
     if not args.timeout > 0:
         raise UsageError("--timeout must be > 0")
-    if args.logprobs is not None and not args.json:
-        raise UsageError("--logprobs needs --json (the streamed text has no place for them)")
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(args, name) is not None and not args.json:
+            flag = SAMPLING_FLAGS[name]
+            raise UsageError(f"{flag} needs --json (the streamed text has no place for them)")
+    if args.beam_width == 1:  # as vLLM: a beam-search knob without beam search is a mistake, not a no-op
+        if args.length_penalty != 1.0:
+            raise UsageError("--length-penalty applies to beam search only (--beam-width > 1)")
+        if args.early_stopping != "false":
+            raise UsageError("--early-stopping applies to beam search only (--beam-width > 1)")
     return params
 
 
 def logprobs_fields(result) -> dict[str, Any]:
-    """``--json``'s logprobs fields for a ``Completion`` that asked for them (none when it did not):
-    per token its id, logprob and top alternatives, and their sum."""
+    """``--json``'s top-level logprobs fields (the best output's, in the shape one-output requests
+    always printed) for a ``Completion`` that asked for them (none when it did not): per token its
+    id, logprob and top alternatives, and their sum."""
     if result.logprobs is None:
         return {}
     tokens = [{"token_id": token_id, "logprob": entry.logprob,
                "top_logprobs": [{"token_id": top_id, "logprob": value} for top_id, value in entry.top]}
               for token_id, entry in zip(result.token_ids, result.logprobs)]
     return {"logprobs": tokens, "cumulative_logprob": result.cumulative_logprob}
+
+
+def token_logprobs_json(entry) -> dict[str, Any]:
+    """One token's logprob and its step's top alternatives as ``--json`` prints them in ``outputs``."""
+    return {"logprob": entry.logprob, "top": [[top_id, value] for top_id, value in entry.top]}
+
+
+def completion_json(result) -> dict[str, Any]:
+    """``--json``'s one object for a ``Completion``: the prompt's ids, every output best first, and
+    beside them the best output's fields as one-output requests always printed them."""
+    outputs = [{"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                "cumulative_logprob": out.cumulative_logprob,
+                "logprobs": None if out.logprobs is None else [token_logprobs_json(e) for e in out.logprobs]}
+               for out in result.outputs]
+    shown: dict[str, Any] = {"request_id": result.request_id, "prompt_token_ids": result.prompt_token_ids,
+                             "outputs": outputs}
+    if result.prompt_logprobs is not None:
+        shown["prompt_logprobs"] = [None if e is None else token_logprobs_json(e) for e in result.prompt_logprobs]
+    return {**shown, "text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+            "ttft_s": result.ttft_s, "tpot_s": result.tpot_s, **logprobs_fields(result)}
+
+
+def labelled_outputs(result) -> str:
+    """Several outputs as plain text: each under a line saying its rank, why it ended and its score."""
+    lines = []
+    for rank, out in enumerate(result.outputs, 1):
+        score = "" if out.cumulative_logprob is None else f", cumulative logprob {out.cumulative_logprob:.3f}"
+        lines.append(f"--- output {rank} of {len(result.outputs)} ({out.finish_reason or 'unfinished'}{score})")
+        lines.append(out.text)
+    return "\n".join(lines) + "\n"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -291,13 +378,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         nonlocal streamed
         async with connect(url, request_timeout_s=args.timeout, **command_auth(settings)) as client:
             if args.json:
-                result = await client.complete(prompt, model=args.model, **params)
-                print(json.dumps({
-                    "request_id": result.request_id, "text": result.text,
-                    "prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids,
-                    "finish_reason": result.finish_reason, "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
-                    **logprobs_fields(result),
-                }))
+                print(json.dumps(completion_json(await client.complete(prompt, model=args.model, **params))))
+                return
+            if args.n > 1:  # interleaved outputs cannot share one terminal line: each whole, labelled
+                sys.stdout.write(labelled_outputs(await client.complete(prompt, model=args.model, **params)))
                 return
             # Closed on every way out (Ctrl-C cancels this task, a closed stdout raises): closing a
             # stream that has not finished sends its cancel, so the workers free the request at once.

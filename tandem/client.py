@@ -9,8 +9,18 @@
                 print(chunk.text, end="", flush=True)
             result = await client.complete("import os", max_tokens=16, temperature=0)
             print(result.text, result.finish_reason, result.ttft_s)
+            several = await client.complete("def add(a, b):", n=3, temperature=0.8, max_tokens=16)
+            for output in several.outputs:  # best first
+                print(output.cumulative_logprob, output.text)
+            beams = await client.beam_search("import", beam_width=4, max_tokens=8)
 
     asyncio.run(main())
+
+Every :class:`SamplingParams` field is a keyword of ``generate``/``complete`` (``logit_bias`` may
+also be a mapping of token id to bias). A request with ``n`` outputs (or ``best_of`` candidates, or
+beams) streams chunks that name their output (:attr:`Chunk.sample_index`); the stream ends once
+every output has its ``finish_reason``. ``complete`` returns them all in
+:attr:`Completion.outputs`, best first, its own ``text``/``token_ids``/... being the best one's.
 
 Errors are typed: :class:`NoWorkersError`, :class:`RequestTimeoutError`,
 :class:`InvalidRequestError` (and its :class:`UnknownModelError`, :class:`PromptTooLongError`),
@@ -26,7 +36,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -111,7 +121,24 @@ _BY_CODE: dict[ErrorCode, type[TandemError]] = {
 
 def _first_error(exc: Exception) -> str:
     """``field: what is wrong`` for a pydantic error (its first one), else the exception's text."""
-    return first_error(exc) if isinstance(exc, ValidationError) else str(exc)
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    if not exc.errors()[0]["loc"]:  # a check across fields: its message names them itself
+        return exc.errors()[0]["msg"].removeprefix("Value error, ")
+    return first_error(exc)
+
+
+def error_field(exc: Exception) -> str | None:
+    """The request field a pydantic error's first finding is about: where it was found, or for a
+    check across fields (``best_of (2) must be at least n (3)``) the field its message begins with,
+    as :class:`SamplingParams`' cross-field checks name the field at fault first."""
+    if not isinstance(exc, ValidationError) or not exc.errors():
+        return None
+    first = exc.errors()[0]
+    if first["loc"]:
+        return str(first["loc"][0])
+    words = first["msg"].removeprefix("Value error, ").split()
+    return words[0] if words and words[0] in SamplingParams.model_fields else None
 
 
 def error_from_reply(reply: ErrorReply) -> TandemError:
@@ -121,23 +148,47 @@ def error_from_reply(reply: ErrorReply) -> TandemError:
 
 @dataclass
 class Chunk:
-    """New output tokens and their text, in order; ``finish_reason`` is set on the last one."""
+    """New tokens of one output and their text, in order within that output; ``finish_reason`` is
+    set on that output's last one. A request with several outputs interleaves their chunks."""
 
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
     # With ``logprobs=N`` asked: one entry per token of ``token_ids`` (its logprob and the top N).
     logprobs: list[TokenLogprobs] | None = None
+    # Which output (0..n-1); for held outputs (beam search, best_of > n) its rank, best first.
+    sample_index: int = 0
+    cumulative_logprob: float | None = None  # on an output's last chunk, when the workers sent it
+    # With ``prompt_logprobs=N`` asked, on the request's first chunk: one entry per prompt token (None first).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One output of a request, whole."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    # The sum of its tokens' logprobs: of ``logprobs`` when asked, else the workers' figure (None if none came).
+    cumulative_logprob: float | None
+    logprobs: list[TokenLogprobs] | None  # with ``logprobs=N`` asked: one entry per token
+    sample_index: int = 0  # as the workers numbered it (held outputs: their rank)
+    token_times: list[float] = field(default_factory=list, repr=False)
 
 
 @dataclass
 class Completion:
+    """A finished request. ``outputs`` holds every output, best first; the fields beside it
+    (``text``, ``token_ids``, ``finish_reason``, ``logprobs``, ``cumulative_logprob``,
+    ``token_times``, ``tpot_s``) are the best output's, so a one-output request reads as it always did."""
+
     text: str
     token_ids: list[int]
     prompt_token_ids: list[int]
     finish_reason: str | None
-    ttft_s: float | None
-    tpot_s: float | None  # mean time per output token after the first
+    ttft_s: float | None  # to the request's first token, of any output
+    tpot_s: float | None  # mean time per output token after the first (the best output's)
     request_id: str = ""
     decode_worker: str = ""  # where the router placed it
     prefill_worker: str | None = None
@@ -145,15 +196,74 @@ class Completion:
     # With ``logprobs=N`` asked: one entry per output token, and the sum of their logprobs.
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    # With ``prompt_logprobs=N`` asked: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass
+class _OutputParts:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    cumulative_logprob: float | None = None
+
+
+class OutputAssembly:
+    """The chunks of one request, as :class:`RequestStream` yields them, put together into its outputs."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.parts: dict[int, _OutputParts] = {}  # by sample index
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        self.first_token_at: float | None = None
+
+    def add(self, chunk: Chunk, now: float) -> None:
+        part = self.parts.setdefault(chunk.sample_index, _OutputParts())
+        part.text.append(chunk.text)
+        part.token_ids.extend(chunk.token_ids)
+        part.token_times.extend([now] * len(chunk.token_ids))
+        part.logprobs.extend(chunk.logprobs or ())
+        if chunk.token_ids and self.first_token_at is None:
+            self.first_token_at = now
+        if chunk.finish_reason is not None:
+            part.finish_reason = chunk.finish_reason
+        if chunk.cumulative_logprob is not None:
+            part.cumulative_logprob = chunk.cumulative_logprob
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
+
+    def outputs(self) -> list[CompletionOutput]:
+        """Every output, best first: held outputs in the order the workers ranked them (a beam's
+        rank comes from its length-penalised score, not from its sum of logprobs); streamed samples
+        by cumulative logprob, highest first, any without one after them in sample order."""
+        asked = self.params.logprobs is not None
+        outputs = []
+        for index, part in sorted(self.parts.items()):
+            # With logprobs asked, their sum: it agrees with the entries returned whatever worker
+            # sampled which token (a prefill worker samples the first); else the workers' figure.
+            cumulative = sum(entry.logprob for entry in part.logprobs) if asked else part.cumulative_logprob
+            outputs.append(CompletionOutput("".join(part.text), part.token_ids, part.finish_reason, cumulative,
+                                            part.logprobs if asked else None, index, part.token_times))
+        if not self.params.holds_outputs:
+            outputs.sort(key=lambda o: (o.cumulative_logprob is None, -(o.cumulative_logprob or 0.0), o.sample_index))
+        return outputs
 
 
 _LOST = None  # put into a stream's queue when the connection drops: wakes it at once
+_PROBED = object()  # put into a held-output stream's queue when the decode worker probes it: the request is there
 
 
 class RequestStream:
     """One request's output, chunk by chunk: an async iterator (``async for chunk in stream``) and an
     async context manager. The request is placed on the first ``__anext__`` (or ``async with``);
-    ``accepted`` then says where it runs and holds the prompt's token ids.
+    ``accepted`` then says where it runs and holds the prompt's token ids. With several outputs
+    (``n``) their chunks come interleaved, each in order within its output (``sample_index``); the
+    iteration ends when every output has ended. Held outputs (beam search, ``best_of`` > ``n``)
+    come only at the end: until then the decode worker's liveness probes, not output, show the
+    request is alive, so a long search does not time out.
 
     Leaving early cancels the request at once: :meth:`aclose` (``async with`` exit, or an exception
     inside ``__anext__``) sends the cancel, and a stream dropped mid-way (``break`` out of
@@ -172,8 +282,11 @@ class RequestStream:
         self._closed = False
         self._sub = None
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._pending: dict[int, StreamChunk] = {}
-        self._next_index = 0
+        self.num_outputs = request.params.n
+        self._pending: dict[tuple[int, int], StreamChunk] = {}  # (sample index, token index) -> chunk
+        self._next_index: dict[int, int] = {}  # per output: the index of its next token
+        self._ended: set[int] = set()  # outputs whose last chunk has been yielded
+        self._probed = False  # the decode worker has probed this held-output stream: it holds the request
         self._placed = self._last_output = 0.0
 
     def __aiter__(self) -> RequestStream:
@@ -197,8 +310,10 @@ class RequestStream:
             self.close_nowait()
             raise
         if chunk.finish_reason is not None:
-            self.finished = True
-            await self.aclose()
+            self._ended.add(chunk.sample_index)
+            if len(self._ended) >= self.num_outputs:
+                self.finished = True
+                await self.aclose()
         return chunk
 
     async def aclose(self) -> None:
@@ -231,10 +346,13 @@ class RequestStream:
         inbox = self.request.stream_subject
         queue = self._queue  # the callback holds the queue, not the stream: nats-py keeps callbacks alive,
         # and a stream it kept alive would never be dropped, so never cancelled, by a ``break``
+        held = self.request.params.holds_outputs
 
         async def on_message(msg) -> None:
             if msg.reply:  # a worker's liveness probe
                 await msg.respond(b"ok")
+                if held:
+                    queue.put_nowait(_PROBED)
                 return
             queue.put_nowait(msg.data)
 
@@ -251,11 +369,10 @@ class RequestStream:
     async def _next_chunk(self) -> Chunk:
         client = self.client
         while True:
-            if self._next_index in self._pending:
-                # Prefill and decode workers publish independently: release chunks in index order.
-                ready = self._pending.pop(self._next_index)
-                self._next_index += len(ready.token_ids)
-                return Chunk(ready.token_ids, ready.text, ready.finish_reason, ready.logprobs)
+            ready = self._pop_in_order()
+            if ready is not None:
+                return Chunk(ready.token_ids, ready.text, ready.finish_reason, ready.logprobs, ready.sample_index,
+                             ready.cumulative_logprob, ready.prompt_logprobs)
             try:
                 data = await asyncio.wait_for(self._queue.get(), min(self.timeout_s, client.worker_timeout_s / 4))
             except TimeoutError:
@@ -265,20 +382,40 @@ class RequestStream:
             if data is False:
                 if time.monotonic() - self._last_output > self.timeout_s:
                     raise RequestTimeoutError(f"no output for {self.timeout_s:.0f}s", self.request_id)
-                # The prefill worker holds the request until the decode worker streams from it.
+                # The prefill worker holds the request until the decode worker streams from it (or,
+                # for held outputs, probes it).
                 holders = [self.accepted.decode_worker]
-                if self.accepted.prefill_worker and self._next_index <= 1:
+                if (self.accepted.prefill_worker and not self._probed
+                        and max(self._next_index.values(), default=0) <= 1):
                     holders.append(self.accepted.prefill_worker)
                 client._check_alive(self.request_id, holders, self._placed)
                 continue
             self._last_output = time.monotonic()
+            if data is _PROBED:
+                self._probed = True
+                continue
             chunk = decode(data, (StreamChunk, Probe))
             if isinstance(chunk, Probe):
                 continue
             if chunk.error is not None:
-                self.finished = True  # the workers ended it themselves: nothing to cancel
+                self.finished = True  # the workers ended it themselves (every output): nothing to cancel
                 raise error_from_reply(chunk.error)
-            self._pending[chunk.index] = chunk
+            if chunk.sample_index >= self.num_outputs or chunk.sample_index in self._ended:
+                log.debug("%s: dropped a chunk of output %d (n=%d, ended: %s)", self.request_id, chunk.sample_index,
+                          self.num_outputs, sorted(self._ended))
+                continue
+            self._pending[(chunk.sample_index, chunk.index)] = chunk
+
+    def _pop_in_order(self) -> StreamChunk | None:
+        """A pending chunk that continues its output, or None. Prefill and decode workers publish
+        independently, so each output's chunks are released in token-index order."""
+        for key in self._pending:
+            sample, index = key
+            if index == self._next_index.get(sample, 0):
+                ready = self._pending.pop(key)
+                self._next_index[sample] = index + len(ready.token_ids)
+                return ready
+        return None
 
 
 class Client:
@@ -347,36 +484,45 @@ class Client:
 
     async def complete(self, prompt: str | list[int], *, model: str | None = None, request_id: str | None = None,
                        timeout_s: float | None = None, **params) -> Completion:
-        """Run one request to the end and return the whole output with its timings."""
+        """Run one request to the end and return every output (best first) with its timings."""
         start = time.perf_counter()
-        text, ids, times, reason = [], [], [], None
-        logprobs: list[TokenLogprobs] = []
         stream = self.stream(prompt, model=model, request_id=request_id, timeout_s=timeout_s, **params)
+        assembly = OutputAssembly(stream.request.params)
         async with stream:
             async for chunk in stream:
-                now = time.perf_counter()
-                text.append(chunk.text)
-                ids.extend(chunk.token_ids)
-                times.extend([now] * len(chunk.token_ids))
-                reason = chunk.finish_reason
-                logprobs.extend(chunk.logprobs or ())
+                assembly.add(chunk, time.perf_counter())
         accepted = stream.accepted
-        ttft = times[0] - start if times else None
+        outputs = assembly.outputs()
+        best = outputs[0] if outputs else CompletionOutput("", [], None, None, None)
+        times = best.token_times
+        ttft = assembly.first_token_at - start if assembly.first_token_at is not None else None
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
-        asked = stream.request.params.logprobs is not None
-        return Completion("".join(text), ids, accepted.prompt_token_ids, reason, ttft, tpot, accepted.request_id,
-                          accepted.decode_worker, accepted.prefill_worker, times,
-                          logprobs if asked else None,
-                          sum(entry.logprob for entry in logprobs) if asked else None)
+        return Completion(best.text, best.token_ids, accepted.prompt_token_ids, best.finish_reason, ttft, tpot,
+                          accepted.request_id, accepted.decode_worker, accepted.prefill_worker, times, best.logprobs,
+                          best.cumulative_logprob, outputs, assembly.prompt_logprobs)
+
+    async def beam_search(self, prompt: str | list[int], *, beam_width: int, n: int | None = None,
+                          length_penalty: float = 1.0, early_stopping: bool | str = False, model: str | None = None,
+                          request_id: str | None = None, timeout_s: float | None = None, **params) -> Completion:
+        """Beam search with ``beam_width`` beams: the ``n`` best finished beams (default: all of
+        them), best first, as transformers' ``generate(num_beams=beam_width, do_sample=False)``
+        ranks them (sum of logprobs / length ** ``length_penalty``). ``params``: other
+        :class:`SamplingParams` fields (``max_tokens``, ``stop_token_ids``, ``logprobs``, ...)."""
+        return await self.complete(prompt, model=model, request_id=request_id, timeout_s=timeout_s,
+                                   beam_width=beam_width, n=beam_width if n is None else n,
+                                   length_penalty=length_penalty, early_stopping=early_stopping, **params)
 
     def _request(self, prompt, model, request_id, params: dict) -> GenerateRequest:
         """The request to send, or :class:`InvalidRequestError` naming the first field out of its
         bounds (checked before anything is sent: no value msgpack cannot carry reaches ``encode``)."""
         shown = request_id if isinstance(request_id, str) else None
+        if isinstance(params.get("logit_bias"), Mapping):  # {token id: bias}, as OpenAI writes it
+            params = {**params, "logit_bias": list(params["logit_bias"].items())}
         try:
             sampling = SamplingParams(**params)
         except (ValidationError, TypeError) as exc:
-            raise InvalidRequestError(f"invalid sampling parameters: {_first_error(exc)}", shown) from None
+            raise InvalidRequestError(f"invalid sampling parameters: {_first_error(exc)}", shown,
+                                      error_field(exc)) from None
         try:
             return GenerateRequest(
                 request_id=request_id, params=sampling, model=model, stream_subject="_INBOX.unset",
@@ -384,7 +530,7 @@ class Client:
                 prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
             )
         except (ValidationError, TypeError) as exc:
-            raise InvalidRequestError(f"invalid request: {_first_error(exc)}", shown) from None
+            raise InvalidRequestError(f"invalid request: {_first_error(exc)}", shown, error_field(exc)) from None
 
     async def _place(self, request: GenerateRequest, timeout: float) -> GenerateAccepted:
         if not self.nc.is_connected:  # reconnecting or closed: nats-py would hold the request to its timeout

@@ -18,6 +18,7 @@ reported as the flag and the bound the model declares (:func:`invalid_value`).
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
@@ -126,7 +127,7 @@ def argv(values: dict[str, Any], *specs: str, skip: Iterable[str] = ()) -> list[
 class Parser(argparse.ArgumentParser):
     """tandem's argument parser: no abbreviated flags and one-line errors.
 
-    argparse takes ``--n`` for any one flag it begins (``--nats-url``) unless abbreviations are off;
+    argparse takes ``--nat`` for any one flag it begins (``--nats-url``) unless abbreviations are off;
     here they are always off, so a mistyped flag is an error and adding a flag never changes what
     an old command line means. ``add_subparsers`` makes its parsers of the parent's class, so every
     subcommand's parser (those ``tandem/up.py`` and ``tandem/train_cli.py`` add too) is one of these.
@@ -217,9 +218,14 @@ def field_bounds(info: FieldInfo) -> str | None:
 def invalid_value(exc: ValidationError, model: type[BaseModel], flags: Mapping[str, str]) -> str:
     """``exc``'s first finding in terms of the flag that gave the value: ``--top-p must be in (0, 1]``
     for a bounded field (whatever was wrong with the value, NaN included), otherwise the flag and
-    pydantic's words. ``flags``: field name -> flag."""
+    pydantic's words; a check across fields keeps its words with every field named as its flag
+    (``--best-of (2) must be at least --n (3)``). ``flags``: field name -> flag."""
     err = exc.errors()[0]
-    field = str(err["loc"][0]) if err["loc"] else ""
+    if not err["loc"]:  # a check across fields (``best_of (2) must be at least n (3)``): say each field as its flag
+        msg = err["msg"].removeprefix("Value error, ")
+        named = {name: flag for name, flag in flags.items() if name in model.model_fields}
+        return re.sub(r"\b[a-z_]+\b", lambda word: named.get(word.group(), word.group()), msg)
+    field = str(err["loc"][0])
     flag = flags.get(field) or (f"--{field.replace('_', '-')}" if field else "a value")
     info = model.model_fields.get(field)
     bounds = field_bounds(info) if info is not None and len(err["loc"]) == 1 else None

@@ -1,11 +1,14 @@
 """Pane 2, Block tables: one worker's KV pool, its sequences' block tables, the KV-stores.
 
 Top left, the prefill and decode workers found by discovery (pick one; its block snapshot comes
-every second); below, its live sequences. The middle shows the pool, one cell per physical
-block coloured by state (free, in use, free but cached, shared), the chosen sequence's blocks in
-yellow, and that sequence's block table, logical → physical, each block marked by where its K/V
-came from: this worker's prefix cache, an import (a hand-off on a decode worker, a KV-store fetch
-on a prefill worker) or computed here. On the right, every KV-store's tiers and hit rate.
+every second); below, its live sequences (a request's later outputs as ``request#i``). The
+middle shows the pool, one cell per physical block coloured by state (free, in use, free but
+cached, shared: a shared cell shows how many block tables hold it), how many blocks
+copy-on-write has copied (forked samples and beams share blocks until one writes), the chosen
+sequence's blocks in yellow, and that sequence's block table, logical → physical, each block
+marked by where its K/V came from: this worker's prefix cache, an import (a hand-off on a decode
+worker, a KV-store fetch on a prefill worker) or computed here, and ``×k`` where k tables share
+it. On the right, every KV-store's tiers and hit rate.
 """
 
 from __future__ import annotations
@@ -21,26 +24,41 @@ from textual.widgets.option_list import Option
 
 from tandem.console.screens.base import PaneScreen
 from tandem.console.state import WORKER_SERVICES, ConsoleState
-from tandem.console.widgets import BlockGrid, bar, human_bytes
+from tandem.console.widgets import BlockGrid, bar, human_bytes, ref_count
 from tandem.shared.protocol.views import BlockSnapshot, SequenceBlocks
 
 ORIGINS = (("prefix cache", "dodger_blue2"), ("imported", "yellow"), ("computed here", "green"))
 
 
-def block_table_text(seq: SequenceBlocks, block_size: int, service: str) -> Text:
-    """``logical→physical`` for every block of ``seq``, coloured by where its K/V came from."""
+def sequence_name(seq: SequenceBlocks) -> str:
+    """A sequence's name in the pane, unique within a snapshot: its request id, and ``#i`` for the
+    request's output i > 0 (the engine's own name for it)."""
+    return seq.request_id if seq.sample_index == 0 else f"{seq.request_id}#{seq.sample_index}"
+
+
+def block_table_text(seq: SequenceBlocks, snapshot: BlockSnapshot, service: str) -> Text:
+    """``logical→physical`` for every block of ``seq``, coloured by where its K/V came from, with
+    ``×k`` after a block k block tables share (a cached prefix, or a fork of samples or beams)."""
     imported = "hand-off" if service == "decode" else "KV-store"
     names = {"prefix cache": "prefix cache", "imported": imported, "computed here": "here"}
     counts = (seq.prefix_cached_blocks, seq.imported_blocks,
               max(0, len(seq.block_table) - seq.prefix_cached_blocks - seq.imported_blocks))
-    text = Text.assemble((seq.request_id, "bold"), f" · {seq.num_tokens} tokens · {len(seq.block_table)} blocks of "
-                         f"{block_size}\n")
+    refs = [ref_count(snapshot, b) if 0 <= b < snapshot.num_blocks else 1 for b in seq.block_table]
+    shared = sum(r > 1 for r in refs)
+    text = Text.assemble((sequence_name(seq), "bold"), f" · {seq.num_tokens} tokens · {len(seq.block_table)} blocks of "
+                         f"{snapshot.block_size}\n")
     for (origin, style), count in zip(ORIGINS, counts):
         text.append("■ ", style).append(f"{names[origin]} {count}   ")
     text.append("\n")
-    for logical, physical in enumerate(seq.block_table):
+    if shared:
+        text.append(f"{shared} shared", "magenta").append(" (×k: k block tables hold it)\n", "grey50")
+    for logical, (physical, refs_here) in enumerate(zip(seq.block_table, refs)):
         origin = 0 if logical < seq.prefix_cached_blocks else 1 if logical < sum(counts[:2]) else 2
-        text.append(f"{logical}→{physical}".ljust(9), ORIGINS[origin][1])
+        cell = Text(f"{logical}→{physical}", ORIGINS[origin][1])
+        if refs_here > 1:
+            cell.append(f"×{refs_here}", "magenta")
+        cell.pad_right(max(1, 11 - len(cell)))
+        text.append_text(cell)
     return text
 
 
@@ -121,11 +139,11 @@ class BlocksScreen(PaneScreen):
     def show_sequences(self, snapshot: BlockSnapshot | None) -> None:
         table = self.query_one("#sequences", DataTable)
         table.clear()
-        sequences = [s for s in snapshot.sequences if self.filter_text in s.request_id] if snapshot else []
+        sequences = [s for s in snapshot.sequences if self.filter_text in sequence_name(s)] if snapshot else []
         for seq in sequences:
-            table.add_row(seq.request_id[:16], str(len(seq.block_table)), str(seq.prefix_cached_blocks),
-                          str(seq.imported_blocks), key=seq.request_id)
-        keys = [s.request_id for s in sequences]
+            table.add_row(sequence_name(seq)[:16], str(len(seq.block_table)), str(seq.prefix_cached_blocks),
+                          str(seq.imported_blocks), key=sequence_name(seq))
+        keys = [sequence_name(s) for s in sequences]
         if self.sequence in keys:
             table.move_cursor(row=keys.index(self.sequence), animate=False)
         elif keys:
@@ -140,11 +158,11 @@ class BlocksScreen(PaneScreen):
     def show_sequence(self, snapshot: BlockSnapshot | None) -> None:
         grid = self.query_one("#grid", BlockGrid)
         grid.snapshot = snapshot
-        seq = next((s for s in snapshot.sequences if s.request_id == self.sequence), None) if snapshot else None
+        seq = next((s for s in snapshot.sequences if sequence_name(s) == self.sequence), None) if snapshot else None
         grid.highlight = frozenset(seq.block_table) if seq else frozenset()
         service = self.state.selected_worker[0] if self.state.selected_worker else "decode"
         self.query_one("#table", Static).update(
-            block_table_text(seq, snapshot.block_size, service) if seq else Text("no sequence chosen", "grey50"))
+            block_table_text(seq, snapshot, service) if seq else Text("no sequence chosen", "grey50"))
 
     @on(OptionList.OptionHighlighted, "#workers")
     def worker_chosen(self, event: OptionList.OptionHighlighted) -> None:

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI): routes, authentication, admission, and SSE streams.
 
 Each generation request becomes one bus request per prompt through :mod:`tandem.client`, exactly as a
-library user's would: the router tokenizes and places it, the workers stream its tokens. A request is
+library user's would: the router tokenizes and places it, the workers stream its tokens. A prompt's
+``n`` outputs come on its one bus request; choice ``p * n + i`` is prompt ``p``'s output ``i`` (as
+vLLM numbers them), streamed or not. A request is
 placed before its HTTP answer starts, so every refusal (a bad value, an unknown model, no workers)
 comes back with its status code and OpenAI's error body, never as a broken stream. A client that
 disconnects cancels its requests on the workers: a stream's generator is cancelled by the server, a
@@ -21,23 +23,15 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from tandem import __version__
 from tandem.client import Client, RequestStream, TandemError
 from tandem.services.frontend import schemas
 from tandem.services.frontend.chat_template import ChatTemplate, ChatTemplateError
-from tandem.services.frontend.errors import (
-    APIError,
-    bad_request,
-    from_tandem,
-    from_validation,
-    not_supported,
-    unknown_model,
-)
-from tandem.services.frontend.logprobs import TokenText, asked_logprobs, chat_logprobs, completion_logprobs
+from tandem.services.frontend.errors import APIError, bad_request, from_tandem, unknown_model
+from tandem.services.frontend.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from tandem.services.frontend.metrics import FrontendMetrics
-from tandem.shared.protocol.serving import SamplingParams
+from tandem.services.frontend.sampling import sampling_params
 from tandem.shared.text.tokenizer import HFTokenizer, Tokenizer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is "what the context leaves"
@@ -76,30 +70,6 @@ class Frontend:
     def check_model(self, model: str | None) -> None:
         if model not in (None, "", self.model.served_name, self.model.bus_name):
             raise unknown_model(model, [self.model.served_name])
-
-    def sampling(self, request: schemas.SamplingFields, max_tokens: int | None, max_tokens_field: str) -> dict:
-        """The request's :class:`SamplingParams` fields, validated by the bus's own bounds: a bad value
-        is a 400 naming the field (as the client sent it) and the bound."""
-        field_name = schemas.unsupported(request)
-        if field_name:
-            raise not_supported(field_name)
-        stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-        params = dict(max_tokens=max_tokens, stop=stop, ignore_eos=request.ignore_eos)
-        for name in ("temperature", "top_p", "top_k", "seed"):
-            if getattr(request, name) is not None:
-                params[name] = getattr(request, name)
-        if request.stop_token_ids:
-            params["stop_token_ids"] = list(request.stop_token_ids)
-        logprobs = asked_logprobs(request)
-        if logprobs is not None:
-            params["logprobs"] = logprobs
-        # Chat's number of alternatives is its top_logprobs.
-        logprobs_field = "top_logprobs" if isinstance(request, schemas.ChatCompletionRequest) else "logprobs"
-        try:
-            SamplingParams(**params)
-        except ValidationError as exc:
-            raise from_validation(exc, {"max_tokens": max_tokens_field, "logprobs": logprobs_field}) from None
-        return params
 
     def chat_prompt(self, request: schemas.ChatCompletionRequest) -> list[int]:
         """The conversation rendered by the model's chat template, as token ids (the template writes
@@ -194,7 +164,8 @@ class Tally:
     """One HTTP request's figures while it runs: first token, last chunk, tokens per choice."""
 
     started: float
-    prompts: list[int]  # prompt tokens of each choice, as the router counted them
+    prompts: list[int]  # prompt tokens of each prompt (one bus request each), as the router counted them
+    outputs_per_prompt: int = 1  # n: choice c is an output of prompt c // n
     first: float | None = None
     last: float | None = None
     tokens: dict[int, int] = field(default_factory=dict)
@@ -216,17 +187,23 @@ class Tally:
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(self.prompts)
+        return sum(self.prompts)  # once per prompt, whatever its n (as OpenAI and vLLM count them)
 
     def completion_tokens(self) -> int:
-        return sum(self.tokens.values())
+        return sum(self.tokens.values())  # every output's
 
     def finish(self, metrics: FrontendMetrics | None) -> None:
+        """One finished request per prompt (its bus request): its outputs' tokens together, and the
+        finish reason of its first output."""
         if metrics is None:
             return
         metrics.e2e.observe(time.perf_counter() - self.started)
-        for index, reason in self.reasons.items():
-            metrics.finished(self.prompts[index], self.tokens.get(index, 0), reason)
+        n = self.outputs_per_prompt
+        for prompt, prompt_tokens in enumerate(self.prompts):
+            choices = range(prompt * n, (prompt + 1) * n)
+            reasons = [self.reasons[c] for c in choices if c in self.reasons]
+            if reasons:
+                metrics.finished(prompt_tokens, sum(self.tokens.get(c, 0) for c in choices), reasons[0])
 
 
 class Gate:
@@ -338,7 +315,7 @@ def build_app(frontend: Frontend) -> FastAPI:
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         frontend.check_model(body.model)
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        params = frontend.sampling(body, max_tokens, "max_tokens")
+        params = sampling_params(body, max_tokens, "max_tokens")
         prompts = body.prompts()
         if not prompts or any(isinstance(p, str | list) and len(p) == 0 for p in prompts):
             raise bad_request("prompt: the prompt is empty", "prompt")
@@ -348,7 +325,7 @@ def build_app(frontend: Frontend) -> FastAPI:
     async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         frontend.check_model(body.model)
         field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        params = frontend.sampling(body, body.asked_max_tokens(), field_name)
+        params = sampling_params(body, body.asked_max_tokens(), field_name)
         return await run(request, body, [frontend.chat_prompt(body)], params, chat=True)
 
     async def run(request: Request, body: schemas.SamplingFields, prompts: list, params: dict, chat: bool) -> Response:
@@ -362,21 +339,22 @@ def build_app(frontend: Frontend) -> FastAPI:
                 released = True
                 frontend.running -= 1
 
+        n = params.get("n", 1)
         try:
             started = time.perf_counter()
             streams = await frontend.open_streams(prompts, params, chat)
-            tally = Tally(started, [len(s.accepted.prompt_token_ids) for s in streams])
+            tally = Tally(started, [len(s.accepted.prompt_token_ids) for s in streams], n)
             request_id = schemas.new_id("chatcmpl" if chat else "cmpl")
             model = frontend.model.served_name
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                events = stream_events(streams, tally, request_id, model, chat, include_usage, release)
+                events = stream_events(streams, n, tally, request_id, model, chat, include_usage, release)
                 # A client gone before the first event leaves the generator unstarted, so its finally
                 # never runs: its collection still releases the slot (release is idempotent).
                 weakref.finalize(events, release)
                 return StreamingResponse(events, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            outputs = await collect_unless_disconnected(request, streams, tally)
+            outputs, prompt_entries = await collect_unless_disconnected(request, streams, n, tally)
         except BaseException:
             release()
             raise
@@ -385,28 +363,38 @@ def build_app(frontend: Frontend) -> FastAPI:
         usage = schemas.Usage.of(tally.prompt_tokens, tally.completion_tokens())
         created = schemas.now()
         with_logprobs = params.get("logprobs") is not None
+        # Per prompt, with prompt_logprobs asked: vLLM's shape of them (every choice of a prompt shares its prompt's).
+        prompts_shaped = [None if entries is None else prompt_logprobs(s.accepted.prompt_token_ids, entries, text_of)
+                          for s, entries in zip(streams, prompt_entries)]
         if chat:
             choices = [schemas.ChatChoice(
                 index=i, message=schemas.ChatResponseMessage(content="".join(out.text)),
                 logprobs=chat_logprobs(out.token_ids, out.logprobs, text_of) if with_logprobs else None,
                 finish_reason=tally.reasons.get(i)) for i, out in enumerate(outputs)]
             return JSONResponse(schemas.ChatCompletion(id=request_id, created=created, model=model, choices=choices,
-                                                       usage=usage).model_dump())
+                                                       usage=usage, prompt_logprobs=prompts_shaped[0]).model_dump())
         choices = [schemas.CompletionChoice(
             index=i, text="".join(out.text),
             logprobs=completion_logprobs(out.token_ids, out.logprobs, text_of) if with_logprobs else None,
-            finish_reason=tally.reasons.get(i)) for i, out in enumerate(outputs)]
+            finish_reason=tally.reasons.get(i), prompt_logprobs=prompts_shaped[i // n])
+            for i, out in enumerate(outputs)]
         return JSONResponse(schemas.Completion(id=request_id, created=created, model=model, choices=choices,
                                                usage=usage).model_dump())
 
-    async def collect_unless_disconnected(request: Request, streams: list[RequestStream],
-                                          tally: Tally) -> list[Collected]:
-        outputs = [Collected() for _ in streams]
+    async def collect_unless_disconnected(request: Request, streams: list[RequestStream], n: int,
+                                          tally: Tally) -> tuple[list[Collected], list[list | None]]:
+        """Every choice's whole output (stream ``p``'s output ``i`` is choice ``p * n + i``), and
+        each stream's prompt logprobs (None where none came)."""
+        outputs = [Collected() for _ in range(len(streams) * n)]
+        prompt_entries: list[list | None] = [None] * len(streams)
 
         async def collect() -> None:
             async for i, chunk in merged(streams):
-                tally.on_chunk(frontend.metrics, i, chunk)
-                outputs[i].add(chunk)
+                choice = i * n + chunk.sample_index
+                tally.on_chunk(frontend.metrics, choice, chunk)
+                outputs[choice].add(chunk)
+                if chunk.prompt_logprobs is not None:
+                    prompt_entries[i] = chunk.prompt_logprobs
 
         async def disconnected() -> None:
             while not await request.is_disconnected():
@@ -427,19 +415,22 @@ def build_app(frontend: Frontend) -> FastAPI:
             work.result()
         except TandemError as exc:
             raise from_tandem(exc, exc.param) from None
-        return outputs
+        return outputs, prompt_entries
 
-    async def stream_events(streams: list[RequestStream], tally: Tally, request_id: str, model: str, chat: bool,
-                            include_usage: bool, release: Callable[[], None]) -> AsyncIterator[str]:
+    async def stream_events(streams: list[RequestStream], n: int, tally: Tally, request_id: str, model: str,
+                            chat: bool, include_usage: bool, release: Callable[[], None]) -> AsyncIterator[str]:
+        """Each chunk as an event of its choice (stream ``p``'s output ``o`` is choice ``p * n + o``);
+        ``[DONE]`` once every choice has ended (held outputs come as one event each, at the end)."""
         created = schemas.now()
-        text_offsets = [0] * len(streams)  # per choice: where its next token's text starts
+        text_offsets = [0] * (len(streams) * n)  # per choice: where its next token's text starts
         try:
             if chat:
-                for i in range(len(streams)):
+                for i in range(len(streams) * n):
                     yield sse(chat_chunk(request_id, created, model, i, schemas.ChatDelta(role="assistant",
                                                                                           content="")))
             try:
-                async for i, chunk in merged(streams):
+                async for stream_index, chunk in merged(streams):
+                    i = stream_index * n + chunk.sample_index
                     tally.on_chunk(frontend.metrics, i, chunk)
                     if not chunk.token_ids and not chunk.text and chunk.finish_reason is None:
                         continue  # a token whose text is incomplete still goes out (empty), as vLLM sends it

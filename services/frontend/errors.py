@@ -18,6 +18,7 @@ from tandem.client import (
     RequestTimeoutError,
     TandemError,
     UnknownModelError,
+    error_field,
 )
 from tandem.services.frontend.schemas import ErrorBody, ErrorResponse
 
@@ -39,8 +40,8 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
 
 
 def not_supported(field: str) -> APIError:
-    return bad_request(f"{field} is not supported yet: tandem's engine has no parallel sampling, "
-                       f"penalties or tools (leave {field} out)", field, "unsupported_parameter")
+    return bad_request(f"{field} is not supported yet: tandem's engine has no {field} (leave it out)", field,
+                       "unsupported_parameter")
 
 
 def unknown_model(model: str, served: list[str]) -> APIError:
@@ -50,11 +51,14 @@ def unknown_model(model: str, served: list[str]) -> APIError:
 
 def from_validation(exc: ValidationError, names: dict[str, str] | None = None) -> APIError:
     """A 400 for a pydantic error's first finding: ``field: what is wrong`` (the bound included).
-    ``names`` maps a model's field to the request's (``max_tokens`` may be ``max_completion_tokens``)."""
+    ``names`` maps a model's field to the request's (``max_tokens`` may be ``max_completion_tokens``).
+    A check across fields (``best_of (2) must be at least n (3)``) keeps its words, its ``param``
+    the field it names first."""
     first = exc.errors()[0]
     loc = [str(part) for part in first["loc"] if part != "body"]
     if not loc:
-        return bad_request(first["msg"])
+        field = error_field(exc)
+        return bad_request(first["msg"].removeprefix("Value error, "), (names or {}).get(field, field))
     loc[0] = (names or {}).get(loc[0], loc[0])
     return bad_request(f"{'.'.join(loc)}: {first['msg']}", loc[0])  # param: the request's own field
 

@@ -82,3 +82,23 @@ def chat_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs],
             token=token, logprob=entry.logprob, bytes=list(token.encode("utf-8")),
             top_logprobs=[_top(text_of(top_id), value) for top_id, value in entry.top]))
     return schemas.ChatLogprobs(content=content)
+
+
+def prompt_logprobs(prompt_token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None],
+                    text_of: TokenText) -> schemas.PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first, which has nothing before
+    it) the prompt's own token and the top alternatives of that position, by token id, each with
+    its logprob, rank (1: most likely) and text."""
+    shaped: schemas.PromptLogprobs = []
+    for token_id, entry in zip(prompt_token_ids, entries, strict=True):
+        if entry is None:
+            shaped.append(None)
+            continue
+        ranks = {top_id: rank for rank, (top_id, _) in enumerate(entry.top, 1)}
+        position = {str(token_id): schemas.PromptLogprob(logprob=entry.logprob, rank=ranks.get(token_id),
+                                                         decoded_token=text_of(token_id))}
+        for top_id, value in entry.top:
+            position.setdefault(str(top_id), schemas.PromptLogprob(logprob=value, rank=ranks[top_id],
+                                                                   decoded_token=text_of(top_id)))
+        shaped.append(position)
+    return shaped

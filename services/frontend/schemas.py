@@ -1,11 +1,13 @@
 """The OpenAI API's request and response bodies, as pydantic models (what crosses the HTTP boundary).
 
-Requests take OpenAI's fields and vLLM's extensions (``top_k``, ``ignore_eos``, ``stop_token_ids``).
-Fields the engine has no support for yet (``n`` > 1, ``best_of``, penalties, ``logit_bias``,
-``echo``, ``suffix``, tools) are declared, so that :func:`unsupported` can refuse them
-with a 400 naming the field, instead of silently ignoring what a client asked for. Unknown fields
-are ignored, as OpenAI's API and vLLM do. Value bounds are not repeated here: they are the bus's
-own (:class:`tandem.shared.protocol.serving.SamplingParams`), checked when the request is built.
+Requests take OpenAI's fields and vLLM's extensions (``top_k``, ``ignore_eos``, ``stop_token_ids``,
+``repetition_penalty``, ``min_tokens``, ``prompt_logprobs``, and the older vLLM server's beam search:
+``use_beam_search`` with ``length_penalty`` and ``early_stopping``). Fields the engine has no support
+for yet (``echo``, ``suffix``, tools) are declared, so that :func:`unsupported` can refuse them with
+a 400 naming the field, instead of silently ignoring what a client asked for. Unknown fields are
+ignored, as OpenAI's API and vLLM do. Value bounds are not repeated here: they are the bus's own
+(:class:`tandem.shared.protocol.serving.SamplingParams`), checked when the request is built
+(:mod:`tandem.services.frontend.sampling`).
 """
 
 from __future__ import annotations
@@ -44,13 +46,18 @@ class SamplingFields(BaseModel):
     # (see ``logprobs.asked_logprobs``).
     logprobs: Any = None
     top_logprobs: int | None = None
-    # Not served yet (see unsupported()):
-    n: int = 1
-    best_of: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # None: the bus's default (one output, no penalty, ...), as for the fields above.
+    n: int | None = None
+    best_of: int | None = None  # candidates to draw the n best from; with use_beam_search, the beam width
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+    prompt_logprobs: Any = None  # an int (see sampling.asked_prompt_logprobs)
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -100,17 +107,6 @@ class ChatCompletionRequest(SamplingFields):
 
 def unsupported(request: SamplingFields) -> str | None:
     """The first field asking for something the engine cannot do yet, or None."""
-    if request.n != 1:
-        return "n"
-    if request.best_of not in (None, 1):
-        return "best_of"
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(request, name) != 0:
-            return name
-    if request.repetition_penalty not in (None, 1.0):
-        return "repetition_penalty"
-    if request.logit_bias:
-        return "logit_bias"
     if isinstance(request, CompletionRequest):
         if request.echo:
             return "echo"
@@ -156,11 +152,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob``: one token's logprob at a prompt position, its rank there (1: the most
+    likely; None: the prompt's own token when it is not among the top asked for) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token (None for the first): token id (a string, as JSON keys are) -> its logprob there.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, with prompt_logprobs asked
 
 
 class Completion(BaseModel):
@@ -205,6 +215,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension: chat has one prompt for every choice
 
 
 class ChatDelta(BaseModel):

@@ -87,8 +87,10 @@ def tandem(args: list[str], tmp_path: Path, timeout: float = 120, **kw) -> subpr
 
 @pytest.mark.parametrize(("args", "code", "stdout", "stderr"), [
     (["--version"], 0, f"tandem {__version__}\n", ""),
-    (["generate", "--n", "4", "x"], 2, "",
-     "tandem generate: unrecognized arguments: --n x (see tandem generate --help)\n"),
+    (["generate", "--nat", "4", "x"], 2, "",
+     "tandem generate: unrecognized arguments: --nat x (see tandem generate --help)\n"),
+    (["generate", "--n", "3", "--best-of", "2", "x"], 2, "",
+     "tandem generate: --best-of (2) must be at least --n (3)\n"),
     (["generate", "--top-p", "0", "x"], 2, "", "tandem generate: --top-p must be in (0, 1]\n"),
     (["generate", "@/no/such/prompt.txt"], 2, "",
      "tandem generate: cannot read the prompt file /no/such/prompt.txt: No such file or directory\n"),
@@ -137,6 +139,45 @@ def test_generate_json_prints_logprobs_of_the_model(system, tiny, tmp_path):
         assert [t["token_id"] for t in entry["top_logprobs"]] == top_ids.tolist()
         assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(values.tolist(), abs=1e-4)
     assert result["cumulative_logprob"] == pytest.approx(sum(e["logprob"] for e in entries))
+
+
+def test_generate_json_of_one_output_has_it_in_outputs_too(system, tmp_path):
+    done = tandem(["generate", "def f(x):", "--nats-url", system.url, "--max-tokens", "4", "--temperature", "0",
+                   "--ignore-eos", "--json"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    (output,) = result["outputs"]
+    assert (output["text"], output["token_ids"], output["finish_reason"]) == \
+        (result["text"], result["token_ids"], result["finish_reason"]), "the fields beside outputs are its own"
+    assert output["logprobs"] is None and len(output["token_ids"]) == 4
+
+
+@pytest.mark.parametrize("flags", [["--n", "3", "--temperature", "1", "--seed", "2"],
+                                   ["--n", "2", "--best-of", "3", "--temperature", "1", "--seed", "2"],
+                                   ["--beam-width", "3", "--n", "2"]], ids=["n", "best-of", "beams"])
+def test_generate_json_prints_every_output_best_first(system, flags, tmp_path):
+    """Waits on the engine's several outputs (n > 1 streams, held best_of and beam outputs)."""
+    done = tandem(["generate", "def add(a, b):", "--nats-url", system.url, "--max-tokens", "5", "--ignore-eos",
+                   "--logprobs", "1", *flags, "--json"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    n = int(flags[flags.index("--n") + 1])
+    outputs = result["outputs"]
+    assert len(outputs) == n and all(len(o["token_ids"]) == 5 and o["finish_reason"] == "length" for o in outputs)
+    assert all(len(o["logprobs"]) == 5 and o["cumulative_logprob"] is not None for o in outputs)
+    if "--beam-width" not in flags:  # beams are ranked by their length-penalised score instead
+        scores = [o["cumulative_logprob"] for o in outputs]
+        assert scores == sorted(scores, reverse=True), "streamed samples: best first"
+    assert result["text"] == outputs[0]["text"] and result["prompt_token_ids"] == list(b"def add(a, b):")
+
+
+def test_generate_prints_several_outputs_labelled(system, tmp_path):
+    """Waits on the engine's parallel sampling."""
+    done = tandem(["generate", "x = ", "--nats-url", system.url, "--max-tokens", "3", "--ignore-eos", "--n", "2",
+                   "--seed", "1"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    labels = [line for line in done.stdout.splitlines() if line.startswith("--- output ")]
+    assert [label.split(" (")[0] for label in labels] == ["--- output 1 of 2", "--- output 2 of 2"], done.stdout
 
 
 def abort_count(url: str) -> float:

@@ -220,10 +220,20 @@ BAD_BODIES = [
     ({"max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
     ({"seed": -1}, 400, "seed", "greater than or equal to 0"),
     ({"stop": [""]}, 400, "stop", "at least 1 character"),
-    ({"n": 2}, 400, "n", "not supported"),
+    ({"n": 65}, 400, "n", "less than or equal to 64"),
+    ({"n": 2, "best_of": 1}, 400, "best_of", "best_of (1) must be at least n (2)"),
     ({"logprobs": 21}, 400, "logprobs", "less than or equal to 20"),
     ({"logprobs": True}, 400, "logprobs", "integer"),
-    ({"presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    ({"presence_penalty": 2.5}, 400, "presence_penalty", "less than or equal to 2"),
+    ({"repetition_penalty": 0}, 400, "repetition_penalty", "greater than 0"),
+    ({"min_tokens": 5}, 400, "min_tokens", "min_tokens (5) must not exceed max_tokens (4)"),
+    ({"logit_bias": {"a": 1}}, 400, "logit_bias", "keys are token ids"),
+    ({"logit_bias": {"259": 1}}, 400, "logit_bias", "outside the vocabulary of 259 tokens"),  # the router's check
+    ({"use_beam_search": True}, 400, "n", "more than one beam"),
+    ({"use_beam_search": True, "n": 2, "stop": "x"}, 400, "stop", "do not apply to beam search"),
+    ({"length_penalty": 2.0}, 400, "length_penalty", "beam search only"),
+    ({"prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs", "not with stream"),
+    ({"echo": True}, 400, "echo", "not supported"),
     ({"temperature": "hot"}, 400, "temperature", "valid number"),
     ({"model": "gpt-4"}, 404, "model", "does not exist"),
     ({"max_tokens": CONTEXT}, 400, "max_tokens", "at most"),
@@ -256,6 +266,74 @@ async def test_the_sdk_raises_its_typed_errors(api):
         response = await http.post(f"{api.http['frontend-plain']}/v1/completions", content=b"{not json",
                                    headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
+
+
+async def test_chat_min_tokens_past_what_the_context_leaves_names_it(api):
+    """No max_tokens: the router grants what the context leaves, and refuses a min_tokens above it."""
+    async with httpx.AsyncClient() as http:
+        response = await http.post(f"{api.http['frontend-plain']}/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "x"}], "min_tokens": CONTEXT})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "min_tokens" and "ask for at most" in error["message"], error
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_n_samples_are_one_choice_each(api, stream):
+    """Waits on the engine's parallel sampling (n > 1 streams of sample_index 0..n-1)."""
+    asked = dict(model="tiny", prompt=[prompt_of(12), prompt_of(9, salt=1)], n=3, max_tokens=5, temperature=1.0,
+                 seed=5, extra_body={"ignore_eos": True})
+    client = client_for(api)
+    if stream:
+        chunks = [c async for c in await client.completions.create(stream=True, **asked,
+                                                                    stream_options={"include_usage": True})]
+        texts: dict[int, str] = {}
+        for piece in chunks:
+            for choice in piece.choices:
+                texts[choice.index] = texts.get(choice.index, "") + choice.text
+        finished = {c.index for piece in chunks for c in piece.choices if c.finish_reason == "length"}
+        usage = chunks[-1].usage
+    else:
+        result = await client.completions.create(**asked)
+        texts = {c.index: c.text for c in result.choices}
+        finished = {c.index for c in result.choices if c.finish_reason == "length"}
+        usage = result.usage
+    assert sorted(texts) == list(range(6)) and finished == set(range(6)), "choice p * n + i for prompt p's output i"
+    assert (usage.prompt_tokens, usage.completion_tokens) == (21, 30), "every output's tokens, each prompt's once"
+    assert len({texts[0], texts[1], texts[2]}) > 1, "three samples of one prompt at temperature 1 all alike"
+
+
+async def test_beam_search_over_http_equals_the_bus_clients(api):
+    """Waits on the engine's beam search: use_beam_search with best_of beams returns the n best, as
+    ``Client.beam_search`` does."""
+    prompt = prompt_of(20)
+    async with connect(api.url) as bus:
+        expected = await bus.beam_search(prompt, beam_width=3, n=2, max_tokens=6, ignore_eos=True)
+    result = await client_for(api).completions.create(model="tiny", prompt=prompt, n=2, best_of=3, max_tokens=6,
+                                                      extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert [c.index for c in result.choices] == [0, 1]
+    assert [c.text for c in result.choices] == [o.text for o in expected.outputs]
+
+
+async def test_logit_bias_decides_a_greedy_choice(api):
+    """Waits on the engine's logit bias: +100 on "Z" makes greedy decoding write only Z."""
+    result = await client_for(api).completions.create(model="tiny", prompt=prompt_of(10), max_tokens=4,
+                                                      logit_bias={str(ord("Z")): 100}, **GREEDY)
+    assert result.choices[0].text == "ZZZZ"
+
+
+async def test_prompt_logprobs_come_per_prompt_token(api):
+    """Waits on the engine's prompt logprobs (vLLM's shape: None first, then token id -> logprob)."""
+    prompt = prompt_of(17)
+    async with httpx.AsyncClient() as http:
+        response = await http.post(f"{api.http['frontend-plain']}/v1/completions", json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2})
+    assert response.status_code == 200, response.text
+    shaped = response.json()["choices"][0]["prompt_logprobs"]
+    assert len(shaped) == 17 and shaped[0] is None
+    for token, position in zip(prompt.encode()[1:], shaped[1:]):
+        assert str(token) in position and len(position) >= 2
+        assert all(entry["logprob"] <= 0 for entry in position.values())
 
 
 async def test_api_key_and_served_model_name(api):

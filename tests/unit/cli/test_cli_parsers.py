@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import math
 
 import pytest
@@ -99,7 +100,7 @@ def test_shown_defaults(action_kwargs, shown):
 
 
 @pytest.mark.parametrize("argv", [
-    ["generate", "--n", "4", "x"],  # was --nats-url 4
+    ["generate", "--nat", "4", "x"],  # was --nats-url 4 (--n is a flag of its own now)
     ["generate", "x", "--max", "4"],
     ["bench", "serve", "--num", "3"],
     ["up", "--pre", "2"],
@@ -114,8 +115,8 @@ def test_abbreviated_flags_are_unrecognized(argv, capsys):
 
 
 def test_unrecognized_arguments_name_the_subcommand(capsys):
-    code, _, err = run_main(["generate", "--n", "4", "x"], capsys)
-    assert (code, err) == (2, "tandem generate: unrecognized arguments: --n x (see tandem generate --help)\n")
+    code, _, err = run_main(["generate", "--nat", "4", "x"], capsys)
+    assert (code, err) == (2, "tandem generate: unrecognized arguments: --nat x (see tandem generate --help)\n")
 
 
 def test_version(capsys):
@@ -135,11 +136,125 @@ def test_version(capsys):
     (["--stop", ""], "--stop must have at least 1 character"),
     (["--timeout", "0"], "--timeout must be > 0"),
     (["--top-k", "many"], "argument --top-k: invalid int value: 'many'"),
+    (["--n", "0"], "--n must be in [1, 64]"),
+    (["--n", "65"], "--n must be in [1, 64]"),
+    (["--n", "3", "--best-of", "2"], "--best-of (2) must be at least --n (3)"),
+    (["--best-of", "65"], "--best-of must be in [1, 64]"),
+    (["--beam-width", "0"], "--beam-width must be in [1, 64]"),
+    (["--beam-width", "2", "--n", "3"], "--n (3) must not exceed --beam-width (2)"),
+    (["--beam-width", "2", "--best-of", "2"], "--best-of does not apply to beam search (--beam-width > 1)"),
+    (["--beam-width", "2", "--stop", "x"], "--stop strings do not apply to beam search"),
+    (["--beam-width", "2", "--length-penalty", "11"], "--length-penalty must be in [-10, 10]"),
+    (["--length-penalty", "0.5"], "--length-penalty applies to beam search only (--beam-width > 1)"),
+    (["--early-stopping", "true"], "--early-stopping applies to beam search only (--beam-width > 1)"),
+    (["--early-stopping", "soon"], "argument --early-stopping: invalid choice: 'soon'"),
+    (["--presence-penalty", "2.5"], "--presence-penalty must be in [-2, 2]"),
+    (["--frequency-penalty", "-3"], "--frequency-penalty must be in [-2, 2]"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be in (0, 100]"),
+    (["--min-tokens", "-1"], "--min-tokens must be in [0, 2147483647]"),
+    (["--min-tokens", "65"], "--min-tokens (65) must not exceed --max-tokens (64)"),
+    (["--logit-bias", "5=101"], "--logit-bias must be less than or equal to 100"),
+    (["--logit-bias", "5"], "argument --logit-bias: takes ID=BIAS (a token id and a number), not '5'"),
+    (["--logit-bias", "a=1"], "argument --logit-bias: takes ID=BIAS (a token id and a number), not 'a=1'"),
+    (["--logit-bias=-1=2"], "--logit-bias must be greater than or equal to 0"),
+    (["--prompt-logprobs", "21", "--json"], "--prompt-logprobs must be in [0, 20]"),
+    (["--prompt-logprobs", "2"], "--prompt-logprobs needs --json"),
+    (["--logprobs", "2"], "--logprobs needs --json"),
 ])
 def test_generate_names_the_flag_and_its_bound(flags, message, capsys):
     code, out, err = run_main(["generate", "hello", *flags], capsys)
     assert code == 2 and out == ""
     assert err.startswith(f"tandem generate: {message}") and err.count("\n") == 1, err
+
+
+def generate_params(*flags: str) -> dict:
+    from tandem.cli import sampling_params
+
+    return sampling_params(parser().parse_args(["generate", "x", *flags]))
+
+
+DEFAULT_PARAMS = generate_params()
+
+
+@pytest.mark.parametrize(("flags", "changed"), [
+    ([], {}),
+    (["--n", "3"], {"n": 3}),
+    (["--n", "2", "--best-of", "5"], {"n": 2, "best_of": 5}),
+    (["--beam-width", "4"], {"beam_width": 4}),
+    (["--beam-width", "4", "--n", "2", "--length-penalty", "0.5", "--early-stopping", "never"],
+     {"beam_width": 4, "n": 2, "length_penalty": 0.5, "early_stopping": "never"}),
+    (["--beam-width", "2", "--early-stopping", "true"], {"beam_width": 2, "early_stopping": True}),
+    (["--presence-penalty", "0.5", "--frequency-penalty", "-1"], {"presence_penalty": 0.5, "frequency_penalty": -1.0}),
+    (["--repetition-penalty", "1.2"], {"repetition_penalty": 1.2}),
+    (["--min-tokens", "5"], {"min_tokens": 5}),
+    (["--logit-bias", "65=100", "--logit-bias", "10=-2.5"], {"logit_bias": [(65, 100.0), (10, -2.5)]}),
+    (["--logprobs", "2", "--prompt-logprobs", "1", "--json"], {"logprobs": 2, "prompt_logprobs": 1}),
+], ids=["defaults", "n", "best-of", "beams", "beam-knobs", "early-true", "presence-frequency", "repetition",
+        "min-tokens", "logit-bias", "logprobs"])
+def test_generate_flags_become_sampling_params(flags, changed):
+    params = generate_params(*flags)
+    assert params == {**DEFAULT_PARAMS, **changed}
+    SamplingParams(**params)
+
+
+def test_generate_defaults_are_the_buses():
+    wire = SamplingParams(**DEFAULT_PARAMS)
+    assert (wire.n, wire.best_of, wire.beam_width, wire.length_penalty, wire.early_stopping, wire.presence_penalty,
+            wire.frequency_penalty, wire.repetition_penalty, wire.min_tokens, wire.logit_bias, wire.prompt_logprobs) \
+        == (1, None, 1, 1.0, False, 0.0, 0.0, 1.0, 0, [], None)
+
+
+def completion_of(outputs, logprobs: bool = False, prompt_logprobs=None):
+    from tandem.client import Completion
+
+    best = outputs[0]
+    return Completion(best.text, best.token_ids, [104, 105], best.finish_reason, 0.01, 0.002, "req-1",
+                      "decode-a", None, [], best.logprobs, best.cumulative_logprob, outputs, prompt_logprobs)
+
+
+def test_generate_json_is_one_object_with_every_output_best_first():
+    from tandem.cli import completion_json
+    from tandem.client import CompletionOutput
+    from tandem.shared.protocol.serving import TokenLogprobs
+
+    first = [TokenLogprobs(logprob=-0.5, top=[(65, -0.5), (66, -1.5)])]
+    outputs = [CompletionOutput("A", [65], "length", -0.5, first, 1),
+               CompletionOutput("B", [66], "stop", -2.0, [TokenLogprobs(logprob=-2.0)], 0)]
+    prompt = [None, TokenLogprobs(logprob=-3.0, top=[(9, -1.0)])]
+    shown = completion_json(completion_of(outputs, prompt_logprobs=prompt))
+    assert shown["prompt_token_ids"] == [104, 105]
+    assert shown["outputs"] == [
+        {"text": "A", "token_ids": [65], "finish_reason": "length", "cumulative_logprob": -0.5,
+         "logprobs": [{"logprob": -0.5, "top": [[65, -0.5], [66, -1.5]]}]},
+        {"text": "B", "token_ids": [66], "finish_reason": "stop", "cumulative_logprob": -2.0,
+         "logprobs": [{"logprob": -2.0, "top": []}]}]
+    assert shown["prompt_logprobs"] == [None, {"logprob": -3.0, "top": [[9, -1.0]]}]
+    # Beside them, the best output's fields as one-output requests have always printed them.
+    assert (shown["text"], shown["token_ids"], shown["finish_reason"], shown["ttft_s"], shown["tpot_s"]) == \
+        ("A", [65], "length", 0.01, 0.002)
+    assert shown["logprobs"] == [{"token_id": 65, "logprob": -0.5, "top_logprobs": [
+        {"token_id": 65, "logprob": -0.5}, {"token_id": 66, "logprob": -1.5}]}]
+    json.dumps(shown)
+
+
+def test_generate_json_without_logprobs_says_null():
+    from tandem.cli import completion_json
+    from tandem.client import CompletionOutput
+
+    shown = completion_json(completion_of([CompletionOutput("A", [65], "length", None, None)]))
+    assert shown["outputs"] == [{"text": "A", "token_ids": [65], "finish_reason": "length",
+                                 "cumulative_logprob": None, "logprobs": None}]
+    assert "prompt_logprobs" not in shown and "logprobs" not in shown
+
+
+def test_several_outputs_in_plain_text_are_labelled():
+    from tandem.cli import labelled_outputs
+    from tandem.client import CompletionOutput
+
+    text = labelled_outputs(completion_of([CompletionOutput("one\ntwo", [1], "stop", -1.25, None),
+                                           CompletionOutput("three", [2], "length", None, None, 1)]))
+    assert text == ("--- output 1 of 2 (stop, cumulative logprob -1.250)\none\ntwo\n"
+                    "--- output 2 of 2 (length)\nthree\n")
 
 
 def test_generate_bounds_come_from_sampling_params():

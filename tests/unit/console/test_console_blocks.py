@@ -7,6 +7,7 @@ Run: ``python3 -m pytest -q tests/unit/console/test_console_blocks.py``.
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 from factories import greedy, make_engine
@@ -47,6 +48,9 @@ def test_states_and_prefix_cached_blocks(tiny):
         assert snap.states[block] == SHARED
     own = set(seqs["a"].block_table[2:]) | set(seqs["b"].block_table[2:])
     assert all(snap.states[b] == IN_USE for b in own)
+    assert list(snap.ref_counts) == [b.ref_count for b in engine.block_manager.blocks], "every block's ref count"
+    assert [snap.ref_counts[b] for b in seqs["a"].block_table[:2]] == [2, 2]
+    assert snap.cow_copies == getattr(engine.block_manager, "num_cow_copies", 0)
     assert snap.states.count(FREE) + snap.states.count(CACHED) == engine.block_manager.num_free_blocks
     assert (snap.num_blocks, snap.block_size, len(snap.states)) == (32, BS, 32)
     engine.scheduler.preempt(engine.scheduler.requests["b"])  # recompute: nothing is cached or imported any more
@@ -71,6 +75,25 @@ def test_imported_blocks_of_a_hand_off(tiny):
     decode.step()
     seq = take_snapshot(decode, "d").sequences[0]
     assert (seq.prefix_cached_blocks, seq.imported_blocks) == (2, 1), "the full blocks are cached here now"
+
+
+def test_copy_on_write_copies_are_counted(tiny):
+    """The block manager's counter of blocks copied because a forked table wrote into a shared one."""
+    engine = engine_of(tiny)
+    engine.block_manager.num_cow_copies = 7  # as forked samples' writes would have left it
+    assert take_snapshot(engine, "w").cow_copies == 7
+
+
+def test_ref_counts_saturate_and_samples_are_named():
+    """A block every sample of 300 requests shares shows 255; a request's outputs keep their index."""
+    blocks = [SimpleNamespace(ref_count=count, block_hash=None) for count in (0, 1, 2, 300)]
+    sequences = [SimpleNamespace(request_id="r", num_tokens=20, block_table=[1, 3], prefix_cached_blocks=0,
+                                 imported_blocks=0, sample_index=i) for i in range(2)]
+    engine = SimpleNamespace(block_manager=SimpleNamespace(blocks=blocks, num_blocks=4, block_size=BS),
+                             scheduler=SimpleNamespace(running=sequences, waiting=[]))
+    snap = take_snapshot(engine, "w")
+    assert list(snap.ref_counts) == [0, 1, 2, 255] and list(snap.states) == [FREE, IN_USE, SHARED, SHARED]
+    assert [s.sample_index for s in snap.sequences] == [0, 1] and snap.cow_copies == 0, "no counter: none counted"
 
 
 async def test_snapshot_on_the_engine_thread_while_it_steps(tiny):

@@ -28,8 +28,14 @@ def test_pane(snap_compare, key: str):
 
 
 def test_blocks_pane_with_the_second_sequence_chosen(snap_compare):
-    """Its blocks turn yellow in the grid; its table shows 4 prefix-cache blocks and 5 handed off."""
+    """Its blocks turn yellow in the grid; its table shows 4 prefix-cache blocks (shared: ×2) and 5 handed off."""
     assert snap_compare(demo_app(), press=["2", "tab", "down"], terminal_size=SIZE)
+
+
+def test_blocks_pane_with_a_sample_of_a_forked_request_chosen(snap_compare):
+    """req-0003#1, the second of three samples: its 16 prompt blocks show ×3 (the grid's cells 3),
+    its own two blocks are unmarked; the legend counts 2 copies on write."""
+    assert snap_compare(demo_app(), press=["2", "tab", "down", "down", "down"], terminal_size=SIZE)
 
 
 def test_blocks_pane_of_a_worker_without_a_snapshot_yet(snap_compare):

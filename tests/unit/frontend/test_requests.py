@@ -23,13 +23,17 @@ def test_every_openai_prompt_form_is_a_list_of_prompts(prompt, expected):
     assert CompletionRequest(prompt=prompt).prompts() == expected
 
 
-@pytest.mark.parametrize("field,value", [
-    ("n", 2), ("best_of", 3), ("presence_penalty", 0.1),
-    ("frequency_penalty", -0.5), ("repetition_penalty", 1.2), ("logit_bias", {"1": 2.0}), ("echo", True),
-    ("suffix", "x"),
-])
+@pytest.mark.parametrize("field,value", [("echo", True), ("suffix", "x")])
 def test_completion_fields_the_engine_lacks_are_named(field, value):
     assert unsupported(CompletionRequest(prompt="x", **{field: value})) == field
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", 2), ("best_of", 3), ("presence_penalty", 0.1), ("frequency_penalty", -0.5), ("repetition_penalty", 1.2),
+    ("logit_bias", {"1": 2.0}), ("min_tokens", 2), ("use_beam_search", True), ("prompt_logprobs", 1),
+])
+def test_fields_the_engine_has_now_are_not_refused(field, value):
+    assert unsupported(CompletionRequest(prompt="x", **{field: value})) is None
 
 
 @pytest.mark.parametrize("field,value", [("tools", [{"type": "function"}]), ("tool_choice", "required"),
@@ -49,6 +53,14 @@ def test_chat_prefers_max_completion_tokens():
     both = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_tokens=5, max_completion_tokens=7)
     assert both.asked_max_tokens() == 7
     assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).asked_max_tokens() is None
+
+
+def test_a_check_across_fields_names_the_field_it_blames():
+    with pytest.raises(ValidationError) as caught:
+        SamplingParams(n=3, best_of=2)
+    error = from_validation(caught.value)
+    assert (error.status, error.body.error.param) == (400, "best_of")
+    assert error.message == "best_of (2) must be at least n (3)"
 
 
 def test_a_bound_error_names_the_field_as_the_client_sent_it():

@@ -1,0 +1,95 @@
+"""A router played by the test, on a real NATS connection: it accepts every ``GenerateRequest``
+(the prompt's token ids: its UTF-8 bytes, as the tiny byte-level model's), then publishes the
+``StreamChunk`` objects a script makes for it on the request's stream subject, as workers would.
+
+So the client library's and the frontend's handling of several outputs (interleaved, out of
+order, held until the end, an error mid-way) is tested on real messages over a real server,
+whatever the engine does today::
+
+    router = await ScriptedRouter.start(url, lambda request: [chunk(request, 0, 0, [104], "h", "stop")])
+    ...
+    await router.close()
+
+``router.requests`` keeps every request it took, as decoded from the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+import nats
+
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.base import ErrorCode, ErrorReply
+from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.serving import GenerateAccepted, GenerateRequest, Probe, StreamChunk, TokenLogprobs
+
+PROBE = "probe"  # a script step: ask the client whether it still listens, as a decode worker does every 2 s
+# A script step: a chunk to publish, a pause (seconds) before the next one, or PROBE.
+Step = StreamChunk | float | str
+Script = Callable[[GenerateRequest], Sequence[Step]]
+
+
+def chunk(request: GenerateRequest, sample: int, index: int, token_ids: list[int], text: str | None = None,
+          finish_reason: str | None = None, **fields) -> StreamChunk:
+    """Output ``sample``'s tokens from ``index`` on (their text: the bytes decoded, unless given)."""
+    text = bytes(token_ids).decode("utf-8", "replace") if text is None else text
+    return StreamChunk(request_id=request.request_id, index=index, token_ids=token_ids, text=text,
+                       finish_reason=finish_reason, sample_index=sample, **fields)
+
+
+def error_chunk(request: GenerateRequest, message: str) -> StreamChunk:
+    """The chunk a worker sends when the request failed there: it ends every output."""
+    error = ErrorReply(code=ErrorCode.WORKER_FAILURE, message=message, request_id=request.request_id)
+    return StreamChunk(request_id=request.request_id, index=0, token_ids=[], text="", error=error)
+
+
+def entries(*logprobs: float) -> list[TokenLogprobs]:
+    """One logprobs entry per value, each its own only alternative."""
+    return [TokenLogprobs(logprob=value, top=[(0, value)]) for value in logprobs]
+
+
+def prompt_ids(request: GenerateRequest) -> list[int]:
+    return list(request.prompt.encode()) if request.prompt is not None else list(request.prompt_token_ids)
+
+
+class ScriptedRouter:
+    def __init__(self, nc: nats.NATS, script: Script) -> None:
+        self.nc = nc
+        self.script = script
+        self.requests: list[GenerateRequest] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    @classmethod
+    async def start(cls, url: str, script: Script) -> ScriptedRouter:
+        router = cls(await nats.connect(url), script)
+        await router.nc.subscribe(subjects.ROUTER_GENERATE, cb=router._on_generate)
+        await router.nc.flush()
+        return router
+
+    async def _on_generate(self, msg) -> None:
+        request = decode(msg.data, GenerateRequest)
+        self.requests.append(request)
+        await msg.respond(encode(GenerateAccepted(request_id=request.request_id, prompt_token_ids=prompt_ids(request),
+                                                  prefill_worker=None, decode_worker="decode-scripted",
+                                                  max_tokens=request.params.max_tokens or 16)))
+        task = asyncio.ensure_future(self._stream(request))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _stream(self, request: GenerateRequest) -> None:
+        await asyncio.sleep(0.05)  # after the client has the accept: chunks are published to its live inbox
+        for step in self.script(request):
+            if isinstance(step, float | int):
+                await asyncio.sleep(step)
+            elif step == PROBE:
+                await self.nc.request(request.stream_subject, encode(Probe(request_id=request.request_id)), timeout=2)
+            else:
+                await self.nc.publish(request.stream_subject, encode(step))
+        await self.nc.flush()
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await self.nc.close()
