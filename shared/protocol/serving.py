@@ -98,6 +98,12 @@ class SamplingParams(BaseModel):
                 raise ValueError(f"n ({self.n}) must not exceed beam_width ({self.beam_width})")
             if self.stop:
                 raise ValueError("stop strings do not apply to beam search; use stop_token_ids")
+            # Beams rank by raw logprobs, as transformers' search with no logits processors does.
+            unapplied = [name for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                                                ("repetition_penalty", 1.0), ("min_tokens", 0), ("logit_bias", []))
+                         if getattr(self, name) != off]
+            if unapplied:
+                raise ValueError(f"{unapplied[0]} does not apply to beam search (beam_width > 1)")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self
