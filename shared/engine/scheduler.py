@@ -301,6 +301,8 @@ class Scheduler:
         """A running copy of ``parent`` under ``sample_index`` that shares its blocks (ref +1 each;
         the first write into a shared block copies it, see ``copy_on_write``); it joins ``running``
         beside its parent. The caller sets what differs (its params, detokenizer, tokens to come)."""
+        if parent.status is not SequenceStatus.RUNNING:
+            raise ValueError(f"only a running sequence forks, not a {parent.status.value} one ({parent.key!r})")
         child = dataclasses.replace(
             parent, token_ids=list(parent.token_ids), sample_index=sample_index,
             block_table=self.block_manager.fork(parent.block_table), block_hashes=list(parent.block_hashes),
@@ -350,6 +352,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.prefix_cached_blocks = seq.imported_blocks = 0
         seq.status = SequenceStatus.WAITING
+        seq.beam_candidates = None  # a beam's search waits until its recompute has them again
 
     def _swapped_goes_next(self) -> bool:
         """Whether the oldest swapped sequence is next to resume: it arrived no later than the

@@ -61,3 +61,29 @@ def test_hf_text_prompt_uses_the_directory_tokenizer(hf_system, hf_model):
     result = asyncio.run(run())
     assert result.prompt_token_ids == loaded.tokenizer.encode("the quick brown fox")
     assert result.token_ids, "no tokens generated"
+
+
+def test_hf_directory_beam_search_matches_transformers_through_disaggregated_path(hf_system, hf_model):
+    """Beam search through router -> prefill (chunks of 16) -> decode, every beam token-exact with
+    transformers' generate(num_beams=3, do_sample=False) on the directory's weights, in fp32 on CPU."""
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_model, torch_dtype=torch.float32).eval()
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 90) for _ in range(n)] for n in (5, 17, 33)]
+    pad = 95
+
+    async def run():
+        async with connect(hf_system.url) as client:
+            return await asyncio.gather(*(client.beam_search(p, beam_width=3, max_tokens=10) for p in prompts))
+
+    for prompt, result in zip(prompts, asyncio.run(run())):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([prompt]), num_beams=3, do_sample=False, max_new_tokens=10,
+                                   num_return_sequences=3, pad_token_id=pad)[:, len(prompt):].tolist()
+        got = [output.token_ids for output in result.outputs]
+        assert len(got) == 3, f"{len(got)} beams came back"
+        for rank, (tokens, want) in enumerate(zip(got, expected)):
+            assert want[: len(tokens)] == tokens and all(t == pad for t in want[len(tokens):]), \
+                f"prompt of {len(prompt)} tokens, beam {rank}: {tokens} != transformers' {want}"

@@ -104,3 +104,16 @@ def test_without_early_stopping_the_search_goes_on_while_it_can_improve() -> Non
     step = search.step([0.0], [[(5, -0.05), (0, -0.1), (1, -0.2), (6, -2.0), (7, -3.0), (8, -4.0)]],
                        [([], [])], 0)
     assert not step.done and [h.token_ids for h in search.hypotheses] == [[0]]
+
+
+def test_beams_survive_preemption_token_exact(checkpoint) -> None:
+    """A pool too small for every beam of three searches at once: beams are preempted (recomputed,
+    their search waiting for them) and the outputs are those of an ample pool."""
+    _, ours = checkpoint
+    params = SamplingParams(max_tokens=20, beam_width=3, n=3, ignore_eos=True)
+    requests = [make_request(f"b{i}", prompt, params=params) for i, prompt in enumerate(PROMPTS[:3])]
+    ample = run_outputs(make_engine(ours, block_size=4), requests)
+    small = make_engine(ours, block_size=4, num_blocks=16)
+    tight = run_outputs(small, [make_request(r.request_id, r.prompt_token_ids, params=params) for r in requests])
+    assert small.stats()["preemptions"] > 0, "the pool was meant to run out"
+    assert {k: v.tokens() for k, v in tight.items()} == {k: v.tokens() for k, v in ample.items()}
