@@ -22,6 +22,12 @@ beams) streams chunks that name their output (:attr:`Chunk.sample_index`); the s
 every output has its ``finish_reason``. ``complete`` returns them all in
 :attr:`Completion.outputs`, best first, its own ``text``/``token_ids``/... being the best one's.
 
+A request with one output survives its worker's death: when the worker streaming it stops
+sending heartbeats (the prefill worker's count until the first token of the placement), or its
+stream ends with a worker failure, the client places it again with the tokens delivered so far,
+and the stream goes on with no gap and no duplicate (``max_migrations`` per request, default 3;
+see :mod:`tandem.migration`).
+
 Errors are typed: :class:`NoWorkersError`, :class:`RequestTimeoutError`,
 :class:`InvalidRequestError` (and its :class:`UnknownModelError`, :class:`PromptTooLongError`),
 :class:`WorkerFailureError`, :class:`ConnectionLostError`, all :class:`TandemError`; nats-py's own
@@ -47,6 +53,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
 
 from tandem.access import BusConnectError, bus_options, connect_command
+from tandem.migration import ResumeState, placement_request_id
 from tandem.runstate import find_running_url
 from tandem.shared.auth.credentials import CredentialsError
 from tandem.shared.protocol import subjects
@@ -100,6 +107,13 @@ class WorkerFailureError(TandemError):
     code = ErrorCode.WORKER_FAILURE
 
 
+class OverloadedError(TandemError):
+    """Every decode worker is busy and the router's admission queue is full, or the request waited
+    there its longest (``--router-max-queue-wait-s``): refused at once, so retry later."""
+
+    code = ErrorCode.OVERLOADED
+
+
 class ConnectionLostError(TandemError):
     """The NATS connection dropped, or the server went away (a stopping ``tandem up``)."""
 
@@ -116,6 +130,7 @@ _BY_CODE: dict[ErrorCode, type[TandemError]] = {
     ErrorCode.BAD_FRAME: InvalidRequestError,
     ErrorCode.UNSUPPORTED_VERSION: InvalidRequestError,
     ErrorCode.WORKER_FAILURE: WorkerFailureError,
+    ErrorCode.OVERLOADED: OverloadedError,
 }
 
 
@@ -190,7 +205,7 @@ class Completion:
     ttft_s: float | None  # to the request's first token, of any output
     tpot_s: float | None  # mean time per output token after the first (the best output's)
     request_id: str = ""
-    decode_worker: str = ""  # where the router placed it
+    decode_worker: str = ""  # where the router placed it (after a migration: the last placement)
     prefill_worker: str | None = None
     token_times: list[float] = field(default_factory=list, repr=False)
     # With ``logprobs=N`` asked: one entry per output token, and the sum of their logprobs.
@@ -199,6 +214,7 @@ class Completion:
     outputs: list[CompletionOutput] = field(default_factory=list)
     # With ``prompt_logprobs=N`` asked: one entry per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    migrations: int = 0  # times it was placed again after its worker died
 
 
 @dataclass
@@ -253,6 +269,9 @@ class OutputAssembly:
 
 
 _LOST = None  # put into a stream's queue when the connection drops: wakes it at once
+PLACEMENT_TRIES = 4  # sends of a request that finds no router, PLACEMENT_RETRY_S apart (about a second)
+PLACEMENT_RETRY_S = 0.3
+MIGRATION_RETRY_S = 0.25  # between re-placements of a migrating request that find no worker
 _PROBED = object()  # put into a held-output stream's queue when the decode worker probes it: the request is there
 
 
@@ -269,12 +288,19 @@ class RequestStream:
     inside ``__anext__``) sends the cancel, and a stream dropped mid-way (``break`` out of
     ``async for``) sends it from ``__del__``, which runs as soon as the loop lets go of it. (A plain
     async generator would only be closed whenever the event loop's finalizer gets to it, usually
-    after the script has closed its connection.)"""
+    after the script has closed its connection.)
+
+    A worker that dies mid-way (heartbeats stop, or a worker-failure error ends the stream) does not
+    end a one-output request: it is placed again (:meth:`_migrate`) under its own placement id, going
+    on after the tokens already delivered, at most ``client.max_migrations`` times."""
 
     def __init__(self, client: Client, request: GenerateRequest, timeout_s: float) -> None:
         self.client = client
         self.request = request
-        self.request_id = request.request_id
+        self.request_id = request.request_id  # the caller's id; each placement after a migration has its own
+        self.placement_id = request.request_id
+        self.resume = ResumeState(client.max_migrations)
+        self._placements = 0  # sent after the first (see tandem.migration.placement_request_id)
         self.timeout_s = timeout_s
         self.accepted: GenerateAccepted | None = None
         self.finished = False  # the last chunk came, or the request failed on the workers
@@ -321,14 +347,14 @@ class RequestStream:
         if self._closed:
             return
         self._closed = True
-        self.client._open.pop(self.request_id, None)
+        self.client._open.pop(self.placement_id, None)
         await self.client._release(self._sub, self._cancel_id())
 
     def close_nowait(self) -> None:
         """:meth:`aclose` from synchronous code: the unsubscribe and the cancel go out in a task."""
         if not self._closed:
             self._closed = True
-            self.client._open.pop(self.request_id, None)
+            self.client._open.pop(self.placement_id, None)
             self.client._release_soon(self._sub, self._cancel_id())
 
     def __del__(self) -> None:
@@ -336,16 +362,29 @@ class RequestStream:
             self.close_nowait()
 
     # -- inside ---------------------------------------------------------------------------------
+    @property
+    def migrations(self) -> int:
+        """Times this request was placed again after its worker died."""
+        return self.resume.migrations
+
     def _cancel_id(self) -> str | None:
-        return self.request_id if self._sent and not self.finished else None
+        return self.placement_id if self._sent and not self.finished else None
 
     async def _ensure_open(self) -> None:
         if self.accepted is not None:
             return
+        await self._listen(self.request.stream_subject)
+        self._sent = True
+        self.accepted = await self.client._place(self.request, self.timeout_s)
+        self._placed = self._last_output = time.monotonic()
+
+    async def _listen(self, inbox: str) -> None:
+        """Subscribe the current placement's inbox, into a queue of its own (what an earlier
+        placement left in its queue is dropped with it)."""
         client = self.client
-        inbox = self.request.stream_subject
-        queue = self._queue  # the callback holds the queue, not the stream: nats-py keeps callbacks alive,
-        # and a stream it kept alive would never be dropped, so never cancelled, by a ``break``
+        # The callback holds the queue, not the stream: nats-py keeps callbacks alive, and a stream
+        # it kept alive would never be dropped, so never cancelled, by a ``break``.
+        queue = self._queue = asyncio.Queue()
         held = self.request.params.holds_outputs
 
         async def on_message(msg) -> None:
@@ -358,19 +397,72 @@ class RequestStream:
 
         try:
             self._sub = await client.nc.subscribe(inbox, cb=on_message)
-            client._open[self.request_id] = self._queue
+            client._open[self.placement_id] = queue
             await client._watch_workers()
         except NatsError as exc:
             raise client._lost(exc, self.request_id) from None
-        self._sent = True
-        self.accepted = await client._place(self.request, self.timeout_s)
+
+    def _may_migrate(self) -> bool:
+        # Several outputs (n, best_of, beams) are not migrated yet: their candidates' tokens would
+        # all have to be resumed.
+        return self.client.max_migrations > 0 and self.request.params.num_candidates == 1 and not self._closed
+
+    async def _migrate(self, reason: str) -> None:
+        """Place the request again, going on after the tokens delivered so far: the placement that
+        failed is let go (unsubscribed, and cancelled, in case its worker is only slow), the next one
+        gets its own id and stream subject. A re-placement finding no router or no decode worker
+        tries again until ``timeout_s`` (a crashed worker's replacement may be starting)."""
+        client, resume = self.client, self.resume
+        if resume.limit_reached():
+            raise WorkerFailureError(resume.limit_message(reason), self.request_id)
+        log.info("%s: migrating after %d tokens (%s)", self.request_id, len(resume.token_ids), reason)
+        resume.migrate(reason)
+        self._pending.clear()  # chunks past a gap: the new placement streams them again
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            client._open.pop(self.placement_id, None)
+            await client._release(self._sub, self._cancel_id())
+            self._placements += 1
+            self.placement_id = placement_request_id(self.request_id, self._placements)
+            inbox = subjects.stream_inbox(client.inbox_prefix, client.client_id, self.placement_id)
+            request = resume.resumed_request(self.request, self.accepted, self.placement_id, inbox)
+            self.finished = False
+            await self._listen(inbox)
+            try:
+                accepted = await client._place(request, self.timeout_s)
+            except NoWorkersError as exc:
+                if time.monotonic() >= deadline:
+                    raise NoWorkersError(f"{exc}; the request was migrating after: {reason}", self.request_id,
+                                         exc.param) from None
+                await asyncio.sleep(MIGRATION_RETRY_S)
+                continue
+            self.accepted = accepted
+            # A router that has not yet noticed the death (its own heartbeat timeout may be longer
+            # than this client's) can place the request on the dead worker again: place it again
+            # then, without counting a migration.
+            silent = client._silent([accepted.decode_worker, accepted.prefill_worker])
+            if silent is None or time.monotonic() >= deadline:
+                break
+            log.debug("%s: placed on %s, silent: placing it again", self.request_id, silent)
+            await asyncio.sleep(MIGRATION_RETRY_S)
         self._placed = self._last_output = time.monotonic()
 
     async def _next_chunk(self) -> Chunk:
+        while True:
+            try:
+                return await self._next_chunk_of_placement()
+            except WorkerFailureError as exc:
+                if not self._may_migrate():
+                    raise
+                await self._migrate(str(exc))
+
+    async def _next_chunk_of_placement(self) -> Chunk:
         client = self.client
         while True:
             ready = self._pop_in_order()
             if ready is not None:
+                if ready.sample_index == 0:
+                    ready = self.resume.deliver(ready)
                 return Chunk(ready.token_ids, ready.text, ready.finish_reason, ready.logprobs, ready.sample_index,
                              ready.cumulative_logprob, ready.prompt_logprobs)
             try:
@@ -383,10 +475,10 @@ class RequestStream:
                 if time.monotonic() - self._last_output > self.timeout_s:
                     raise RequestTimeoutError(f"no output for {self.timeout_s:.0f}s", self.request_id)
                 # The prefill worker holds the request until the decode worker streams from it (or,
-                # for held outputs, probes it).
+                # for held outputs, probes it): until the placement's second token.
                 holders = [self.accepted.decode_worker]
                 if (self.accepted.prefill_worker and not self._probed
-                        and max(self._next_index.values(), default=0) <= 1):
+                        and max(self._next_index.values(), default=0) <= self.resume.resumed + 1):
                     holders.append(self.accepted.prefill_worker)
                 client._check_alive(self.request_id, holders, self._placed)
                 continue
@@ -422,21 +514,22 @@ class Client:
     """A connection to a tandem deployment. Make one with :func:`connect`."""
 
     def __init__(self, nc: nats.NATS, request_timeout_s: float = 30.0, worker_timeout_s: float = 3.0,
-                 url: str = "") -> None:
+                 url: str = "", max_migrations: int = 3) -> None:
         self.nc = nc
         self.url = url
         self.request_timeout_s = request_timeout_s
         self.worker_timeout_s = worker_timeout_s  # a worker silent this long has died with our request
+        self.max_migrations = max_migrations  # placements again after a worker died, per request (0: none)
         self.client_id = uuid.uuid4().hex[:12]
         self._inbox_prefix = ""
         self._last_beat: dict[str, float] = {}
         self._beats = None
-        self._open: dict[str, asyncio.Queue] = {}  # request id -> its stream's queue, while it streams
+        self._open: dict[str, asyncio.Queue] = {}  # placement id -> its stream's queue, while it streams
         self._cleanup: set[asyncio.Task] = set()  # cancels sent for streams dropped mid-way
 
     async def _watch_workers(self) -> None:
         """Follow every worker's heartbeats (once per client), so a request whose worker died
-        fails at once with :class:`WorkerFailureError` instead of waiting for its timeout."""
+        migrates (or fails with :class:`WorkerFailureError`) at once instead of waiting for its timeout."""
         if self._beats is not None:
             return
 
@@ -444,6 +537,14 @@ class Client:
             self._last_beat[msg.subject.rsplit(".", 1)[-1]] = time.monotonic()
 
         self._beats = await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
+
+    def _silent(self, workers: list[str | None]) -> str | None:
+        """The first of ``workers`` heard from once and silent for ``worker_timeout_s`` since, or None."""
+        now = time.monotonic()
+        for worker in workers:
+            if worker is not None and now - self._last_beat.get(worker, now) > self.worker_timeout_s:
+                return worker
+        return None
 
     def _check_alive(self, request_id: str, workers: list[str], since: float) -> None:
         now = time.monotonic()
@@ -498,8 +599,8 @@ class Client:
         ttft = assembly.first_token_at - start if assembly.first_token_at is not None else None
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
         return Completion(best.text, best.token_ids, accepted.prompt_token_ids, best.finish_reason, ttft, tpot,
-                          accepted.request_id, accepted.decode_worker, accepted.prefill_worker, times, best.logprobs,
-                          best.cumulative_logprob, outputs, assembly.prompt_logprobs)
+                          stream.request_id, accepted.decode_worker, accepted.prefill_worker, times, best.logprobs,
+                          best.cumulative_logprob, outputs, assembly.prompt_logprobs, stream.migrations)
 
     async def beam_search(self, prompt: str | list[int], *, beam_width: int, n: int | None = None,
                           length_penalty: float = 1.0, early_stopping: bool | str = False, model: str | None = None,
@@ -533,16 +634,23 @@ class Client:
             raise InvalidRequestError(f"invalid request: {_first_error(exc)}", shown, error_field(exc)) from None
 
     async def _place(self, request: GenerateRequest, timeout: float) -> GenerateAccepted:
-        if not self.nc.is_connected:  # reconnecting or closed: nats-py would hold the request to its timeout
-            raise self._lost(None, request.request_id)
-        try:
-            msg = await self.nc.request(subjects.ROUTER_GENERATE, encode(request), timeout=timeout)
-        except NoRespondersError:
-            raise NoWorkersError("no router is running", request.request_id) from None
-        except NatsTimeoutError:
-            raise RequestTimeoutError(f"the router did not answer in {timeout:.0f}s", request.request_id) from None
-        except NatsError as exc:
-            raise self._lost(exc, request.request_id) from None
+        for attempt in range(PLACEMENT_TRIES):
+            if not self.nc.is_connected:  # reconnecting or closed: nats-py would hold the request to its timeout
+                raise self._lost(None, request.request_id)
+            try:
+                msg = await self.nc.request(subjects.ROUTER_GENERATE, encode(request), timeout=timeout)
+                break
+            except NoRespondersError:
+                # Answered at once by the server: no router subscribes right now (one restarting, or
+                # none deployed). Asked again a few times, so a router's restart does not fail the request.
+                if attempt + 1 < PLACEMENT_TRIES:
+                    await asyncio.sleep(PLACEMENT_RETRY_S)
+                    continue
+                raise NoWorkersError("no router is running", request.request_id) from None
+            except NatsTimeoutError:
+                raise RequestTimeoutError(f"the router did not answer in {timeout:.0f}s", request.request_id) from None
+            except NatsError as exc:
+                raise self._lost(exc, request.request_id) from None
         try:
             reply = decode(msg.data, (GenerateAccepted, ErrorReply))
         except ProtocolError as exc:
@@ -604,12 +712,14 @@ def resolve_url(url: str | None) -> str:
 
 @asynccontextmanager
 async def connect(url: str | None = None, *, request_timeout_s: float = 30.0, worker_timeout_s: float = 3.0,
-                  creds: str | None = None, data_dir: str | None = None, tls_ca: str | None = None,
-                  tls_cert: str | None = None, tls_key: str | None = None) -> AsyncIterator[Client]:
+                  max_migrations: int = 3, creds: str | None = None, data_dir: str | None = None,
+                  tls_ca: str | None = None, tls_cert: str | None = None,
+                  tls_key: str | None = None) -> AsyncIterator[Client]:
     """Connect to the NATS server of a tandem deployment (``url`` unset: see :func:`resolve_url`)
     as a client: with ``creds`` (a role key or NATS user credentials file; else
     ``TANDEM_NATS_CREDS``, else the client key of the ``tandem up`` serving that URL from
     ``data_dir`` or the default one, see :mod:`tandem.access`) and the TLS files given.
+    ``max_migrations``: how many times a request is placed again after its worker died (0: never).
     nats-py's own error reports go to the ``tandem.client`` logger at DEBUG, not as tracebacks."""
     url = resolve_url(url)
     try:
@@ -632,7 +742,7 @@ async def connect(url: str | None = None, *, request_timeout_s: float = 30.0, wo
                                    closed_cb=on_disconnect)
     except BusConnectError as exc:
         raise TandemError(str(exc)) from None
-    client = Client(nc, request_timeout_s, worker_timeout_s, url)
+    client = Client(nc, request_timeout_s, worker_timeout_s, url, max_migrations)
     holder.append(client)
     try:
         yield client

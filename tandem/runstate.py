@@ -5,7 +5,9 @@ this machine finds it.
 holds it while it runs: the kernel gives the lock to one process only, so two ``up`` started at the
 same moment cannot both win, and releases it when the holder dies however it dies, so a lock
 never outlives its process (no stale pid to guess about). Whoever holds it may remove what a killed
-``up`` left (its state file, its nats-server folder ``<data-dir>/run/nats``).
+``up`` left: its state file, its nats-server folder ``<data-dir>/run/nats`` (config, log, JetStream
+store), and the server itself should it still run there (it gets SIGTERM when its ``up`` dies, and
+may still be stopping, or writing to its store, when the next ``up`` starts).
 
 Once its services are ready it writes ``<data-dir>/run/up.json`` (its pid and every URL it serves,
 rewritten when a restarted child's URL changes) and removes it when it stops. :func:`find_running`
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -70,7 +73,10 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # alive, someone else's
         return True
-    return True
+    try:  # a zombie answers signal 0 too: dead for every purpose here
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def read_state(data_dir: Path | str) -> RunState | None:
@@ -172,11 +178,43 @@ def claim(data_dir: Path | str) -> Claim:
     old = read_state(data_dir)
     if state_file(data_dir).exists():
         state_file(data_dir).unlink(missing_ok=True)
-        held.removed.append(f"the state file of pid {old.pid if old else '?'}")
+        held.removed.append(f"removed the state file of pid {old.pid if old else '?'}")
     if nats_dir(data_dir).exists():
+        for pid in stop_leftover_servers(nats_dir(data_dir)):
+            held.removed.append(f"stopped its nats-server (pid {pid})")
         shutil.rmtree(nats_dir(data_dir), ignore_errors=True)
-        held.removed.append(f"the nats-server folder {nats_dir(data_dir)}")
+        held.removed.append(f"removed the nats-server folder {nats_dir(data_dir)} (config, log, JetStream store)")
     return held
+
+
+def stop_leftover_servers(folder: Path, wait_s: float = 5.0) -> list[int]:
+    """Stop any nats-server still running on ``folder``: its ports file names its pid, and the pid
+    counts only while its command line names the folder's config (a reused pid is left alone).
+    SIGTERM, then SIGKILL after ``wait_s``; returns the pids stopped."""
+    stopped = []
+    for ports in folder.glob("*.ports"):
+        pid_text = ports.stem.rsplit("_", 1)[-1]
+        if not pid_text.isdigit():
+            continue
+        pid = int(pid_text)
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone (or no /proc to tell by)
+            continue
+        if str(folder / "nats.conf").encode() not in argv or not pid_alive(pid):
+            continue
+        for signum, wait in ((signal.SIGTERM, wait_s), (signal.SIGKILL, wait_s)):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not pid_alive(pid):
+                break
+        stopped.append(pid)
+    return stopped
 
 
 def _holder_pid(path: Path, wait_s: float = 1.0) -> int | None:

@@ -20,8 +20,14 @@
   ``HEALTH_KILL_AFTER_S`` after SIGTERM) and replaced. A worker whose heartbeats say it drains
   without the supervisor having asked (an operator's ``DrainRequest``, ``exit`` or not) takes no
   new requests: a replacement starts at once, and the drained one is stopped after
-  ``drain_timeout_s`` if it does not leave by itself. A child that exits with code 0 unasked left on
-  its own (a drain with ``exit``): it is replaced without the crash back-off.
+  ``drain_timeout_s`` if it does not leave by itself. A child that exits with code 0 unasked
+  (``EXIT_DRAINED``: it drained and left, after a ``DrainRequest`` with ``exit`` or a SIGTERM from
+  outside) is no crash: it is replaced without the crash back-off;
+- the embedded nats-server, if it died, is started again on its port with its JetStream store
+  (:meth:`Supervisor.ensure_server`); the children reconnect by themselves.
+
+When ``tandem up`` is told to stop, the loop ends and :mod:`tandem.shutdown` takes over: nothing
+is restarted from then on.
 """
 
 from __future__ import annotations
@@ -37,10 +43,12 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from tandem.discovery import service_pongs
+from tandem.services.common.runtime import EXIT_DRAINED
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ProtocolError
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.fleet import DrainRequest, Heartbeat, ScalingDecision
+from tandem.shutdown import drain_system
 
 if TYPE_CHECKING:
     from tandem.supervisor import Child, Supervisor
@@ -63,6 +71,7 @@ class Scaler:
         self.decisions = 0
         self.heard: dict[str, float] = {}  # instance id -> monotonic time it last pinged back or beat
         self.draining: set[str] = set()  # instance ids whose heartbeats say they drain
+        self.load: dict[str, int] = {}  # worker instance id -> running + waiting, from its last heartbeat
         self.stale_after_s = sup.settings.supervisor.health_timeout_s
 
     async def run(self) -> None:
@@ -74,17 +83,21 @@ class Scaler:
         pinger = asyncio.create_task(self.ping_loop(nc))
         await nc.subscribe(subjects.HEARTBEAT_ALL, cb=self.on_beat)
         try:
-            if self.sup.planner:
-                await nc.subscribe(subjects.PLANNER_DECISIONS, cb=self.on_decision)
-            while not self.sup.stop_requested:  # (the signal's KeyboardInterrupt itself can be lost)
-                await self.reconcile(nc)
-                await asyncio.sleep(TICK_S)
+            try:
+                if self.sup.planner:
+                    await nc.subscribe(subjects.PLANNER_DECISIONS, cb=self.on_decision)
+                while not self.sup.stop_requested:  # (the signal's KeyboardInterrupt itself can be lost)
+                    await self.reconcile(nc)
+                    await asyncio.sleep(TICK_S)
+            finally:
+                pinger.cancel()
+                await asyncio.gather(pinger, return_exceptions=True)
+                if tracker is not None:
+                    tracker.cancel()
+                    await asyncio.gather(tracker, return_exceptions=True)
+            if not self.sup.stop_now:
+                await drain_system(self, nc)
         finally:
-            pinger.cancel()
-            await asyncio.gather(pinger, return_exceptions=True)
-            if tracker is not None:
-                tracker.cancel()
-                await asyncio.gather(tracker, return_exceptions=True)
             if not nc.is_closed:
                 await nc.close()
 
@@ -135,6 +148,7 @@ class Scaler:
         except ProtocolError:
             return
         self.heard[beat.instance_id] = time.monotonic()
+        self.load[beat.instance_id] = beat.running + beat.waiting
         if beat.draining:
             self.draining.add(beat.instance_id)
         else:
@@ -185,8 +199,16 @@ class Scaler:
                 log.info("planner: %s %d -> %d (%s)", service, self.sup.wanted.get(service, 0), count, decision.reason)
                 self.sup.wanted[service] = count
 
+    def in_flight(self) -> int:
+        """Requests the live workers hold, as their last heartbeats say (a prompt being handed off
+        counts on both sides)."""
+        live = self.live_ids()
+        return sum(n for instance, n in self.load.items() if instance in live)
+
     async def reconcile(self, nc: nats.NATS) -> None:
         now = time.monotonic()
+        if self.sup.ensure_server():  # every child was cut off meanwhile: give it time to reconnect
+            self.heard = dict.fromkeys(self.heard, now)
         for child in list(self.sup.children):
             code = child.process.poll()
             if code is None:
@@ -196,11 +218,12 @@ class Scaler:
             self.sup.children.remove(child)
             self.sup.forget(child)
             self.heard.pop(child.instance_id, None)
+            self.load.pop(child.instance_id, None)
             self.draining.discard(child.instance_id)
             if child.leaving:
                 log.info("%s %s left (exit code %d)", child.service, child.instance_id, code)
-            elif code == 0:
-                log.info("%s %s left on its own (exit code 0, a drain from outside); starting a replacement",
+            elif code == EXIT_DRAINED:
+                log.info("%s %s left on its own (exit code 0: drained, asked from outside); starting a replacement",
                          child.service, child.instance_id)
             else:
                 self.crashed(child, code, now)

@@ -8,10 +8,12 @@ the frontend's ``http_url``) and writes them to the state file (:mod:`tandem.run
 ``tandem generate``, the console and a Prometheus scrape config find them. While it runs,
 :mod:`tandem.scaling` keeps the wanted number of each service alive: it restarts a child that
 crashed, and with the planner on it carries out the planner's decisions within
-``--min/--max-prefill`` and ``--min/--max-decode``, draining a worker before it goes. At the end it
-stops the frontend, the planner, the router, the workers and the server in that order and removes
-the state file and the server's folder. Children die with it even if it is killed with SIGKILL
-(Linux PDEATHSIG). GPUs: see :mod:`tandem.gpus`.
+``--min/--max-prefill`` and ``--min/--max-decode``, draining a worker before it goes; and it
+restarts the embedded nats-server in place if that dies (:meth:`Supervisor.ensure_server`). At the
+end :mod:`tandem.shutdown` drains the system, then :meth:`Supervisor.stop` stops what is left (the
+server last) and removes the state file and the server's folder. Children die with it even if it
+is killed with SIGKILL (Linux PDEATHSIG: SIGHUP, which a service takes as "stop at once"). GPUs:
+see :mod:`tandem.gpus`.
 
 Metrics ports: ``--metrics-port 0`` gives every child a free port, ``-1`` none, and ``N`` is a base:
 the i-th child in start order gets ``N + i``, and a restarted child the lowest slot free again (so
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -47,15 +50,20 @@ from tandem.shared.auth.credentials import connect_options
 from tandem.shared.auth.keyring import Keyring, private_folder, write_private
 from tandem.shared.auth.roles import role_for_service
 from tandem.shared.infra.config import Settings
-from tandem.shared.infra.natsserver import NatsServer, die_with_parent
+from tandem.shared.infra.natsserver import NatsServer, NatsServerError, die_with_parent
 from tandem.shared.protocol import subjects
 
 log = logging.getLogger("tandem.up")
 
 SERVICE_ORDER = ("frontend", "planner", "router", "prefill", "decode", "kvstore")  # stop order
+STOP_STAGES = (("frontend",), ("planner", "router"), ("prefill", "decode"), ("kvstore",))  # SERVICE_ORDER, in steps
 START_ORDER = ("kvstore", "decode", "prefill", "router", "frontend", "planner")
 ENGINE_SERVICES = ("prefill", "decode")
 SILENT = ("router", "frontend")  # they answer $SRV.PING but publish no heartbeats
+AT_ONCE_KILL_AFTER_S = 3.0  # a stop at once: SIGKILL for what has not left this long after SIGHUP
+SERVER_RETRY_S = 1.0  # between attempts to restart a dead nats-server
+# A child whose parent dies gets SIGHUP: it stops at once (no one is left to drain for), not a drain.
+CHILD_PREEXEC = functools.partial(die_with_parent, signal.SIGHUP)
 NATS_HOST = "127.0.0.1"  # where the embedded server listens (natsserver's config)
 # Settings the supervisor decides for each child itself (so a value given to `up` is not handed on as is).
 DECIDED_HERE = ("nats_url", "nats_creds", "nats_binary", "model", "log_level", "instance_id", "data_dir",
@@ -103,6 +111,8 @@ class Supervisor:
     wanted: dict[str, int] = field(default_factory=dict)
     gpus: list[str] | None = None  # CUDA ids handed out one per worker (None: detect at start)
     stop_requested: bool = False  # set by up's signal handler; every loop here ends on it
+    stop_now: bool = False  # a second stop signal: no more draining
+    server_retry_at: float = 0.0  # monotonic time of the next restart attempt of a dead server
     frontend: bool = False  # one HTTP frontend too (tandem up; the benchmarks talk NATS and need none)
     nats_workdir: Path | None = None  # the embedded server's folder (None: a temporary one)
     http_url: str = ""  # the frontend's, from its $SRV.INFO metadata
@@ -272,7 +282,7 @@ class Supervisor:
                 gpu = pick_gpu(len(gpus), occupancy, service)
                 env["CUDA_VISIBLE_DEVICES"] = gpus[gpu]
         process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                                   preexec_fn=die_with_parent)
+                                   preexec_fn=CHILD_PREEXEC)
         child = Child(service, process, instance_id, gpu, slot)
         self.children.append(child)
         where = f" on GPU {self.gpus[gpu]}" if gpu is not None else ""
@@ -370,16 +380,46 @@ class Supervisor:
             return {}
         return {role: dataclasses.asdict(self.keyring.role_key(role)) for role in ("client", "operator")}
 
+    def ensure_server(self) -> bool:
+        """Restart the embedded nats-server in place if it died (the children reconnect by
+        themselves); True when it was restarted. A failed attempt is retried a second later."""
+        server = self.server
+        if server is None or server.process.poll() is None or time.monotonic() < self.server_retry_at:
+            return False
+        old_pid, code = server.process.pid, server.process.returncode
+        try:
+            server.restart()
+        except NatsServerError as exc:
+            self.server_retry_at = time.monotonic() + SERVER_RETRY_S
+            log.warning("nats-server (pid %d) exited with code %d; restarting it failed (%s), trying again in %.0fs",
+                        old_pid, code, exc, SERVER_RETRY_S)
+            return False
+        log.warning("nats-server (pid %d) exited with code %d; restarted on %s with its JetStream store (pid %d)",
+                    old_pid, code, server.url, server.process.pid)
+        return True
+
     def stop(self, timeout_s: float = 15.0) -> None:
-        for service in SERVICE_ORDER:
-            group = [c for c in self.children if c.service == service and c.process.poll() is None]
+        """Stop every child left, stage by stage (:data:`STOP_STAGES`), then the server; with
+        :attr:`stop_now` (a second Ctrl-C) all at once, SIGKILL for any not gone within
+        :data:`AT_ONCE_KILL_AFTER_S`. After :mod:`tandem.shutdown`'s drain, only services that
+        hold no requests are left."""
+        groups = [[c for c in self.children if c.service in stage] for stage in STOP_STAGES]
+        signum = signal.SIGTERM
+        if self.stop_now:  # SIGHUP: a service's "stop at once", what it is in the middle of ends with an error
+            groups, timeout_s, signum = [[c for g in groups for c in g]], AT_ONCE_KILL_AFTER_S, signal.SIGHUP
+        for group in groups:
+            group = [c for c in group if c.process.poll() is None]
+            if group:
+                log.info("stopping %s", ", ".join(f"{c.service} {c.instance_id}" for c in group))
             for child in group:
-                child.process.send_signal(signal.SIGTERM)
+                child.process.send_signal(signum)
+            deadline = time.monotonic() + timeout_s
             for child in group:
                 try:
-                    child.process.wait(timeout_s)
+                    child.process.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    log.warning("%s (pid %d) ignored SIGTERM; killing it", child.service, child.process.pid)
+                    log.warning("%s (pid %d) did not stop within %.0fs of %s; killing it", child.service,
+                                child.process.pid, timeout_s, signal.Signals(signum).name)
                     child.process.kill()
                     child.process.wait()
         self.children.clear()

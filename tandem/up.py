@@ -1,17 +1,23 @@
 """``tandem up`` as a command: refuse what cannot work (a bad model, a taken port, a data dir another
 ``up`` holds: :mod:`tandem.runstate`) before anything starts, start the system
 (:mod:`tandem.supervisor`), print its URLs, optionally generate a demo, then supervise it
-(:mod:`tandem.scaling`) until Ctrl-C or SIGTERM, and stop it all."""
+(:mod:`tandem.scaling`) until Ctrl-C or SIGTERM, drain it (:mod:`tandem.shutdown`; a second
+Ctrl-C stops at once) and stop it all."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from tandem.shared.infra.config import Settings
+
+if TYPE_CHECKING:
+    from tandem.supervisor import Supervisor
 
 log = logging.getLogger("tandem.up")
 
@@ -63,7 +69,7 @@ def run_up(args: argparse.Namespace, settings: Settings, overrides: dict[str, An
               f"({exc.strerror or exc}: {exc.filename})", file=sys.stderr)
         return 2
     if held.removed:
-        log.info("removed %s, left by a tandem up that was killed", " and ".join(held.removed))
+        log.info("cleaned up after a tandem up that was killed: %s", "; ".join(held.removed))
     sup = Supervisor(settings, num_prefill=args.prefill, num_decode=args.decode, num_kvstore=args.kvstore,
                      overrides=overrides, planner=args.planner, frontend=True,
                      nats_workdir=None if settings.bus.nats_url else nats_dir(settings.data_dir),
@@ -76,11 +82,18 @@ def run_up(args: argparse.Namespace, settings: Settings, overrides: dict[str, An
         print(f"tandem up: {exc}", file=sys.stderr)
         return 2
 
+    stopping = False  # the final stop has begun: a signal must not cut it short
+
     def on_signal(_signum, _frame):
-        # SIGTERM stops as cleanly as Ctrl-C. The flag as well: an exception raised here is lost when
-        # the signal lands inside a weakref callback or a __del__, and the supervisor's loops check it.
+        # Starting, the demo and the final stop (while serving, the loop takes the signals itself:
+        # serve_until_stopped). SIGTERM stops as cleanly as Ctrl-C. The flag as well: an exception
+        # raised here is lost when the signal lands inside a weakref callback or a __del__, and the
+        # supervisor's loops check it. During the final stop nothing is raised: it must not be cut short.
+        if stopping or sup.stop_requested:
+            sup.stop_now = True
         sup.stop_requested = True
-        raise KeyboardInterrupt
+        if not stopping:
+            raise KeyboardInterrupt
 
     # Both explicitly: a shell that starts `up` in the background hands it SIGINT ignored.
     signal.signal(signal.SIGTERM, on_signal)
@@ -99,17 +112,40 @@ def run_up(args: argparse.Namespace, settings: Settings, overrides: dict[str, An
             weights_note(sup.settings)
             if args.exit_after_demo:
                 return 0
-        run_async(sup.supervise())  # restarts crashed children, carries out the planner's decisions
-        return 0  # the stop flag ended it (its signal's KeyboardInterrupt was lost)
+        run_async(serve_until_stopped(sup, on_signal))
+        return 0
     except KeyboardInterrupt:
         return 0
     except (NatsServerError, RuntimeError) as exc:
         print(f"tandem up: {exc}", file=sys.stderr)
         return 1
     finally:
+        stopping = True
         sup.stop()
         held.release()
         print("tandem up: stopped", flush=True)
+
+
+async def serve_until_stopped(sup: Supervisor, sync_handler: Callable[[int, Any], None]) -> None:
+    """Supervise until the first SIGINT/SIGTERM, then drain (both in ``sup.supervise()``); a second
+    signal stops at once. The loop takes the signals here, so none lands as an exception inside a
+    callback; ``sync_handler`` takes them again afterwards."""
+    loop = asyncio.get_running_loop()
+
+    def on_stop() -> None:
+        if sup.stop_requested and not sup.stop_now:
+            sup.stop_now = True
+            print("tandem up: stopping at once", flush=True)
+        sup.stop_requested = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_stop)
+    try:
+        await sup.supervise()  # restarts crashed children, carries out the planner's decisions, then drains
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, sync_handler)
 
 
 def usage_problem(settings: Settings) -> str:

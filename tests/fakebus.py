@@ -389,5 +389,5 @@ async def serving(service, bus: FakeBus, timeout_s: float = 60.0):
     try:
         yield service
     finally:
-        service.request_stop()
+        service.stop_at_once()  # a test's end: no drain, what is still in flight ends with an error
         await asyncio.wait_for(task, timeout_s)

@@ -4,6 +4,16 @@ A service subclasses :class:`ServiceRuntime`, adds endpoints in :meth:`setup` an
 in :meth:`heartbeat`. ``$SRV.PING/INFO/STATS`` discovery comes from nats-py's micro API. Endpoint
 handlers never let an exception escape: a bad message gets a typed :class:`ErrorReply` and the
 service goes on with the next one. Run one with :func:`run_service` (what ``tandem serve`` does).
+
+Shutdown drains. The first SIGTERM or SIGINT stops admitting and lets what is in flight finish
+(:meth:`ServiceRuntime.drain`: a worker goes through the scale-down drain of
+:mod:`tandem.services.common.drain`; any other service stops its endpoints, so a queue group sends
+new requests to its peers, and waits for the requests it is handling), for at most
+``--shutdown-timeout``; then :meth:`ServiceRuntime.abandon` ends what is left with a typed error
+and the process exits with :data:`EXIT_DRAINED`. A second signal (or the first while a drain asked
+over the bus is under way: the supervisor's way of saying its time is up) ends the drain at once;
+a third exits on the spot. SIGHUP, which ``tandem up``'s children get when it dies, stops at once:
+no one is left to drain for.
 """
 
 from __future__ import annotations
@@ -32,6 +42,9 @@ from tandem.shared.protocol.fleet import Heartbeat
 Handler = Callable[[Request], Awaitable[None]]
 SHUTDOWN_TIMEOUT_S = 5.0
 BULK_PENDING_BYTES = 1 << 30
+ABANDON_FLUSH_S = 2.0  # for the error replies of abandoned requests to go out before the connection drains
+EXIT_DRAINED = 0  # stopped as asked: what was in flight finished or ended with a typed error
+EXIT_LOST_BUS = 1  # the NATS connection closed for good: a supervisor should restart this service
 
 
 def setup_logging(level: str) -> None:
@@ -57,8 +70,14 @@ class ServiceRuntime:
         self._service = None
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
+        self._hurry = asyncio.Event()  # the drain's time is up: abandon what is left now
+        self._stopping: asyncio.Task | None = None  # the drain a stop signal started
+        self._serving = False  # setup done: tasks spawned from now on are requests in flight
+        self._in_flight: set[asyncio.Task] = set()
+        self.stop_signals = 0
+        self.draining = False  # no new work taken (a worker's heartbeats say so)
         self.bus_options: dict = {}  # nats.connect's identity and TLS options, from the bus settings
-        self.exit_code = 0  # 1: the process ends because it lost the bus, not because it was asked to
+        self.exit_code = EXIT_DRAINED  # EXIT_LOST_BUS: it ends because it lost the bus, not because it was asked to
         self.prom = MetricsRegistry()  # declare metrics here; served on --metrics-port, published on NATS
 
     # -- for subclasses -------------------------------------------------------------------------
@@ -71,6 +90,19 @@ class ServiceRuntime:
     def heartbeat(self) -> Heartbeat | None:
         """This instance's load, published every ``heartbeat_interval_s``; None publishes nothing."""
         return None
+
+    async def drain(self) -> None:
+        """Stop admitting and return once what is in flight has finished (the runtime bounds the
+        wait by ``--shutdown-timeout``). Here: leave the micro endpoints (a queue group's peers
+        take the new requests; with none left, clients get no responders at once, never a wait)
+        and wait for the tasks handling requests. Workers drain as for a scale-down."""
+        if self._service is not None and self.nc.is_connected:
+            await asyncio.wait_for(self._service.stop(), SHUTDOWN_TIMEOUT_S)
+        await self.wait_in_flight()
+
+    async def abandon(self) -> int:
+        """End what the drain could not finish with a typed error; returns how many requests that was."""
+        return 0
 
     def metadata(self) -> dict[str, str]:
         return {"instance_id": self.instance_id, "host": self.host, "pid": str(os.getpid()),
@@ -110,8 +142,9 @@ class ServiceRuntime:
             EndpointConfig(name=name, subject=subject, handler=guarded, queue_group=queue_group)
         )
 
-    def spawn(self, coro: Awaitable[None], what: str) -> asyncio.Task:
-        """Run ``coro`` in the background, keep a reference, log if it fails."""
+    def spawn(self, coro: Awaitable[None], what: str, in_flight: bool = True) -> asyncio.Task:
+        """Run ``coro`` in the background, keep a reference, log if it fails. Once the service
+        serves, a task counts as work in flight that a drain waits for, unless ``in_flight`` is False."""
 
         async def wrapped() -> None:
             try:
@@ -124,14 +157,78 @@ class ServiceRuntime:
         task = asyncio.get_running_loop().create_task(wrapped())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if self._serving and in_flight:
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
         return task
+
+    async def wait_in_flight(self, timeout_s: float | None = None) -> None:
+        """Until the tasks spawned since the service began serving have ended (ones spawned meanwhile too)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._in_flight:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            await asyncio.wait(set(self._in_flight), timeout=left)
 
     async def publish(self, subject: str, payload: bytes, reply: str = "") -> None:
         await self.nc.publish(subject, payload, reply=reply)
 
     def request_stop(self) -> None:
-        if self._stop.is_set():  # a second signal: the operator wants out now
+        """SIGTERM / SIGINT: drain, then stop (see the module's docstring for the second and third)."""
+        self.stop_signals += 1
+        if self._stop.is_set() or self.stop_signals > 2:  # the operator wants out now
             os._exit(1)
+        if not self._serving:  # still starting: nothing in flight to wait for
+            self._stop.set()
+        elif self._stopping is None:
+            hurry = self.draining  # a drain asked over the bus is under way: a signal now says its time is up
+            self._stopping = asyncio.get_running_loop().create_task(self._drain_then_stop())
+            if hurry:
+                self._hurry.set()
+        else:
+            self._hurry.set()
+
+    def stop_at_once(self) -> None:
+        """SIGHUP: what is in flight ends with a typed error now, then the service stops."""
+        if not self._serving or self._stop.is_set():
+            self._stop.set()
+            return
+        self._hurry.set()
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_task(self._drain_then_stop())
+
+    def stop_drained(self) -> None:
+        """Stop now: a drain finished (a scale-down's ``DrainRequest`` with ``exit``)."""
+        self._stop.set()
+
+    async def _drain_then_stop(self) -> None:
+        timeout_s = self.settings.bus.shutdown_timeout_s
+        drained = False
+        if not self._hurry.is_set():
+            self.log.info("%s %s draining for shutdown: no new requests; up to %.0fs for those in flight",
+                          self.name, self.instance_id, timeout_s)
+            draining = asyncio.ensure_future(self.drain())
+            hurry = asyncio.ensure_future(self._hurry.wait())
+            try:
+                await asyncio.wait({draining, hurry}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                hurry.cancel()
+            drained = draining.done() and not draining.cancelled() and draining.exception() is None
+            if not draining.done():
+                draining.cancel()
+                await asyncio.gather(draining, return_exceptions=True)
+        if drained:
+            self.log.info("%s %s drained", self.name, self.instance_id)
+        else:
+            abandoned = await self.abandon()
+            if abandoned:
+                self.log.warning("%s %s: %d requests still in flight %s; ended them with an error", self.name,
+                                 self.instance_id, abandoned,
+                                 "when told to stop now" if self._hurry.is_set() else f"after {timeout_s:.0f}s")
+            else:
+                self.log.info("%s %s drained", self.name, self.instance_id)
+            await self.wait_in_flight(ABANDON_FLUSH_S)
         self._stop.set()
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -144,7 +241,7 @@ class ServiceRuntime:
         async def on_closed() -> None:
             if not self._stop.is_set():
                 self.log.error("the NATS connection closed for good; exiting so this service is restarted")
-                self.exit_code = 1
+                self.exit_code = EXIT_LOST_BUS
                 self._stop.set()
 
         async def on_error(exc: Exception) -> None:
@@ -201,6 +298,7 @@ class ServiceRuntime:
         self.metrics_publisher = MetricsPublisher(self.nc, self.prom, self.name, self.instance_id, self.host,
                                                   self.settings.metrics.interval_s)
         self.spawn(self.metrics_publisher.run(), "metrics publisher")
+        self._serving = True
         self.log.info("%s %s ready on %s (pid %d)", self.name, self.instance_id, self.settings.bus.nats_url,
                       os.getpid())
         await self._stop.wait()
@@ -250,6 +348,7 @@ async def _serve(service: ServiceRuntime) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, service.request_stop)
+    loop.add_signal_handler(signal.SIGHUP, service.stop_at_once)
     await service.run()
     # Everything this process owns is released now. nats-py's reconnect tasks can ignore
     # cancellation when the server vanished during shutdown, which would hang the loop's own

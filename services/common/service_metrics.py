@@ -26,7 +26,10 @@ Workers (:class:`WorkerMetrics`, fed from each engine step's outputs in ``Engine
 
 Router (:class:`RouterMetrics`): ``tandem:router_requests_total``, ``tandem:router_rejected_total{code}``,
 ``tandem:router_request_prompt_tokens`` and ``tandem:router_request_max_tokens`` (the arriving load),
-``tandem:router_placement_seconds``, ``tandem:router_workers{service}``.
+``tandem:router_placement_seconds``, ``tandem:router_workers{service}``, and the admission queue's
+``tandem:router_queue_depth`` and ``tandem:router_queue_prompt_tokens`` (requests and prompt tokens
+waiting now) and ``tandem:router_queue_wait_seconds`` (per request, whatever its outcome; 0 when
+placed at once). Refusals past its bounds count in ``router_rejected_total{code="overloaded"}``.
 KV-store (:func:`kvstore_metrics`): tier usage, capacity, blocks, hits, misses, puts, evictions.
 """
 
@@ -113,7 +116,8 @@ class WorkerMetrics:
 class RouterMetrics:
     """The arriving load as the router sees it."""
 
-    def __init__(self, prom: MetricsRegistry, workers: Callable[[], dict[tuple[str, ...], float]]) -> None:
+    def __init__(self, prom: MetricsRegistry, workers: Callable[[], dict[tuple[str, ...], float]],
+                 queue_depth: Callable[[], float] = lambda: 0, queue_tokens: Callable[[], float] = lambda: 0) -> None:
         self.requests = prom.counter("tandem:router_requests_total", "requests placed")
         self.rejected = prom.counter("tandem:router_rejected_total", "requests refused", ["code"])
         self.prompt_tokens = prom.histogram("tandem:router_request_prompt_tokens", "prompt tokens per placed request",
@@ -122,6 +126,10 @@ class RouterMetrics:
                                          TOKEN_BUCKETS)
         self.placement = prom.histogram("tandem:router_placement_seconds", "accept to placed", LATENCY_BUCKETS)
         prom.gauge_fn("tandem:router_workers", "live workers known from heartbeats", workers, ["service"])
+        prom.gauge_fn("tandem:router_queue_depth", "requests waiting in the admission queue", queue_depth)
+        prom.gauge_fn("tandem:router_queue_prompt_tokens", "prompt tokens waiting in the admission queue", queue_tokens)
+        self.queue_wait = prom.histogram("tandem:router_queue_wait_seconds", "time in the admission queue",
+                                         TTFT_BUCKETS)
 
     def placed(self, prompt_tokens: int, max_tokens: int, accepted_at: float) -> None:
         self.requests.inc()

@@ -89,10 +89,13 @@ def engine_request(spec: RequestSpec, *, kv: torch.Tensor | None = None, output_
                    output_cumulative_logprob: float = 0.0, prefill_only: bool = False,
                    export_on_finish: bool = False) -> EngineRequest:
     """The engine's request for ``spec``, the one place a worker builds it; the keywords are what
-    the hop adds (KV that came along, tokens sampled upstream, what to return at the end)."""
+    the hop adds (KV that came along, tokens sampled upstream, what to return at the end). Without
+    tokens sampled upstream, a migrated request starts from the tokens its client already streamed
+    (a hand-off's tokens begin with those, so they replace them)."""
     return EngineRequest(
         request_id=spec.request_id, prompt_token_ids=list(spec.prompt_token_ids), params=spec.params, kv=kv,
-        output_token_ids=list(output_token_ids), output_cumulative_logprob=output_cumulative_logprob,
+        output_token_ids=list(output_token_ids or spec.resume_output_token_ids),
+        output_cumulative_logprob=output_cumulative_logprob,
         prefill_only=prefill_only, export_on_finish=export_on_finish,
     )
 
@@ -174,6 +177,14 @@ class EngineWorker(ServiceRuntime):
         if self.thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.thread.stop)
 
+    async def drain(self) -> None:
+        """A stop drains as a scale-down does (:mod:`tandem.services.common.drain`)."""
+        await self.drainer.begin()
+        await self.drainer.idle()
+
+    async def abandon(self) -> int:
+        return self.drainer.abandon()
+
     def heartbeat(self) -> Heartbeat:
         stats = self.thread.stats if self.thread else self.engine.stats()
         return Heartbeat(
@@ -181,6 +192,7 @@ class EngineWorker(ServiceRuntime):
             model=self.model_name, running=stats["running"], waiting=stats["waiting"] + stats.get("swapped", 0),
             free_blocks=stats["free_blocks"], num_blocks=stats["num_blocks"],
             block_size=self.engine_config.block_size, max_model_len=self.max_model_len, kv_namespace=self.kv_namespace,
+            max_num_seqs=self.engine_config.max_num_seqs,
             prefix_cache_queries=stats.get("prefix_cache_queries", 0),
             prefix_cache_hits=stats.get("prefix_cache_hits", 0),
             draining=self.draining,

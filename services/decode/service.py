@@ -132,7 +132,7 @@ class DecodeService(EngineWorker):
         work = engine_request(spec, kv=kv, output_token_ids=msg.output_token_ids,
                               output_cumulative_logprob=msg.output_cumulative_logprob,
                               export_on_finish=bool(msg.kvstore))
-        self.streams[spec.request_id] = Stream(spec.stream_subject, next_index=len(msg.output_token_ids),
+        self.streams[spec.request_id] = Stream(spec.stream_subject, next_index=len(work.output_token_ids),
                                                arrival=spec.arrival_time, first_token=msg.first_token_time,
                                                last_token=msg.first_token_time)
         if msg.kvstore:

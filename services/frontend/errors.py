@@ -2,8 +2,8 @@
 
 Every failure a request can meet ends here as one :class:`APIError`: a body that does not parse, a
 value out of its bounds (400, naming the field and the bound), a missing key (401), an unknown model
-(404), too many requests at once (429), no worker (503), and the client library's typed errors from
-the bus. A handler never lets anything else out, so a client never sees a stack trace.
+(404), too many requests at once or the router's queue full (429), no worker (503), and the client
+library's typed errors from the bus. A handler never lets anything else out, so a client never sees a stack trace.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from tandem.client import (
     ConnectionLostError,
     InvalidRequestError,
     NoWorkersError,
+    OverloadedError,
     PromptTooLongError,
     RequestTimeoutError,
     TandemError,
@@ -72,6 +73,8 @@ def from_tandem(exc: TandemError, param: str | None = None) -> APIError:
         return APIError(400, message, "invalid_request_error", param, "context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
         return bad_request(message, param)
+    if isinstance(exc, OverloadedError):  # OpenAI's answer to load it cannot take: retry later
+        return APIError(429, message, "rate_limit_error", None, exc.code.value)
     if isinstance(exc, NoWorkersError | ConnectionLostError):
         return APIError(503, message, "service_unavailable_error", None, exc.code.value)
     if isinstance(exc, RequestTimeoutError):

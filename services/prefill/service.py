@@ -72,7 +72,9 @@ class PrefillService(EngineWorker):
         self.check_request(spec)
         if spec.request_id in self.streams:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"request {spec.request_id} is already running here")
-        self.streams[spec.request_id] = Stream(spec.stream_subject, arrival=spec.arrival_time)
+        # A migrated request's stream goes on after the tokens its client already has.
+        self.streams[spec.request_id] = Stream(spec.stream_subject, next_index=len(spec.resume_output_token_ids),
+                                               arrival=spec.arrival_time)
         self.pending[spec.request_id] = msg
         # Admission waits for the engine thread (up to a step) and maybe a store round trip: from a
         # task, or every request behind this one in the subscription waits too.
@@ -80,8 +82,11 @@ class PrefillService(EngineWorker):
 
     async def admit(self, msg: PrefillRequest, request: Request) -> None:
         spec = msg.spec
-        # Prompt logprobs score every prompt token, so none of the prompt may come from a store.
-        fetch = msg.kvstore and msg.kvstore_fetch_blocks and spec.params.prompt_logprobs is None
+        # Prompt logprobs score every prompt token, so none of the prompt may come from a store; a
+        # migrated request computes its prompt too (the engine takes output tokens with a whole
+        # hand-off's KV only, not with a prefix's).
+        fetch = (msg.kvstore and msg.kvstore_fetch_blocks and spec.params.prompt_logprobs is None
+                 and not spec.resume_output_token_ids)
         prefix = await self.fetch_prefix(msg) if fetch else None
         try:
             await self.thread.add(engine_request(spec, kv=prefix, prefill_only=True))
@@ -151,8 +156,10 @@ class PrefillService(EngineWorker):
         start = time.time()
         request_id, prompt = msg.spec.request_id, msg.spec.prompt_token_ids
         kv: torch.Tensor = out.kv.contiguous()
-        admit = handoff_request(msg, out.new_token_ids, self.kv_namespace, self.settings.engine.block_size,
-                                stream.first_token, out.cumulative_logprob or 0.0)
+        # The decode worker's sequence holds every output token so far: a migrated request's resumed
+        # ones (the KV covers them too) and the one sampled here.
+        admit = handoff_request(msg, [*msg.spec.resume_output_token_ids, *out.new_token_ids], self.kv_namespace,
+                                self.settings.engine.block_size, stream.first_token, out.cumulative_logprob or 0.0)
         timeout = self.settings.bus.request_timeout_s
         try:
             slots = await self.write_to_ring(msg, kv)
@@ -167,8 +174,11 @@ class PrefillService(EngineWorker):
             self.fail(request_id, stream, exc)
             return
         if isinstance(reply, ErrorReply):
+            # The client's request was fine (it passed the router and this worker): a refused hand-off
+            # is the workers' failure, which the client answers by placing the request again.
             self.log.warning("decode %s refused %s: %s", msg.decode_worker, request_id, reply.message)
-            self.send_chunk(stream, request_id, [], "", "error", reply)
+            self.send_error(request_id, stream, f"decode worker {msg.decode_worker} refused the hand-off: "
+                                                f"{reply.code.value}: {reply.message}")
             return
         self.log.debug("handed %s to decode %s: %d blocks, %d bytes, %s", request_id, msg.decode_worker,
                       kv.shape[0], kv.numel() * kv.element_size(), "shared memory" if admit.ring else "NATS frames")

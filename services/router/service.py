@@ -13,6 +13,11 @@ Workers are known from their heartbeats (``tandem.v1.heartbeat.>``); a worker si
 what this router assigned since, so a burst does not all land on one worker. Which worker caches
 which blocks comes from the KV events stream (:mod:`tandem.services.router.kv_index`), read from
 its start, so a restarted router routes as its predecessor did.
+
+While every decode worker is saturated, a request waits in this router's admission queue
+(:mod:`tandem.services.router.admission`: the rule, the bounds, FCFS by priority) and is placed as
+soon as a heartbeat or a failed placement shows room; past the queue's bounds it gets
+``overloaded`` at once. A client's cancel takes a queued request out of the queue.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from nats.micro.request import Request
 
 from tandem.services.common.runtime import ServiceRuntime, run_service
 from tandem.services.common.service_metrics import RouterMetrics
+from tandem.services.router.admission import AdmissionQueue, QueuedRequestCancelled, WorkerLoad, has_room
 from tandem.services.router.kv_index import KVIndex
 from tandem.services.router.policy import Candidate, prefill_locally, rank
 from tandem.shared.infra.config import Settings
@@ -39,6 +45,7 @@ from tandem.shared.protocol.codec import decode, encode, error_reply
 from tandem.shared.protocol.fleet import Heartbeat, RouteCandidate, RoutingDecision
 from tandem.shared.protocol.kv import KVEvent
 from tandem.shared.protocol.serving import (
+    Cancel,
     DecodeRequest,
     GenerateAccepted,
     GenerateRequest,
@@ -75,10 +82,18 @@ def request_spec(msg: GenerateRequest, prompt_token_ids: list[int], model: str, 
                             f"min_tokens is {msg.params.min_tokens}, but the context ({max_model_len} tokens) leaves "
                             f"{max_tokens} after the {len(prompt_token_ids)}-token prompt: ask for at most "
                             f"{max_tokens}", "min_tokens")
+    # A migrated request counts its resumed tokens in max_tokens: what is left to generate,
+    # max_tokens - resumed, fits the context after prompt and resumed tokens exactly when the check
+    # above passed; with nothing left there is nothing to place.
+    resumed = len(msg.resume_output_token_ids)
+    if resumed >= max_tokens:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"the request already has all its {max_tokens} output tokens "
+                            f"({resumed} resumed)", "resume_output_token_ids")
     params = msg.params if max_tokens == msg.params.max_tokens else msg.params.model_copy(
         update={"max_tokens": max_tokens})
     return RequestSpec(request_id=msg.request_id, prompt_token_ids=prompt_token_ids, params=params,
-                       stream_subject=msg.stream_subject, model=model, arrival_time=accepted_at)
+                       stream_subject=msg.stream_subject, model=model, arrival_time=accepted_at,
+                       resume_output_token_ids=msg.resume_output_token_ids)
 
 
 def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
@@ -103,6 +118,12 @@ def decode_request(spec: RequestSpec, store: str, held: int) -> DecodeRequest:
     return DecodeRequest(spec=spec, kvstore=store, kvstore_held_blocks=held)
 
 
+def admission_key(request_id: str, stream_subject: str) -> str:
+    """A queued request's name: its id with its stream subject, which only its owner knows (so only
+    the owner's cancel matches, as on the workers)."""
+    return f"{request_id} {stream_subject}"
+
+
 @dataclass
 class Worker:
     beat: Heartbeat
@@ -111,6 +132,9 @@ class Worker:
 
     def load(self) -> int:
         return self.beat.running + self.beat.waiting + len(self.assigned)
+
+    def admission_load(self) -> WorkerLoad:
+        return WorkerLoad(self.beat.running, self.beat.waiting, len(self.assigned), self.beat.max_num_seqs)
 
     def reserve(self) -> float:
         stamp = time.monotonic()
@@ -146,15 +170,30 @@ class Router(ServiceRuntime):
         self.workers: dict[str, dict[str, Worker]] = {"prefill": {}, "decode": {}, "kvstore": {}}
         self.index = KVIndex()
         self._stream_seq = 0
-        self.serving = RouterMetrics(self.prom, lambda: {(s,): len(p) for s, p in self.workers.items()})
+        router = settings.router
+        self.admission = AdmissionQueue(router.max_queued_requests, router.max_queued_prompt_tokens,
+                                        router.max_queue_wait_s, self.decode_room)
+        self.serving = RouterMetrics(self.prom, lambda: {(s,): len(p) for s, p in self.workers.items()},
+                                     lambda: self.admission.depth, lambda: self.admission.prompt_tokens)
+        self.admission.observe_wait = self.serving.queue_wait.observe
 
     def metadata(self) -> dict[str, str]:
         return {**super().metadata(), "model": self.meta.name, "vocab_size": str(self.meta.config.vocab_size)}
 
+    def metrics(self) -> dict:
+        return {"queue_depth": self.admission.depth, "queue_prompt_tokens": self.admission.prompt_tokens,
+                "refused_overloaded": self.admission.refused}
+
     async def setup(self) -> None:
         await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self.on_heartbeat)
+        await self.nc.subscribe(subjects.CANCEL, cb=self.on_cancel)
         await self.follow_kv_events()
         await self.add_endpoint("generate", subjects.ROUTER_GENERATE, self.on_generate, queue_group="router")
+
+    async def teardown(self) -> None:
+        if self.admission.depth:  # queued requests hear why now, not from their clients' timeouts
+            self.admission.fail_all(ProtocolError(ErrorCode.NO_WORKERS, "the router is stopping; retry"))
+            await asyncio.sleep(0.05)  # their replies go out before the runtime cancels the tasks
 
     async def follow_kv_events(self, catch_up_timeout_s: float = 30.0) -> None:
         """Replay the KV events stream from its start, then follow it live. Requests are taken
@@ -203,6 +242,28 @@ class Router(ServiceRuntime):
         else:
             worker.beat, worker.seen = beat, now
             worker.assigned = [t for t in worker.assigned if t > now - self.settings.bus.heartbeat_interval_s]
+        self.pump_admission()
+
+    async def on_cancel(self, msg) -> None:
+        try:
+            cancel = decode(msg.data, Cancel)
+        except ProtocolError:
+            return
+        if self.admission.cancel(admission_key(cancel.request_id, cancel.stream_subject)):
+            self.log.debug("cancelled %s while it was queued", cancel.request_id)
+
+    def decode_room(self) -> bool:
+        """Whether some live decode worker can take one more request now (see admission.py)."""
+        limit = self.settings.router.max_inflight_per_worker
+        return any(has_room(w.admission_load(), limit) for w in self.alive("decode", self.meta.name))
+
+    def pump_admission(self) -> None:
+        if not self.admission.depth:
+            return
+        if not self.alive("decode", self.meta.name):  # nothing left to wait for
+            self.admission.fail_all(ProtocolError(ErrorCode.NO_WORKERS, f"no decode worker serves {self.meta.name!r}"))
+            return
+        self.admission.pump()
 
     def sweep(self) -> None:
         """Drop workers and stores silent for ``worker_timeout_s``, and what the index says they hold."""
@@ -233,10 +294,14 @@ class Router(ServiceRuntime):
             request_id = msg.request_id
             reply = await self.place_valid(msg, accepted_at)
             self.serving.placed(len(reply.prompt_token_ids), reply.max_tokens, accepted_at)
+        except QueuedRequestCancelled:
+            return  # its client is gone: nobody reads a reply
         except Exception as exc:
             reply = error_reply(exc, request_id)
             self.serving.rejected.labels(reply.code.value).inc()
             self.log.debug("rejected %s: %s %s", request_id, reply.code.value, reply.message)
+        finally:
+            self.pump_admission()  # a placement that failed gave its reservation back
         await request.respond(encode(reply))
 
     async def tokenize(self, msg: GenerateRequest) -> list[int]:
@@ -282,6 +347,14 @@ class Router(ServiceRuntime):
         if len(ids) >= longest:  # before hashing a prompt no worker could hold
             raise ProtocolError(ErrorCode.PROMPT_TOO_LONG,
                                 f"prompt has {len(ids)} tokens; the context holds {longest}", "prompt")
+        waited = await self.admission.admit(admission_key(msg.request_id, msg.stream_subject), len(ids), msg.priority)
+        # From here to decode_worker.reserve() nothing awaits: the next queued request is woken only
+        # after this one's load is on its worker (see AdmissionQueue.admit).
+        decoders = self.alive("decode", self.meta.name)  # workers may have come or gone while it waited
+        if not decoders:
+            raise ProtocolError(ErrorCode.NO_WORKERS, f"no decode worker serves {self.meta.name!r}")
+        limit = self.settings.router.max_inflight_per_worker
+        decoders = [w for w in decoders if has_room(w.admission_load(), limit)] or decoders
         prompt = PromptBlocks(ids)
         ranked_decode = self.ranked(decoders, prompt)
         for decode_worker, choice in ranked_decode:
@@ -303,7 +376,7 @@ class Router(ServiceRuntime):
         return GenerateAccepted(
             request_id=msg.request_id, prompt_token_ids=ids, decode_worker=decode_worker.beat.instance_id,
             prefill_worker=prefill_worker.beat.instance_id if prefill_worker else None,
-            max_tokens=spec.params.max_tokens,
+            max_tokens=spec.params.max_tokens, queue_wait_s=waited,
         )
 
     async def place_prefill(self, spec: RequestSpec, prompt: PromptBlocks, dec: Worker,

@@ -72,7 +72,7 @@ PERMISSIONS: dict[str, dict[str, Any]] = {
     "frontend": _service("frontend", [s.ROUTER_GENERATE, s.CANCEL, *ASK_ROUTERS], [s.HEARTBEAT_ALL]),
     "router": _service("router", [s.prefill("*"), s.decode_admit("*"), s.ROUTER_DECISIONS, ANY_INBOX,
                                   *stream_api(s.KV_EVENTS_STREAM, consume=True)],
-                       [s.ROUTER_GENERATE, s.HEARTBEAT_ALL, s.KV_EVENTS_ALL]),
+                       [s.ROUTER_GENERATE, s.HEARTBEAT_ALL, s.KV_EVENTS_ALL, s.CANCEL]),  # cancel: queued ones
     "prefill": _service("prefill", [s.decode_admit("*"), s.kv_events("prefill", ME), *_WORKER_PUB], _WORKER_SUB),
     "decode": _service("decode", [s.kv_events("decode", ME), *_WORKER_PUB], _WORKER_SUB),
     "kvstore": _service("kvstore", [s.kv_events("kvstore", ME), *_WORKER_PUB], [s.KVSTORE_LOOKUP_ALL]),

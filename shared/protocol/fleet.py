@@ -25,6 +25,7 @@ class Heartbeat(WireMessage):
     num_blocks: int = 0
     block_size: int = 16
     max_model_len: int = 0
+    max_num_seqs: int = 0  # sequences its batch runs at once (0: not said); the router's admission reads it
     draining: bool = False
     kv_namespace: str = ""  # blocks are comparable only within one (see tandem.shared.kvcache.cache)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache

@@ -18,6 +18,7 @@ GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (as vLLM): 
 MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (as vLLM's default and OpenAI's top_logprobs)
 MAX_SAMPLES = 64  # outputs, candidates (best_of) or beams of one request: each holds a row of every step
 MAX_LOGIT_BIAS = 1024  # biased tokens per request (OpenAI allows 300); each is one scatter into its row
+MIN_PRIORITY, MAX_PRIORITY = -100, 100  # GenerateRequest.priority: lower is placed first
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
@@ -138,6 +139,12 @@ class GenerateRequest(WireMessage):
     params: SamplingParams = Field(default_factory=SamplingParams)
     model: str | None = None
     stream_subject: StreamSubject
+    # A migrated request: the output tokens its client already streamed from a worker that died.
+    # The workers take them as sampled elsewhere and stream only what follows (see RequestSpec).
+    resume_output_token_ids: list[TokenId] = Field(default_factory=list)
+    # Order in the router's admission queue while every decode worker is saturated: lower first (as
+    # vLLM's priority scheduling), equal priorities first come first served.
+    priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
 
 
 class GenerateAccepted(WireMessage):
@@ -149,6 +156,7 @@ class GenerateAccepted(WireMessage):
     prefill_worker: str | None
     decode_worker: str
     max_tokens: int = 0  # as the router granted it (an unset max_tokens becomes what the context leaves)
+    queue_wait_s: float = 0.0  # seconds it waited in the router's admission queue (0: placed at once)
 
 
 class RequestSpec(BaseModel):
@@ -164,6 +172,10 @@ class RequestSpec(BaseModel):
     model: str
     # Unix time the router accepted it (time to first token is measured from it).
     arrival_time: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    # Output tokens already streamed to the client before a migration: every worker starts the
+    # request's engine sequence with them as its output so far (seeds, penalties, min_tokens and
+    # stop strings see them), and streams from index len(resume_output_token_ids) on.
+    resume_output_token_ids: list[TokenId] = Field(default_factory=list)
 
 
 class PrefillRequest(WireMessage):

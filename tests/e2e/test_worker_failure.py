@@ -1,5 +1,6 @@
-"""A worker that dies with a request in hand: the client gets WorkerFailureError within seconds,
-and the requests sent after a replacement worker is up succeed."""
+"""A worker that dies with a request in hand: with migration off (``max_migrations=0``) the client
+gets WorkerFailureError within seconds, and the requests sent after a replacement worker is up
+succeed. (With migration on, the request outlives the death: tests/e2e/test_migration.py.)"""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def system(start_system):
 
 async def test_killed_decode_worker_fails_its_requests_fast(system):
     name = system.instance("decode")
-    async with connect(system.url, worker_timeout_s=1.5) as client:
+    async with connect(system.url, worker_timeout_s=1.5, max_migrations=0) as client:
         stream = client.generate(prompt_of(30), max_tokens=1900, temperature=0.0, ignore_eos=True)
         await stream.__anext__()
         system.processes[name].send_signal(signal.SIGKILL)

@@ -211,3 +211,24 @@ async def test_prompt_logprobs_come_with_the_first_token_and_no_prefix_is_fetche
     await asyncio.wait_for(dec.admitted, 30)
     assert asked, "without prompt logprobs the store is asked"
     await idle(service)
+
+
+async def test_a_migrated_request_streams_only_its_next_token_and_hands_off_every_token(prefill, tiny) -> None:
+    """Resumed output tokens (a client migrating the request) are computed with the prompt: the client
+    gets only the next token, at index len(resumed), and the decode worker the KV of prompt and
+    resumed tokens with the resumed tokens and the new one."""
+    bus, service = prefill
+    dec = await FakeDecode(bus).start()
+    expected = [int(t) for t in reference_generate(tiny.model, PROMPT, 6)[0]]
+    resumed = expected[:5]
+    spec = spec_for(service, "r-resumed", max_tokens=8, resume_output_token_ids=resumed)
+    stream = await bus.subscribe(spec.stream_subject)
+
+    assert isinstance(await ask(bus, service, spec), Ack)
+    (first,) = await chunks(stream, 1)
+    admit = await asyncio.wait_for(dec.admitted, 30)
+    assert (first.index, first.token_ids) == (5, [expected[5]]), "the resumed tokens are not sent again"
+    assert admit.output_token_ids == [*resumed, expected[5]]
+    assert admit.transfer.num_blocks == -(-(len(PROMPT) + 5) // BS), "the KV of the resumed tokens goes along"
+    await idle(service)
+    await bus.settle()

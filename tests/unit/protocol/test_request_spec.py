@@ -121,6 +121,30 @@ def test_engine_request_is_the_spec(hop: str) -> None:
         (True, [], False) if hop == "prefill" else (False, [17], True))
 
 
+def test_a_migrated_request_carries_its_resumed_tokens_to_every_engine_request() -> None:
+    msg = generate_request().model_copy(update={"resume_output_token_ids": [7, 8, 9]})
+    spec = request_spec(msg, PROMPT, "tiny", 1.0, 2048)
+    assert spec.resume_output_token_ids == [7, 8, 9] and spec.params.max_tokens == PARAMS.max_tokens, \
+        "max_tokens counts the resumed tokens: the grant does not change"
+    prefill = over_the_bus(prefill_request(spec, DECODE_BEAT, store="", fetch=0, held=0))
+    assert engine_request(prefill.spec, prefill_only=True).output_token_ids == [7, 8, 9]
+    local = over_the_bus(decode_request(spec, store="", held=0))
+    assert engine_request(local.spec, output_token_ids=local.output_token_ids).output_token_ids == [7, 8, 9]
+    handed_off = engine_request(spec, output_token_ids=[7, 8, 9, 17])
+    assert handed_off.output_token_ids == [7, 8, 9, 17], "a hand-off's tokens begin with the resumed ones"
+
+
+@pytest.mark.parametrize("resumed,refused", [(8, False), (9, True), (12, True)])
+def test_a_migrated_request_with_nothing_left_to_generate_is_refused(resumed: int, refused: bool) -> None:
+    msg = generate_request().model_copy(update={"resume_output_token_ids": list(range(resumed))})
+    if refused:
+        with pytest.raises(ProtocolError, match="already has all its 9 output tokens") as caught:
+            request_spec(msg, PROMPT, "tiny", 1.0, 2048)
+        assert caught.value.param == "resume_output_token_ids"
+    else:
+        assert len(request_spec(msg, PROMPT, "tiny", 1.0, 2048).resume_output_token_ids) == resumed
+
+
 class NoBus:
     """Stands in for the NATS connection: any use of it means the client sent something."""
 
