@@ -35,6 +35,10 @@ MAX_SUBJECT_CHARS = 256  # far below nats-server's 4 KiB control line, whose ove
 # empty, no wildcards, no whitespace), or one publish could fail a worker's every other stream; and
 # an inbox, the only kind of subject a stream may name, so no request can make a worker publish on a
 # service's subject (a forged heartbeat, a drain) in its own name.
+# A worker's instance id as a peer names it: it becomes one token of the subjects a worker publishes
+# to (``tandem.v1.decode.<id>.admit``), and a token with whitespace or a wildcard makes nats-server
+# close the publisher's connection (a parser error), failing its every other request.
+InstanceName = Annotated[str, Field(max_length=128, pattern=r"^[^\s.*>]*$")]
 StreamSubject = Annotated[str, Field(min_length=1, max_length=MAX_SUBJECT_CHARS,
                                      pattern=r"^_INBOX(\.[^\s.*>]+)+$"), AfterValidator(_utf8)]
 
@@ -185,10 +189,10 @@ class PrefillRequest(WireMessage):
 
     kind: Literal["prefill"] = "prefill"
     spec: RequestSpec
-    decode_worker: str
+    decode_worker: Annotated[InstanceName, Field(min_length=1)]
     decode_ring: str = ""
     decode_host: str = ""
-    kvstore: str = ""  # a KV-store to fetch the prompt's cached prefix from and offer its new blocks to
+    kvstore: InstanceName = ""  # a KV-store to fetch the prompt's cached prefix from and offer its new blocks to
     kvstore_fetch_blocks: int = Field(0, ge=0)  # leading blocks worth fetching (the store has more than the worker)
     kvstore_held_blocks: int = Field(0, ge=0)  # leading blocks the store already holds (offer only the rest)
 
@@ -205,7 +209,7 @@ class DecodeRequest(WireMessage):
     transfer: KVTransfer | None = None  # KV sent ahead as NATS frames ...
     ring: RingSlots | None = None  # ... or left in the decode worker's shared-memory ring
     kv_namespace: str = ""  # the sender's KV layout: must equal the receiver's when KV comes along
-    kvstore: str = ""  # a KV-store to offer the sequence's full blocks to when it ends ...
+    kvstore: InstanceName = ""  # a KV-store to offer the sequence's full blocks to when it ends ...
     kvstore_held_blocks: int = Field(0, ge=0)  # ... past the leading blocks it already holds
     # Unix time the prefill worker sent the first token (inter-token latency starts there).
     first_token_time: float = Field(0.0, ge=0.0, allow_inf_nan=False)

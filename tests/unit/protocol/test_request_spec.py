@@ -5,6 +5,7 @@ anything, every value out of the protocol's bounds (the bus tests are in ``test_
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 from support import BAD_PROMPT_TOKEN_IDS, BAD_SAMPLING, value_id
 
 from tandem.client import Client, InvalidRequestError
@@ -14,7 +15,7 @@ from tandem.services.router.service import decode_request, prefill_request, requ
 from tandem.shared.protocol.base import ProtocolError
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.fleet import Heartbeat
-from tandem.shared.protocol.serving import DecodeRequest, GenerateRequest, PrefillRequest, SamplingParams
+from tandem.shared.protocol.serving import DecodeRequest, GenerateRequest, PrefillRequest, RequestSpec, SamplingParams
 
 BLOCK_SIZE = 16
 PROMPT = list(range(40, 80))  # 2 full blocks and a partial one
@@ -215,3 +216,17 @@ def test_an_error_quotes_a_huge_bad_value_only_in_part(field: str) -> None:
         decode(msgpack.packb(raw))
     reply = error_reply(caught.value, "r-1")
     assert len(encode(reply)) < 2 * MAX_ERROR_CHARS, f"a {len(encode(reply))}-byte error reply"
+
+
+@pytest.mark.parametrize("name", ["a b", "a.b", "x*", "y>", "tab\there", "n" * 129])
+def test_a_worker_named_by_a_peer_must_be_one_subject_token(name: str) -> None:
+    """The prefill worker publishes to ``tandem.v1.decode.<decode_worker>.admit`` and the store's
+    subjects: a name with whitespace or a wildcard made nats-server close its connection."""
+    spec = RequestSpec(request_id="r", prompt_token_ids=[1], params=SamplingParams(max_tokens=1),
+                       stream_subject="_INBOX.c.r", model="tiny")
+    with pytest.raises(ValidationError):
+        PrefillRequest(spec=spec, decode_worker=name)
+    with pytest.raises(ValidationError):
+        PrefillRequest(spec=spec, decode_worker="decode-1", kvstore=name)
+    with pytest.raises(ValidationError):
+        DecodeRequest(spec=spec, kvstore=name)
