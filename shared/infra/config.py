@@ -230,6 +230,10 @@ class PlannerSettings:
                             json_schema_extra={"flag": "--min-decode"})
     max_decode: int = Field(4, ge=1, description="most decode workers (tandem up: max(--decode, 2) unless given)",
                             json_schema_extra={"flag": "--max-decode"})
+    actuator: Literal["auto", "up", "docker", "kubernetes"] = Field(
+        "auto", description="who carries out the decisions: auto (kubernetes inside a pod, docker inside a compose "
+                            "container with the Docker socket, else up), up (tandem up's supervisor does), docker "
+                            "(the Docker Engine API scales the compose service), kubernetes (the Deployment's replicas)")
 
 
 @dataclass(config=SECTION)
