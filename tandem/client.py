@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 import uuid
@@ -49,7 +50,6 @@ from dataclasses import dataclass, field
 import nats
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
 
 from tandem.access import BusConnectError, bus_options, connect_command
@@ -63,6 +63,7 @@ from tandem.shared.protocol.serving import (
     Cancel,
     GenerateAccepted,
     GenerateRequest,
+    PlacementReceived,
     Probe,
     SamplingParams,
     StreamChunk,
@@ -107,6 +108,13 @@ class WorkerFailureError(TandemError):
     code = ErrorCode.WORKER_FAILURE
 
 
+class ShuttingDownError(WorkerFailureError):
+    """The worker holding the request stopped before it finished (its shutdown timeout ran out)
+    and no other worker could take it on: the deployment is stopping."""
+
+    code = ErrorCode.SHUTTING_DOWN
+
+
 class OverloadedError(TandemError):
     """Every decode worker is busy and the router's admission queue is full, or the request waited
     there its longest (``--router-max-queue-wait-s``): refused at once, so retry later."""
@@ -115,7 +123,8 @@ class OverloadedError(TandemError):
 
 
 class ConnectionLostError(TandemError):
-    """The NATS connection dropped, or the server went away (a stopping ``tandem up``)."""
+    """The NATS connection dropped and did not come back within ``reconnect_s`` (a stopping
+    ``tandem up``, a server gone for good)."""
 
     code = ErrorCode.NO_WORKERS
 
@@ -131,6 +140,7 @@ _BY_CODE: dict[ErrorCode, type[TandemError]] = {
     ErrorCode.UNSUPPORTED_VERSION: InvalidRequestError,
     ErrorCode.WORKER_FAILURE: WorkerFailureError,
     ErrorCode.OVERLOADED: OverloadedError,
+    ErrorCode.SHUTTING_DOWN: ShuttingDownError,
 }
 
 
@@ -271,7 +281,21 @@ class OutputAssembly:
 _LOST = None  # put into a stream's queue when the connection drops: wakes it at once
 PLACEMENT_TRIES = 4  # sends of a request that finds no router, PLACEMENT_RETRY_S apart (about a second)
 PLACEMENT_RETRY_S = 0.3
+PLACEMENT_ACK_S = 1.5  # a router says PlacementReceived as it takes a request: none this long, none took it
+ROUTER_CHECK_S = 0.5  # while a router places a request, how often it is asked whether it is still there
+ROUTER_CHECK_TIMEOUT_S = 2.0  # an answer slower than this counts as alive: only a router gone is taken for dead
 MIGRATION_RETRY_S = 0.25  # between re-placements of a migrating request that find no worker
+RECONNECT_WAIT_S = 0.5  # nats-py's pause between reconnection attempts
+
+
+class _RouterLost(Exception):
+    """The router holding a placement left the bus before answering (or no router took it): the
+    request is placed again, never left to the client's timeout."""
+
+
+class _Reconnected(Exception):
+    """The connection dropped under a stream and came back: chunks sent meanwhile may be lost, so the
+    request is placed again after the tokens delivered."""
 _PROBED = object()  # put into a held-output stream's queue when the decode worker probes it: the request is there
 
 
@@ -375,7 +399,13 @@ class RequestStream:
             return
         await self._listen(self.request.stream_subject)
         self._sent = True
-        self.accepted = await self.client._place(self.request, self.timeout_s)
+        try:
+            self.accepted = await self.client._place(self.request, self.timeout_s)
+        except _RouterLost as exc:
+            if not self._may_migrate():
+                raise WorkerFailureError(str(exc), self.request_id) from None
+            await self._migrate(str(exc))
+            return
         self._placed = self._last_output = time.monotonic()
 
     async def _listen(self, inbox: str) -> None:
@@ -403,21 +433,25 @@ class RequestStream:
             raise client._lost(exc, self.request_id) from None
 
     def _may_migrate(self) -> bool:
-        # Several outputs (n, best_of, beams) are not migrated yet: their candidates' tokens would
-        # all have to be resumed.
-        return self.client.max_migrations > 0 and self.request.params.num_candidates == 1 and not self._closed
+        # Several outputs (n, best_of, beams) migrate only before any of them delivered a token:
+        # later, every candidate's tokens would have to be resumed.
+        one = self.request.params.num_candidates == 1 or not self._next_index
+        return self.client.max_migrations > 0 and one and not self._closed
 
-    async def _migrate(self, reason: str) -> None:
+    async def _migrate(self, reason: str, patient: bool = True) -> None:
         """Place the request again, going on after the tokens delivered so far: the placement that
         failed is let go (unsubscribed, and cancelled, in case its worker is only slow), the next one
         gets its own id and stream subject. A re-placement finding no router or no decode worker
-        tries again until ``timeout_s`` (a crashed worker's replacement may be starting)."""
+        tries again until ``timeout_s`` (a crashed worker's replacement may be starting), unless
+        not ``patient``: a worker that stopped on purpose is replaced by nobody when the whole
+        deployment stops, so then the request fails with ``reason`` at once."""
         client, resume = self.client, self.resume
         if resume.limit_reached():
             raise WorkerFailureError(resume.limit_message(reason), self.request_id)
         log.info("%s: migrating after %d tokens (%s)", self.request_id, len(resume.token_ids), reason)
         resume.migrate(reason)
         self._pending.clear()  # chunks past a gap: the new placement streams them again
+        self._probed = False
         deadline = time.monotonic() + self.timeout_s
         while True:
             client._open.pop(self.placement_id, None)
@@ -431,10 +465,18 @@ class RequestStream:
             try:
                 accepted = await client._place(request, self.timeout_s)
             except NoWorkersError as exc:
+                if not patient:
+                    raise ShuttingDownError(f"{reason}; no other worker took it on ({exc})", self.request_id) from None
                 if time.monotonic() >= deadline:
                     raise NoWorkersError(f"{exc}; the request was migrating after: {reason}", self.request_id,
                                          exc.param) from None
                 await asyncio.sleep(MIGRATION_RETRY_S)
+                continue
+            except _RouterLost as exc:  # a migration of its own: the limit bounds a bus where no router answers
+                if resume.limit_reached():
+                    raise WorkerFailureError(resume.limit_message(str(exc)), self.request_id) from None
+                log.info("%s: %s; placing it again", self.request_id, exc)
+                resume.migrate(str(exc))
                 continue
             self.accepted = accepted
             # A router that has not yet noticed the death (its own heartbeat timeout may be longer
@@ -451,10 +493,15 @@ class RequestStream:
         while True:
             try:
                 return await self._next_chunk_of_placement()
+            except _Reconnected:
+                await self.client._until_connected(self.request_id)
+                if not self._may_migrate():
+                    raise self.client._lost(None, self.request_id) from None
+                await self._migrate("the connection to NATS dropped and came back")
             except WorkerFailureError as exc:
                 if not self._may_migrate():
                     raise
-                await self._migrate(str(exc))
+                await self._migrate(str(exc), patient=not isinstance(exc, ShuttingDownError))
 
     async def _next_chunk_of_placement(self) -> Chunk:
         client = self.client
@@ -470,7 +517,7 @@ class RequestStream:
             except TimeoutError:
                 data = False
             if data is _LOST or not client.nc.is_connected:
-                raise client._lost(None, self.request_id)
+                raise _Reconnected
             if data is False:
                 if time.monotonic() - self._last_output > self.timeout_s:
                     raise RequestTimeoutError(f"no output for {self.timeout_s:.0f}s", self.request_id)
@@ -514,12 +561,16 @@ class Client:
     """A connection to a tandem deployment. Make one with :func:`connect`."""
 
     def __init__(self, nc: nats.NATS, request_timeout_s: float = 30.0, worker_timeout_s: float = 3.0,
-                 url: str = "", max_migrations: int = 3) -> None:
+                 url: str = "", max_migrations: int = 3, reconnect_s: float = 10.0) -> None:
         self.nc = nc
         self.url = url
         self.request_timeout_s = request_timeout_s
         self.worker_timeout_s = worker_timeout_s  # a worker silent this long has died with our request
         self.max_migrations = max_migrations  # placements again after a worker died, per request (0: none)
+        self.reconnect_s = reconnect_s  # how long a dropped connection may take to come back
+        self._connected = asyncio.Event()  # cleared while the connection is down
+        self._connected.set()
+        self._router_checks: dict[str, tuple[float, asyncio.Future]] = {}  # router -> (asked at, its answer)
         self.client_id = uuid.uuid4().hex[:12]
         self._inbox_prefix = ""
         self._last_beat: dict[str, float] = {}
@@ -557,9 +608,32 @@ class Client:
         return ConnectionLostError(f"lost the connection to NATS at {self.url or 'the server'}{why}", request_id)
 
     def connection_lost(self) -> None:
-        """Wake every open stream: it fails with :class:`ConnectionLostError` (its chunks are gone)."""
+        """Wake every open stream: it waits for the connection to come back (``reconnect_s``), then
+        is placed again after the tokens it delivered, since chunks sent meanwhile may be gone; or
+        it fails with :class:`ConnectionLostError`."""
+        if not self.nc.is_closed:
+            self._connected.clear()
+        else:
+            self._connected.set()  # closed for good: wake whoever waits, to find it closed
         for queue in self._open.values():
             queue.put_nowait(_LOST)
+
+    def connection_back(self) -> None:
+        """The connection came back: heartbeats missed meanwhile say nothing about the workers."""
+        now = time.monotonic()
+        self._last_beat = dict.fromkeys(self._last_beat, now)
+        self._connected.set()
+
+    async def _until_connected(self, request_id: str | None) -> None:
+        """Return once connected, waiting out a reconnection (``reconnect_s`` at most); else
+        :class:`ConnectionLostError`."""
+        if not self.nc.is_connected and not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self._connected.wait(), self.reconnect_s)
+            except TimeoutError:
+                pass
+        if not self.nc.is_connected:
+            raise self._lost(None, request_id)
 
     @property
     def inbox_prefix(self) -> str:
@@ -634,12 +708,25 @@ class Client:
             raise InvalidRequestError(f"invalid request: {_first_error(exc)}", shown, error_field(exc)) from None
 
     async def _place(self, request: GenerateRequest, timeout: float) -> GenerateAccepted:
+        """Send ``request`` to a router and return where it placed it, or raise its typed error.
+        Raises :class:`_RouterLost` when the router that took it left the bus before answering
+        (the caller places it again under a new id, so the first placement, if it was made after
+        all, is cancelled rather than run twice)."""
+        payload = encode(request.model_copy(update={"ack_placement": True}))
         for attempt in range(PLACEMENT_TRIES):
-            if not self.nc.is_connected:  # reconnecting or closed: nats-py would hold the request to its timeout
-                raise self._lost(None, request.request_id)
+            await self._until_connected(request.request_id)
+            replies: asyncio.Queue = asyncio.Queue()
+
+            async def on_reply(msg, replies=replies) -> None:
+                replies.put_nowait(msg)
+
             try:
-                msg = await self.nc.request(subjects.ROUTER_GENERATE, encode(request), timeout=timeout)
-                break
+                sub = await self.nc.subscribe(self.nc.new_inbox(), cb=on_reply)
+                await self.nc.publish(subjects.ROUTER_GENERATE, payload, reply=sub.subject)
+            except NatsError as exc:
+                raise self._lost(exc, request.request_id) from None
+            try:
+                return await self._placement_reply(request.request_id, replies, timeout)
             except NoRespondersError:
                 # Answered at once by the server: no router subscribes right now (one restarting, or
                 # none deployed). Asked again a few times, so a router's restart does not fail the request.
@@ -647,17 +734,68 @@ class Client:
                     await asyncio.sleep(PLACEMENT_RETRY_S)
                     continue
                 raise NoWorkersError("no router is running", request.request_id) from None
-            except NatsTimeoutError:
-                raise RequestTimeoutError(f"the router did not answer in {timeout:.0f}s", request.request_id) from None
-            except NatsError as exc:
-                raise self._lost(exc, request.request_id) from None
+            finally:
+                try:
+                    await sub.unsubscribe()
+                except NatsError:
+                    pass
+        raise AssertionError("unreachable")
+
+    async def _placement_reply(self, request_id: str, replies: asyncio.Queue, timeout: float) -> GenerateAccepted:
+        """The router's answer on ``replies``: first :class:`PlacementReceived` (which router holds
+        the request), then the outcome. While waiting, the holder is asked whether it is still on
+        the bus; a missing acknowledgement, a holder gone or a connection that dropped meanwhile
+        (the answer may be lost) raise :class:`_RouterLost`."""
+        deadline = time.monotonic() + timeout
+        router = None
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                msg = await asyncio.wait_for(replies.get(), max(0.0, min(PLACEMENT_ACK_S if router is None
+                                                                         else ROUTER_CHECK_S, left)))
+            except TimeoutError:
+                if not self.nc.is_connected:
+                    await self._until_connected(request_id)
+                    raise _RouterLost("the connection to NATS dropped while the request was being placed") from None
+                if time.monotonic() >= deadline:
+                    raise RequestTimeoutError(f"the router did not answer in {timeout:.0f}s", request_id) from None
+                if router is None:
+                    raise _RouterLost(f"no router took the request within {PLACEMENT_ACK_S:.1f}s") from None
+                if not await self._router_alive(router):
+                    raise _RouterLost(f"router {router} left the bus while it placed the request") from None
+                continue
+            if msg.headers and msg.headers.get("Status") == "503":
+                raise NoRespondersError
+            try:
+                reply = decode(msg.data, (PlacementReceived, GenerateAccepted, ErrorReply))
+            except ProtocolError as exc:
+                raise WorkerFailureError(f"bad reply from router: {exc}", request_id) from None
+            if isinstance(reply, PlacementReceived):
+                router = reply.router
+            elif isinstance(reply, ErrorReply):
+                raise error_from_reply(reply)
+            else:
+                return reply
+
+    async def _router_alive(self, router: str) -> bool:
+        """Whether ``router``'s process is still on the bus. Asked once per ``ROUTER_CHECK_S``
+        however many requests it holds; a slow answer counts as alive, only a router gone
+        (no responders) as dead."""
+        now = time.monotonic()
+        checked = self._router_checks.get(router)
+        if checked is None or now - checked[0] > ROUTER_CHECK_S:
+            checked = (now, asyncio.ensure_future(self._ask_router(router)))
+            self._router_checks[router] = checked
+        return await asyncio.shield(checked[1])
+
+    async def _ask_router(self, router: str) -> bool:
         try:
-            reply = decode(msg.data, (GenerateAccepted, ErrorReply))
-        except ProtocolError as exc:
-            raise WorkerFailureError(f"bad reply from router: {exc}", request.request_id) from None
-        if isinstance(reply, ErrorReply):
-            raise error_from_reply(reply)
-        return reply
+            await self.nc.request(subjects.router_alive(router), b"", timeout=ROUTER_CHECK_TIMEOUT_S)
+        except NoRespondersError:
+            return False
+        except NatsError:  # slow, or our own connection dropping: no proof the router is gone
+            return True
+        return True
 
     async def _release(self, sub, cancel_id: str | None) -> None:
         """Unsubscribe a stream's inbox and, for a request still running, cancel it on the workers."""
@@ -712,7 +850,8 @@ def resolve_url(url: str | None) -> str:
 
 @asynccontextmanager
 async def connect(url: str | None = None, *, request_timeout_s: float = 30.0, worker_timeout_s: float = 3.0,
-                  max_migrations: int = 3, creds: str | None = None, data_dir: str | None = None,
+                  max_migrations: int = 3, reconnect_s: float = 10.0, creds: str | None = None,
+                  data_dir: str | None = None,
                   tls_ca: str | None = None, tls_cert: str | None = None,
                   tls_key: str | None = None) -> AsyncIterator[Client]:
     """Connect to the NATS server of a tandem deployment (``url`` unset: see :func:`resolve_url`)
@@ -720,6 +859,8 @@ async def connect(url: str | None = None, *, request_timeout_s: float = 30.0, wo
     ``TANDEM_NATS_CREDS``, else the client key of the ``tandem up`` serving that URL from
     ``data_dir`` or the default one, see :mod:`tandem.access`) and the TLS files given.
     ``max_migrations``: how many times a request is placed again after its worker died (0: never).
+    ``reconnect_s``: how long a dropped connection may take to come back (a nats-server restarted
+    by ``tandem up``); streams wait it out, then go on where they were.
     nats-py's own error reports go to the ``tandem.client`` logger at DEBUG, not as tracebacks."""
     url = resolve_url(url)
     try:
@@ -736,13 +877,21 @@ async def connect(url: str | None = None, *, request_timeout_s: float = 30.0, wo
         for client in holder:
             client.connection_lost()
 
+    async def on_reconnect() -> None:
+        for client in holder:
+            client.connection_back()
+
     try:
         nc = await connect_command(url, options, on_error=on_error, name="tandem-client", max_reconnect_attempts=3,
-                                   allow_reconnect=True, reconnect_time_wait=0.5, disconnected_cb=on_disconnect,
+                                   allow_reconnect=True, reconnect_time_wait=RECONNECT_WAIT_S,
+                                   disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
                                    closed_cb=on_disconnect)
+        # nats-py counts the first connection's tries against the same limit: a server that is not
+        # there fails in about a second, and only a connection once made waits ``reconnect_s``.
+        nc.options["max_reconnect_attempts"] = max(1, math.ceil(reconnect_s / RECONNECT_WAIT_S))
     except BusConnectError as exc:
         raise TandemError(str(exc)) from None
-    client = Client(nc, request_timeout_s, worker_timeout_s, url, max_migrations)
+    client = Client(nc, request_timeout_s, worker_timeout_s, url, max_migrations, reconnect_s)
     holder.append(client)
     try:
         yield client

@@ -13,8 +13,9 @@ it removes a worker) and replies :class:`Ack`. From then on:
 
 A worker told to stop (SIGTERM, Ctrl-C, ``tandem up`` shutting down) drains the same way
 (:meth:`EngineWorker.drain <tandem.services.common.worker.EngineWorker.drain>`), and what is still
-held when its time is up ends with a typed ``worker_failure`` error on its stream (:meth:`Drainer.abandon`),
-so a client sees a request fail, never a connection drop.
+held when its time is up ends with a typed ``shutting_down`` error on its stream (:meth:`Drainer.abandon`),
+so a client sees a request fail, never a connection drop (``tandem.client`` places it again when
+another worker is there to take it, as after a scale-down).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 from typing import TYPE_CHECKING
 
 from tandem.shared.protocol import subjects
-from tandem.shared.protocol.base import Ack, ProtocolError
+from tandem.shared.protocol.base import Ack, ErrorCode, ProtocolError
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.fleet import DrainRequest, Heartbeat
 
@@ -114,7 +115,7 @@ class Drainer:
         for request_id, stream in held:
             del w.streams[request_id]  # first: the engine's last output for it is then ignored
             w.send_error(request_id, stream, f"{w.name} worker {w.instance_id} stopped before this request "
-                                             "finished (its shutdown timeout ran out)")
+                                             "finished (its shutdown timeout ran out)", ErrorCode.SHUTTING_DOWN)
             if w.thread is not None:
                 w.thread.abort(request_id)
         return len(held)

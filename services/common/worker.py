@@ -44,6 +44,15 @@ def resolve_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
+def device_id(device: torch.device) -> str:
+    """The heartbeat's ``device``: the GPU's UUID, the same in every process computing on it whatever
+    index CUDA_VISIBLE_DEVICES gives it there; empty on CPU (cores are not handed out as one device)."""
+    if device.type != "cuda":
+        return ""
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
+    return uuid if not uuid or uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+
 MAX_OFFERS_IN_FLIGHT = 2  # KV-store offers a worker has under way at once; more are skipped
 ACTIVATION_HEADROOM = 1 << 30  # GPU bytes left free for activations and the allocator's slack
 
@@ -133,6 +142,7 @@ class EngineWorker(ServiceRuntime):
         if settings.engine.torch_threads:
             torch.set_num_threads(settings.engine.torch_threads)
         self.device = resolve_device(settings.engine.device)
+        self.device_id = device_id(self.device)
         self.dtype = resolve_dtype(settings.engine.dtype, self.device)
         self.log.info("loading model %s on %s (%s)", settings.model, self.device, self.dtype)
         self.loaded = load_model(settings.model, device=self.device, dtype=self.dtype, data_dir=settings.data_dir)
@@ -195,7 +205,7 @@ class EngineWorker(ServiceRuntime):
             max_num_seqs=self.engine_config.max_num_seqs,
             prefix_cache_queries=stats.get("prefix_cache_queries", 0),
             prefix_cache_hits=stats.get("prefix_cache_hits", 0),
-            draining=self.draining,
+            draining=self.draining, device=self.device_id,
         )
 
     def busy(self) -> bool:
@@ -336,9 +346,10 @@ class EngineWorker(ServiceRuntime):
     def fail(self, request_id: str, stream: Stream, exc: BaseException) -> None:
         self.send_error(request_id, stream, f"{type(exc).__name__}: {exc}")
 
-    def send_error(self, request_id: str, stream: Stream, message: str) -> None:
-        """End the request's stream with a worker-failure error saying ``message``."""
-        error = ErrorReply(code=ErrorCode.WORKER_FAILURE, message=shortened(message), request_id=request_id)
+    def send_error(self, request_id: str, stream: Stream, message: str,
+                   code: ErrorCode = ErrorCode.WORKER_FAILURE) -> None:
+        """End the request's stream with an error (a worker failure unless ``code`` says) saying ``message``."""
+        error = ErrorReply(code=code, message=shortened(message), request_id=request_id)
         self.send_chunk(stream, request_id, [], "", "error", error)
 
     def on_failure(self, request_ids: list[str], exc: BaseException) -> None:

@@ -14,6 +14,10 @@ what this router assigned since, so a burst does not all land on one worker. Whi
 which blocks comes from the KV events stream (:mod:`tandem.services.router.kv_index`), read from
 its start, so a restarted router routes as its predecessor did.
 
+A request asking ``ack_placement`` gets :class:`PlacementReceived` (this router's id) the moment
+it is taken, and ``tandem.v1.router.<id>.alive`` answers for as long as the router's process is on
+the bus: a client holding a placement tells a router that died with it from one still placing it.
+
 While every decode worker is saturated, a request waits in this router's admission queue
 (:mod:`tandem.services.router.admission`: the rule, the bounds, FCFS by priority) and is placed as
 soon as a heartbeat or a failed placement shows room; past the queue's bounds it gets
@@ -34,7 +38,7 @@ from tandem.services.common.runtime import ServiceRuntime, run_service
 from tandem.services.common.service_metrics import RouterMetrics
 from tandem.services.router.admission import AdmissionQueue, QueuedRequestCancelled, WorkerLoad, has_room
 from tandem.services.router.kv_index import KVIndex
-from tandem.services.router.policy import Candidate, prefill_locally, rank
+from tandem.services.router.policy import Candidate, rank, remote_prefill_workers, shares_device
 from tandem.shared.infra.config import Settings
 from tandem.shared.infra.kvevents import ensure_kv_events_stream
 from tandem.shared.model.meta import load_model_meta
@@ -49,6 +53,7 @@ from tandem.shared.protocol.serving import (
     DecodeRequest,
     GenerateAccepted,
     GenerateRequest,
+    PlacementReceived,
     PrefillRequest,
     RequestSpec,
     SamplingParams,
@@ -187,6 +192,9 @@ class Router(ServiceRuntime):
     async def setup(self) -> None:
         await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self.on_heartbeat)
         await self.nc.subscribe(subjects.CANCEL, cb=self.on_cancel)
+        # Not a micro endpoint: those leave at the start of a drain, while this router still
+        # places what it took, and a client asking meanwhile must not think it died.
+        await self.nc.subscribe(subjects.router_alive(self.instance_id), cb=self.on_alive)
         await self.follow_kv_events()
         await self.add_endpoint("generate", subjects.ROUTER_GENERATE, self.on_generate, queue_group="router")
 
@@ -244,6 +252,10 @@ class Router(ServiceRuntime):
             worker.assigned = [t for t in worker.assigned if t > now - self.settings.bus.heartbeat_interval_s]
         self.pump_admission()
 
+    async def on_alive(self, msg) -> None:
+        if msg.reply:
+            await msg.respond(b"ok")
+
     async def on_cancel(self, msg) -> None:
         try:
             cancel = decode(msg.data, Cancel)
@@ -292,6 +304,8 @@ class Router(ServiceRuntime):
         try:
             msg: GenerateRequest = decode(request.data, GenerateRequest)
             request_id = msg.request_id
+            if msg.ack_placement:
+                await request.respond(encode(PlacementReceived(request_id=request_id, router=self.instance_id)))
             reply = await self.place_valid(msg, accepted_at)
             self.serving.placed(len(reply.prompt_token_ids), reply.max_tokens, accepted_at)
         except QueuedRequestCancelled:
@@ -384,17 +398,22 @@ class Router(ServiceRuntime):
         """A prefill worker that took the request, or None (the decode worker prefills), and why."""
         ids = prompt.ids
         cached_tokens = min(len(ids), choice.cached_blocks * dec.beat.block_size)
-        if prefill_locally(len(ids), cached_tokens, self.settings.router.local_prefill_max_tokens):
-            return None, f"{len(ids) - cached_tokens} uncached tokens: decode prefills locally"
+        router = self.settings.router
         alive = self.alive("prefill", self.meta.name)
-        for prefill_worker, pchoice in self.ranked(alive, prompt):
+        devices = [(w.beat.instance_id, w.beat.device) for w in alive]
+        usable, why_local = remote_prefill_workers(len(ids) - cached_tokens, router.local_prefill_max_tokens,
+                                                   dec.beat.device, devices, router.prefill_on_shared_device)
+        if not usable:
+            return None, why_local
+        for prefill_worker, pchoice in self.ranked([w for w in alive if w.beat.instance_id in usable], prompt):
             store, held = self.best_store(prefill_worker, prompt)
             fetch = held if held > pchoice.cached_blocks else 0
             if await self.forward_prefill(spec, prefill_worker, dec, store, fetch, held):
                 where = f", {fetch} from kvstore {store}" if fetch else ""
-                return prefill_worker, f"prefill remote: {pchoice.cached_blocks} blocks cached there{where}"
-        why = "no prefill worker answered" if alive else "no prefill worker is alive"
-        return None, f"{why}: decode prefills locally"
+                shared = " (on the decode worker's device, as asked)" if shares_device(
+                    prefill_worker.beat.device, dec.beat.device) else ""
+                return prefill_worker, f"prefill remote{shared}: {pchoice.cached_blocks} blocks cached there{where}"
+        return None, "no prefill worker answered: decode prefills locally"
 
     def best_store(self, worker: Worker, prompt: PromptBlocks) -> tuple[str, int]:
         """The live KV-store holding the longest cached prefix in ``worker``'s layout, and its length."""

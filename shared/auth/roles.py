@@ -58,7 +58,8 @@ def _service(role: str, pub: list[str], sub: list[str]) -> dict[str, Any]:
 
 
 # The routers' $SRV answers (alive? which model, what vocabulary?), for clients that size requests.
-ASK_ROUTERS = ["$SRV.PING.tandem-router", "$SRV.INFO.tandem-router"]
+ASK_ROUTERS = ["$SRV.PING.tandem-router", "$SRV.INFO.tandem-router",
+               s.router_alive("*")]  # and, while one holds a placement, whether it is still there
 KV_FRAMES_TO_DECODE = s.decode_kv("*")
 KVSTORE_ANY = f"{s.PREFIX}.kvstore.>"  # lookups, gets, puts and frames to any store
 _WORKER_PUB = [ANY_INBOX, KV_FRAMES_TO_DECODE, KVSTORE_ANY, s.KV_TRANSFERS, *stream_api(s.KV_EVENTS_STREAM)]

@@ -27,6 +27,7 @@ class ErrorCode(str, Enum):
     TIMEOUT = "timeout"
     WORKER_FAILURE = "worker_failure"
     OVERLOADED = "overloaded"  # every decode worker is saturated and the router's queue is full (or waited too long)
+    SHUTTING_DOWN = "shutting_down"  # the worker holding it stopped before it finished (its shutdown timeout ran out)
 
 
 class ProtocolError(Exception):

@@ -42,6 +42,7 @@ from tandem.shared.protocol.serving import (
     DecodeRequest,
     GenerateAccepted,
     GenerateRequest,
+    PlacementReceived,
     PrefillRequest,
     Probe,
     StreamChunk,
@@ -63,7 +64,7 @@ Message = Annotated[
     | KVLookupRequest | KVLookupReply | KVGetRequest | KVGetReply | KVPutRequest | KVPutReply
     | TrainStart | TrainStop | TrainStatusRequest | TrainStatusReply | TrainStepMetrics | TrainTimeline
     | WeightsUpdated | MetricsSnapshot | ScalingDecision | ScaleRequest | DrainRequest | BlockSnapshot
-    | KVTransferEvent,
+    | KVTransferEvent | PlacementReceived,
     Field(discriminator="kind"),
 ]
 

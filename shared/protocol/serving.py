@@ -149,6 +149,19 @@ class GenerateRequest(WireMessage):
     # Order in the router's admission queue while every decode worker is saturated: lower first (as
     # vLLM's priority scheduling), equal priorities first come first served.
     priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
+    # The router answers PlacementReceived the moment it takes the request, then the outcome, so
+    # a client can tell a router that died holding the request from one still placing it (which
+    # may take as long as the admission queue's wait).
+    ack_placement: bool = False
+
+
+class PlacementReceived(WireMessage):
+    """Router to client, first of two replies when :attr:`GenerateRequest.ack_placement` is set:
+    this router holds the request; while it places it, ``tandem.v1.router.<router>.alive`` answers."""
+
+    kind: Literal["placement_received"] = "placement_received"
+    request_id: str
+    router: InstanceName
 
 
 class GenerateAccepted(WireMessage):

@@ -35,6 +35,11 @@ def heartbeat(service: str, instance_id: str) -> str:
     return f"{PREFIX}.heartbeat.{service}.{instance_id}"
 
 
+def router_alive(instance_id: str) -> str:
+    """Answers while one router's process is on the bus (a client holding a placement asks it)."""
+    return f"{PREFIX}.router.{instance_id}.alive"
+
+
 def prefill(instance_id: str) -> str:
     """Ask one prefill worker to prefill a prompt and hand its KV to a decode worker."""
     return f"{PREFIX}.prefill.{instance_id}.prefill"
