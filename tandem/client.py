@@ -283,7 +283,8 @@ PLACEMENT_TRIES = 4  # sends of a request that finds no router, PLACEMENT_RETRY_
 PLACEMENT_RETRY_S = 0.3
 PLACEMENT_ACK_S = 1.5  # a router says PlacementReceived as it takes a request: none this long, none took it
 ROUTER_CHECK_S = 0.5  # while a router places a request, how often it is asked whether it is still there
-ROUTER_CHECK_TIMEOUT_S = 2.0  # an answer slower than this counts as alive: only a router gone is taken for dead
+LATE_BEAT_S = 1.0  # a worker holding a stream silent this long (two heartbeats) is asked whether it is there
+ALIVE_CHECK_TIMEOUT_S = 2.0  # an answer slower than this counts as alive: only an instance gone is taken for dead
 MIGRATION_RETRY_S = 0.25  # between re-placements of a migrating request that find no worker
 RECONNECT_WAIT_S = 0.5  # nats-py's pause between reconnection attempts
 
@@ -482,10 +483,13 @@ class RequestStream:
             # A router that has not yet noticed the death (its own heartbeat timeout may be longer
             # than this client's) can place the request on the dead worker again: place it again
             # then, without counting a migration.
-            silent = client._silent([accepted.decode_worker, accepted.prefill_worker])
-            if silent is None or time.monotonic() >= deadline:
+            holders = [("decode", accepted.decode_worker)]
+            if accepted.prefill_worker:
+                holders.append(("prefill", accepted.prefill_worker))
+            dead = await client._first_dead(holders, None)
+            if dead is None or time.monotonic() >= deadline:
                 break
-            log.debug("%s: placed on %s, silent: placing it again", self.request_id, silent)
+            log.debug("%s: placed on %s, which is gone: placing it again", self.request_id, dead)
             await asyncio.sleep(MIGRATION_RETRY_S)
         self._placed = self._last_output = time.monotonic()
 
@@ -513,7 +517,8 @@ class RequestStream:
                 return Chunk(ready.token_ids, ready.text, ready.finish_reason, ready.logprobs, ready.sample_index,
                              ready.cumulative_logprob, ready.prompt_logprobs)
             try:
-                data = await asyncio.wait_for(self._queue.get(), min(self.timeout_s, client.worker_timeout_s / 4))
+                data = await asyncio.wait_for(self._queue.get(), min(self.timeout_s, client.worker_timeout_s / 4,
+                                                                     ROUTER_CHECK_S))
             except TimeoutError:
                 data = False
             if data is _LOST or not client.nc.is_connected:
@@ -523,11 +528,11 @@ class RequestStream:
                     raise RequestTimeoutError(f"no output for {self.timeout_s:.0f}s", self.request_id)
                 # The prefill worker holds the request until the decode worker streams from it (or,
                 # for held outputs, probes it): until the placement's second token.
-                holders = [self.accepted.decode_worker]
+                holders = [("decode", self.accepted.decode_worker)]
                 if (self.accepted.prefill_worker and not self._probed
                         and max(self._next_index.values(), default=0) <= self.resume.resumed + 1):
-                    holders.append(self.accepted.prefill_worker)
-                client._check_alive(self.request_id, holders, self._placed)
+                    holders.append(("prefill", self.accepted.prefill_worker))
+                await client._check_alive(self.request_id, holders, self._placed)
                 continue
             self._last_output = time.monotonic()
             if data is _PROBED:
@@ -570,7 +575,7 @@ class Client:
         self.reconnect_s = reconnect_s  # how long a dropped connection may take to come back
         self._connected = asyncio.Event()  # cleared while the connection is down
         self._connected.set()
-        self._router_checks: dict[str, tuple[float, asyncio.Future]] = {}  # router -> (asked at, its answer)
+        self._alive_checks: dict[str, tuple[float, asyncio.Future]] = {}  # instance -> (asked at, its answer)
         self.client_id = uuid.uuid4().hex[:12]
         self._inbox_prefix = ""
         self._last_beat: dict[str, float] = {}
@@ -589,19 +594,29 @@ class Client:
 
         self._beats = await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
 
-    def _silent(self, workers: list[str | None]) -> str | None:
-        """The first of ``workers`` heard from once and silent for ``worker_timeout_s`` since, or None."""
+    async def _first_dead(self, holders: list[tuple[str, str]], since: float | None) -> str | None:
+        """Why the first (service, instance) of ``holders`` that died is taken for dead, or None:
+        its heartbeats stopped for ``worker_timeout_s`` (counted from ``since`` for one never heard
+        from; None: such a one is not judged), or, late by ``LATE_BEAT_S``, it is off the bus (the
+        server knows a kill -9 at once, so this finds one in about a second)."""
         now = time.monotonic()
-        for worker in workers:
-            if worker is not None and now - self._last_beat.get(worker, now) > self.worker_timeout_s:
-                return worker
+        for service, worker in holders:
+            last = self._last_beat.get(worker, since)
+            if last is None:
+                continue
+            if now - last > self.worker_timeout_s:
+                return f"worker {worker} stopped sending heartbeats"
+            # Only one heard from: an instance that never beat (a test's stand-in) has no alive subject either.
+            if now - last > LATE_BEAT_S and worker in self._last_beat and not await self._instance_alive(service,
+                                                                                                         worker):
+                return f"worker {worker} left the bus"
         return None
 
-    def _check_alive(self, request_id: str, workers: list[str], since: float) -> None:
-        now = time.monotonic()
-        for worker in workers:
-            if now - self._last_beat.get(worker, since) > self.worker_timeout_s:
-                raise WorkerFailureError(f"worker {worker} stopped sending heartbeats", request_id)
+    async def _check_alive(self, request_id: str, holders: list[tuple[str, str]], since: float) -> None:
+        """Raise :class:`WorkerFailureError` when one of ``holders`` died (see :meth:`_first_dead`)."""
+        dead = await self._first_dead(holders, since)
+        if dead is not None:
+            raise WorkerFailureError(dead, request_id)
 
     def _lost(self, exc: Exception | None, request_id: str | None) -> ConnectionLostError:
         why = f" ({type(exc).__name__})" if exc is not None else ""
@@ -761,7 +776,7 @@ class Client:
                     raise RequestTimeoutError(f"the router did not answer in {timeout:.0f}s", request_id) from None
                 if router is None:
                     raise _RouterLost(f"no router took the request within {PLACEMENT_ACK_S:.1f}s") from None
-                if not await self._router_alive(router):
+                if not await self._instance_alive("router", router):
                     raise _RouterLost(f"router {router} left the bus while it placed the request") from None
                 continue
             if msg.headers and msg.headers.get("Status") == "503":
@@ -777,23 +792,23 @@ class Client:
             else:
                 return reply
 
-    async def _router_alive(self, router: str) -> bool:
-        """Whether ``router``'s process is still on the bus. Asked once per ``ROUTER_CHECK_S``
-        however many requests it holds; a slow answer counts as alive, only a router gone
+    async def _instance_alive(self, service: str, instance_id: str) -> bool:
+        """Whether the instance's process is still on the bus. Asked once per ``ROUTER_CHECK_S``
+        however many requests it holds; a slow answer counts as alive, only an instance gone
         (no responders) as dead."""
         now = time.monotonic()
-        checked = self._router_checks.get(router)
+        checked = self._alive_checks.get(instance_id)
         if checked is None or now - checked[0] > ROUTER_CHECK_S:
-            checked = (now, asyncio.ensure_future(self._ask_router(router)))
-            self._router_checks[router] = checked
+            checked = (now, asyncio.ensure_future(self._ask_alive(service, instance_id)))
+            self._alive_checks[instance_id] = checked
         return await asyncio.shield(checked[1])
 
-    async def _ask_router(self, router: str) -> bool:
+    async def _ask_alive(self, service: str, instance_id: str) -> bool:
         try:
-            await self.nc.request(subjects.router_alive(router), b"", timeout=ROUTER_CHECK_TIMEOUT_S)
+            await self.nc.request(subjects.alive(service, instance_id), b"", timeout=ALIVE_CHECK_TIMEOUT_S)
         except NoRespondersError:
             return False
-        except NatsError:  # slow, or our own connection dropping: no proof the router is gone
+        except NatsError:  # slow, or our own connection dropping: no proof the instance is gone
             return True
         return True
 

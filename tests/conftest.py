@@ -119,7 +119,7 @@ def start_system(nats_server, data_dir, tmp_path_factory):
 
     def start(prefill: int = 1, decode: int = 1, router: int = 1, model_args: list[str] = (),
               prefill_args: list[str] = (), decode_args: list[str] = (), kvstore: int = 0,
-              kvstore_args: list[str] = ()) -> System:
+              kvstore_args: list[str] = (), router_args: list[str] = ()) -> System:
         logdir = tmp_path_factory.mktemp("logs")
         system = System(nats_server.url, logdir, service_env(data_dir))
         plan = [("kvstore", kvstore), ("decode", decode), ("prefill", prefill), ("router", router)]
@@ -129,7 +129,8 @@ def start_system(nats_server, data_dir, tmp_path_factory):
                 if service == "kvstore":
                     extra = ["--kvstore-dir", str(logdir / name), *kvstore_args]
                 else:
-                    extra = [*model_args, *{"prefill": prefill_args, "decode": decode_args}.get(service, ())]
+                    extra = [*model_args, *{"prefill": prefill_args, "decode": decode_args,
+                                            "router": router_args}.get(service, ())]
                 system.processes[name] = launch(nats_server.url, service, name, logdir, system.env, extra)
         want = {s: n for s, n in plan if n}
         try:

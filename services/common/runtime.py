@@ -1,7 +1,8 @@
 """What every tandem service process shares: NATS connection, micro registration, heartbeats, shutdown.
 
 A service subclasses :class:`ServiceRuntime`, adds endpoints in :meth:`setup` and returns its load
-in :meth:`heartbeat`. ``$SRV.PING/INFO/STATS`` discovery comes from nats-py's micro API. Endpoint
+in :meth:`heartbeat`. ``$SRV.PING/INFO/STATS`` discovery comes from nats-py's micro API; every
+instance also answers ``tandem.v1.<service>.<id>.alive`` for as long as its process is on the bus. Endpoint
 handlers never let an exception escape: a bad message gets a typed :class:`ErrorReply` and the
 service goes on with the next one. Run one with :func:`run_service` (what ``tandem serve`` does).
 
@@ -293,6 +294,9 @@ class ServiceRuntime:
                 stats_handler=lambda _endpoint: self.metrics(),
             ),
         )
+        # Not a micro endpoint: those leave at the start of a drain, while this instance still
+        # finishes what it took, and whoever waits on it must not take it for dead meanwhile.
+        await self.nc.subscribe(subjects.alive(self.name, self.instance_id), cb=self._on_alive)
         await self.setup()
         beat = self.spawn(self._heartbeat_loop(), "heartbeat")
         self.metrics_publisher = MetricsPublisher(self.nc, self.prom, self.name, self.instance_id, self.host,
@@ -325,6 +329,10 @@ class ServiceRuntime:
                 await asyncio.wait_for(self.nc.close(), 2.0)
             except Exception:
                 pass
+
+    async def _on_alive(self, msg) -> None:
+        if msg.reply:
+            await msg.respond(b"ok")
 
     async def _heartbeat_loop(self) -> None:
         subject = subjects.heartbeat(self.name, self.instance_id)

@@ -59,6 +59,7 @@ from tandem.shared.protocol.serving import (
     SamplingParams,
 )
 
+WORKER_CHECK_S = 0.5  # while a worker has not answered a forwarded request, how often it is asked whether it lives
 THREAD_TOKENIZE_CHARS = 32768  # longer prompts tokenize in a thread (7.5M characters stalled the loop ~0.3 s)
 
 
@@ -192,9 +193,6 @@ class Router(ServiceRuntime):
     async def setup(self) -> None:
         await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self.on_heartbeat)
         await self.nc.subscribe(subjects.CANCEL, cb=self.on_cancel)
-        # Not a micro endpoint: those leave at the start of a drain, while this router still
-        # places what it took, and a client asking meanwhile must not think it died.
-        await self.nc.subscribe(subjects.router_alive(self.instance_id), cb=self.on_alive)
         await self.follow_kv_events()
         await self.add_endpoint("generate", subjects.ROUTER_GENERATE, self.on_generate, queue_group="router")
 
@@ -251,10 +249,6 @@ class Router(ServiceRuntime):
             worker.beat, worker.seen = beat, now
             worker.assigned = [t for t in worker.assigned if t > now - self.settings.bus.heartbeat_interval_s]
         self.pump_admission()
-
-    async def on_alive(self, msg) -> None:
-        if msg.reply:
-            await msg.respond(b"ok")
 
     async def on_cancel(self, msg) -> None:
         try:
@@ -376,8 +370,10 @@ class Router(ServiceRuntime):
             # Counted before the round trips, so requests placed meanwhile already see this load.
             stamp = decode_worker.reserve()
             try:
-                prefill_worker, reason = await self.place_prefill(spec, prompt, decode_worker, choice)
-                placed = prefill_worker is not None or await self.forward_decode(spec, prompt, decode_worker)
+                placed = await self.still_there(decode_worker)
+                if placed:
+                    prefill_worker, reason = await self.place_prefill(spec, prompt, decode_worker, choice)
+                    placed = prefill_worker is not None or await self.forward_decode(spec, prompt, decode_worker)
             except BaseException:
                 decode_worker.release(stamp)
                 raise
@@ -459,9 +455,18 @@ class Router(ServiceRuntime):
     async def forward(self, subject: str, work, worker: Worker) -> bool:
         """True when the worker took the work; False when it is gone (forgotten, try another);
         raises the worker's typed error when it refused the request itself."""
+        timeout = self.settings.bus.forward_timeout_s
+        answer = asyncio.ensure_future(self.nc.request(subject, encode(work), timeout=timeout))
         try:
-            timeout = self.settings.bus.forward_timeout_s
-            reply = decode((await self.nc.request(subject, encode(work), timeout=timeout)).data)
+            # A request that met the worker's death gets no "no responders" (the server handed it
+            # to the connection before it saw it close): ask the worker's alive subject meanwhile.
+            while not (await asyncio.wait({answer}, timeout=WORKER_CHECK_S))[0]:
+                if not await self.instance_alive(worker.beat.service, worker.beat.instance_id):
+                    self.log.warning("%s worker %s died with a request on its way to it; dropping it",
+                                     worker.beat.service, worker.beat.instance_id)
+                    self.forget(worker)
+                    return False
+            reply = decode(answer.result().data)
         except NatsTimeoutError:
             if time.monotonic() - worker.seen < self.settings.bus.worker_timeout_s:
                 # Alive (its heartbeats arrive) but slow: it may still take this request, so placing
@@ -479,10 +484,34 @@ class Router(ServiceRuntime):
                              worker.beat.instance_id)
             self.forget(worker)
             return False
+        finally:
+            answer.cancel()
         if isinstance(reply, ErrorReply):
             raise ProtocolError(reply.code, reply.message)
         if not isinstance(reply, Ack):
             raise ProtocolError(ErrorCode.WORKER_FAILURE, f"worker answered {reply.kind!r}")
+        return True
+
+    async def still_there(self, worker: Worker) -> bool:
+        """False (and the worker forgotten) for one whose heartbeats are late and who is off the bus:
+        a request handed to a prefill worker for a dead decode worker would fail only at the hand-off."""
+        if time.monotonic() - worker.seen <= 2 * self.settings.bus.heartbeat_interval_s:
+            return True
+        if await self.instance_alive(worker.beat.service, worker.beat.instance_id):
+            return True
+        self.log.warning("%s worker %s is gone (off the bus); dropping it", worker.beat.service,
+                         worker.beat.instance_id)
+        self.forget(worker)
+        return False
+
+    async def instance_alive(self, service: str, instance_id: str) -> bool:
+        """False only when the instance is off the bus (no responders); a slow answer is no proof."""
+        try:
+            await self.nc.request(subjects.alive(service, instance_id), b"", timeout=WORKER_CHECK_S * 2)
+        except NoRespondersError:
+            return False
+        except Exception:  # slow, or this router's own connection in trouble
+            return True
         return True
 
 

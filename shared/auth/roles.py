@@ -57,9 +57,10 @@ def _service(role: str, pub: list[str], sub: list[str]) -> dict[str, Any]:
     }
 
 
-# The routers' $SRV answers (alive? which model, what vocabulary?), for clients that size requests.
+# The routers' $SRV answers (alive? which model, what vocabulary?), for clients that size requests;
+# and whether the router, prefill or decode worker holding one of its requests is still on the bus.
 ASK_ROUTERS = ["$SRV.PING.tandem-router", "$SRV.INFO.tandem-router",
-               s.router_alive("*")]  # and, while one holds a placement, whether it is still there
+               *(s.alive(service, "*") for service in ("router", "prefill", "decode"))]
 KV_FRAMES_TO_DECODE = s.decode_kv("*")
 KVSTORE_ANY = f"{s.PREFIX}.kvstore.>"  # lookups, gets, puts and frames to any store
 _WORKER_PUB = [ANY_INBOX, KV_FRAMES_TO_DECODE, KVSTORE_ANY, s.KV_TRANSFERS, *stream_api(s.KV_EVENTS_STREAM)]
@@ -71,7 +72,8 @@ PERMISSIONS: dict[str, dict[str, Any]] = {
         "sub": {"allow": [OWN_INBOX, s.HEARTBEAT_ALL]},
     },
     "frontend": _service("frontend", [s.ROUTER_GENERATE, s.CANCEL, *ASK_ROUTERS], [s.HEARTBEAT_ALL]),
-    "router": _service("router", [s.prefill("*"), s.decode_admit("*"), s.ROUTER_DECISIONS, ANY_INBOX,
+    "router": _service("router", [s.prefill("*"), s.decode_admit("*"), s.alive("prefill", "*"), s.alive("decode", "*"),
+                                  s.ROUTER_DECISIONS, ANY_INBOX,
                                   *stream_api(s.KV_EVENTS_STREAM, consume=True)],
                        [s.ROUTER_GENERATE, s.HEARTBEAT_ALL, s.KV_EVENTS_ALL, s.CANCEL]),  # cancel: queued ones
     "prefill": _service("prefill", [s.decode_admit("*"), s.kv_events("prefill", ME), *_WORKER_PUB], _WORKER_SUB),

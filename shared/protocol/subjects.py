@@ -35,9 +35,11 @@ def heartbeat(service: str, instance_id: str) -> str:
     return f"{PREFIX}.heartbeat.{service}.{instance_id}"
 
 
-def router_alive(instance_id: str) -> str:
-    """Answers while one router's process is on the bus (a client holding a placement asks it)."""
-    return f"{PREFIX}.router.{instance_id}.alive"
+def alive(service: str, instance_id: str) -> str:
+    """Answers while one instance's process is on the bus. A request that met the instance's death
+    gets no "no responders" (the server delivered it before it saw the connection close), so whoever
+    waits on an answer from an instance asks this meanwhile (a client its router, the router a worker)."""
+    return f"{PREFIX}.{service}.{instance_id}.alive"
 
 
 def prefill(instance_id: str) -> str:

@@ -195,7 +195,7 @@ async def holding_router(url: str, name: str, held: list[GenerateRequest]) -> na
         await msg.respond(b"ok")
 
     await nc.subscribe(subjects.ROUTER_GENERATE, cb=on_generate)
-    await nc.subscribe(subjects.router_alive(name), cb=on_alive)
+    await nc.subscribe(subjects.alive("router", name), cb=on_alive)
     await nc.flush()
     return nc
 

@@ -3,7 +3,9 @@ token-exact against an undisturbed run of the same requests on the same system (
 sampling, penalties, min_tokens, a stop string), the killed worker's requests migrated by their
 clients (see tandem/migration.py). Each test prints streams token-exact / total and the time
 from the kill to the migrated streams' next token (p50, max). And a request outlives the restart
-of the only decode worker (as ``tandem up`` restarts a crashed one). The disturbed runs' clients
+of the only decode worker (as ``tandem up`` restarts a crashed one), and the kill of the router
+holding queued requests (streams placed before go on; the queued ones are placed again once a
+router is back). tests/e2e/test_nats_restart.py does the same for the nats-server. The disturbed runs' clients
 wait up to 120 s for output: on a slow machine the surviving prefill worker takes a while over the
 migrated prompts queued behind its own.
 
@@ -121,3 +123,37 @@ async def test_a_request_outlives_the_restart_of_the_only_decode_worker(one_deco
         await task
     figures = report(f"kill -9 and restart of the only decode worker {name}", [record], [expected], killed_at)
     assert (figures["failed"], figures["exact"], figures["migrated"]) == (0, 1, 1), record.error
+
+
+@pytest.fixture
+def queueing_system(start_system):
+    """One decode worker that the router lets hold 12 requests: of 16, four wait in the router's queue."""
+    system = start_system(prefill=1, decode=1, router_args=["--router-max-inflight-per-worker", "12"])
+    yield system
+    system.stop_all()
+
+
+async def test_kill_of_the_router_holding_queued_requests(queueing_system):
+    system = queueing_system
+    name = system.instance("router")
+    workload = mixed_workload(STREAMS, max_tokens=200)
+    expected = await undisturbed(system.url, workload)
+    records = [Record() for _ in workload]
+    async with connect(system.url, request_timeout_s=120) as client:
+        tasks = [asyncio.create_task(consume(client, request, record)) for request, record in zip(workload, records)]
+        placed = lambda r: r.stream is not None and r.stream.accepted is not None  # noqa: E731
+        await until(lambda: sum(placed(r) for r in records) >= 12 and sum(len(r.token_ids) >= 4 for r in records) >= 8,
+                    120, "12 requests placed, 8 under way")
+        queued = [i for i, r in enumerate(records) if not placed(r)]
+        killed_at = time.monotonic()
+        system.processes[name].kill()
+        # The queued requests find their router gone (asked every half second) and, no router
+        # answering, try again until one is: the restarted one, as tandem up would start it.
+        await asyncio.to_thread(system.restart, name)
+        await asyncio.gather(*tasks)
+    figures = report(f"kill -9 of router {name} ({len(queued)} requests queued in it)", records, expected, killed_at)
+    assert figures["failed"] == 0, [r.error for r in records if r.error]
+    assert figures["exact"] == STREAMS, [i for i, (r, e) in enumerate(zip(records, expected))
+                                         if r.token_ids != e.token_ids]
+    assert queued, "no request was queued in the router when it died: the test shows nothing"
+    assert all(records[i].migrations >= 1 for i in queued), [records[i].migrations for i in queued]
