@@ -10,7 +10,18 @@ Prints one JSON line per figure, all from one process and one run:
   CUDA graphs and without (``enforce_eager``), against the roofline;
 - ``throughput``: B requests of 1024 random prompt tokens and 128 output tokens submitted at once,
   B = 32, 64 and 256: output tokens/s over the whole run and over the decode phase alone, and the
-  decode step against its bandwidth floor (all weights plus every sequence's cached K/V per step);
+  decode step against its floor (:func:`step_floor`): each part of the step (the layers' weight
+  matmuls, attention over the cached K/V, the LM head) at the larger of its HBM time and its
+  compute time at the bf16 matmul peak measured in the same run, both printed; the old figure
+  (every byte at the HBM rate, the embedding table read whole) stays beside it;
+- ``memory`` (CUDA): what an engine holds on the device beyond its weights and KV pool (the CUDA
+  context, graphs, the allocator's cache, an 8192-token prefill step's peak): what workers sharing
+  one GPU must leave free between their ``--gpu-memory-utilization`` shares;
+- ``closed`` (``--closed C ...``): the engine alone under ``tandem bench serve``'s closed loop at
+  concurrency C: max(16, 2C) requests of 1024 prompt and 128 output tokens, C in flight, the next
+  added when one finishes; output tokens/s and per-request TTFT and TPOT as the bench measures them,
+  so a served system at the same concurrency compares with it like for like
+  (``benchmarks/serving_system.py`` does);
 - ``hf_generate`` (with ``--hf-anchor PATH``, e.g. ``../shared/anchors/hf_generate.py``): that
   script's plain transformers ``generate`` peer, run after this process freed its GPU memory, with
   tandem's batch-1 decode rate over the peer's.
@@ -40,6 +51,49 @@ def emit(record: dict, sink: list[dict]) -> None:
     print(json.dumps(record), flush=True)
 
 
+def matmul_tflops(device: torch.device) -> float:
+    """Dense bf16 8192^3 matmul rate (the anchors' method): the compute side of the floors."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    sync(device)
+    rate = 2 * 8192**3 * 20 / (time.perf_counter() - start) / 1e12
+    del a
+    torch.cuda.empty_cache()
+    return rate
+
+
+def step_floor(cfg, batch: int, context: int, gbps: float, tflops: float, dtype_bytes: int = 2) -> dict:
+    """The least time one decode step of ``batch`` sequences at mean ``context`` tokens can take:
+    each part at the larger of its bytes over ``gbps`` and its FLOPs over ``tflops``, summed (a part
+    cannot overlap its own reads and math beyond that; parts run one after another). Parts:
+    ``matmuls``: every layer's projections and MLP, weights read once, 2 FLOPs per weight per row;
+    ``attention``: each sequence's K/V read once, QK^T and PV 4 FLOPs per query head, dim and token;
+    ``lm_head``: the vocabulary projection. The input embedding is a lookup of ``batch`` rows, not a
+    read of the table; norms and RoPE are noise at this scale."""
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer_weights = cfg.hidden_size * (2 * q_dim + 2 * kv_dim) + 3 * cfg.hidden_size * cfg.intermediate_size
+    kv_per_token = cfg.num_layers * 2 * kv_dim * dtype_bytes
+    parts = {
+        "matmuls": (cfg.num_layers * layer_weights * dtype_bytes, 2 * cfg.num_layers * layer_weights * batch),
+        "attention": (batch * context * kv_per_token, 4 * cfg.num_layers * q_dim * context * batch),
+        "lm_head": (cfg.vocab_size * cfg.hidden_size * dtype_bytes, 2 * cfg.vocab_size * cfg.hidden_size * batch),
+    }
+    out: dict = {}
+    floor = 0.0
+    for name, (nbytes, flops) in parts.items():
+        hbm_ms, compute_ms = nbytes / (gbps * 1e9) * 1e3, flops / (tflops * 1e12) * 1e3
+        out[name] = {"hbm_ms": round(hbm_ms, 3), "compute_ms": round(compute_ms, 3),
+                     "bound": "compute" if compute_ms > hbm_ms else "hbm"}
+        floor += max(hbm_ms, compute_ms)
+    out["floor_ms"] = round(floor, 3)
+    return out
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -66,11 +120,38 @@ def make_engine(loaded, device: torch.device, max_num_seqs: int, max_model_len: 
     cfg = loaded.config
     per_block = kv_cache_bytes_per_block(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16
                                          if device.type == "cuda" else torch.float32)
-    num_blocks = max(64, int(kv_gib * 2**30) // per_block)
+    num_blocks = max(64, int(kv_gib * 2**30) // per_block) if kv_gib else 4096
     config = EngineConfig(block_size=16, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=8192, max_model_len=max_model_len, enable_prefix_caching=False,
                           enforce_eager=eager)
     return LLMEngine(loaded.model, loaded.tokenizer, config, device)
+
+
+def memory_figures(loaded, device: torch.device) -> dict:
+    """Device memory, GiB, around one engine with a 4096-block pool: weights, pool, what the device
+    shows used beyond them, the allocator's cache (reserved but unallocated) before and after
+    ``empty_cache``, and the extra peak of one 8192-token prefill step."""
+    gib = 2**30
+    weights = torch.cuda.memory_allocated(device)
+    engine = make_engine(loaded, device, 256, 2048, False, 0)
+    engine_blocks = engine.config.num_blocks
+    cfg = loaded.config
+    pool = (engine_blocks + 1) * kv_cache_bytes_per_block(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim,
+                                                          torch.bfloat16)
+    free, total = torch.cuda.mem_get_info(device)
+    allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    out = {"weights_gib": round(weights / gib, 2), "pool_gib": round(pool / gib, 2),
+           "allocated_beyond_weights_and_pool_gib": round((allocated - weights - pool) / gib, 2),
+           "cached_unallocated_gib": round((reserved - allocated) / gib, 2),
+           "device_used_beyond_reserved_gib": round((total - free - reserved) / gib, 2)}
+    torch.cuda.empty_cache()
+    out["cached_after_empty_cache_gib"] = round((torch.cuda.memory_reserved(device) - allocated) / gib, 2)
+    torch.cuda.reset_peak_memory_stats(device)
+    run_requests(engine, random_prompts(8, 1024, cfg.vocab_size, 5), 1, device)
+    out["prefill_8192_step_peak_gib"] = round((torch.cuda.max_memory_allocated(device) - allocated) / gib, 2)
+    del engine
+    torch.cuda.empty_cache()
+    return out
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -114,11 +195,53 @@ def run_requests(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, d
             "decode_tok_s": round(decode_steps * len(prompts) / decode_s, 1) if decode_steps > 0 else None}
 
 
+def run_closed_loop(engine: LLMEngine, prompts: list[list[int]], concurrency: int, max_tokens: int,
+                    device: torch.device) -> dict:
+    """``tandem bench serve``'s closed loop in process: ``concurrency`` requests in flight, the next
+    added the step after one finishes; TTFT from a request's submission, TPOT over its later tokens."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    sync(device)
+    start = time.perf_counter()
+    submitted: dict[str, float] = {}
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    pending = list(enumerate(prompts))
+    in_flight = 0
+    while pending or in_flight:
+        while pending and in_flight < concurrency:
+            i, prompt = pending.pop(0)
+            submitted[f"c{i}"] = time.perf_counter()
+            engine.add_request(EngineRequest(request_id=f"c{i}", prompt_token_ids=prompt, params=params))
+            in_flight += 1
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.new_token_ids:
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
+            if out.finished:
+                in_flight -= 1
+    total = time.perf_counter() - start
+    ttfts = sorted(first[r] - submitted[r] for r in first)
+    tpots = sorted((last[r] - first[r]) / (counts[r] - 1) for r in first if counts[r] > 1)
+    tokens = sum(counts.values())
+    return {"requests": len(prompts), "concurrency": concurrency, "output_tokens": tokens,
+            "total_s": round(total, 3), "output_tok_s": round(tokens / total, 1),
+            "ttft_p50_ms": round(ttfts[len(ttfts) // 2] * 1e3, 2),
+            "tpot_p50_ms": round(tpots[len(tpots) // 2] * 1e3, 3) if tpots else None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: random:llama3-8b on CUDA, random:llama-test on CPU")
     parser.add_argument("--parts", default="roofline,batch1,throughput")
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 64, 256])
+    parser.add_argument("--closed", type=int, nargs="+", default=[32],
+                        help="the closed part's concurrencies (max(16, 2C) requests each)")
+    parser.add_argument("--max-num-seqs", type=int, default=0,
+                        help="the throughput and closed engine's batch limit (0: the largest batch or concurrency)")
     parser.add_argument("--kv-gib", type=float, default=60.0)
     parser.add_argument("--json-out")
     parser.add_argument("--hf-anchor", help="path of the HF generate peer script to run after the parts, same run")
@@ -128,10 +251,11 @@ def main() -> None:
     parts = set(args.parts.split(","))
     kv_gib = args.kv_gib if device.type == "cuda" else 0.25
     records: list[dict] = []
-    weight_bytes, gbps = 0, None
+    weight_bytes, gbps, tflops = 0, None, None
     if "roofline" in parts and device.type == "cuda":
         gbps = hbm_read_gbps(device)
-        emit({"figure": "hbm", "hbm_read_GBps": round(gbps, 1)}, records)
+        tflops = matmul_tflops(device)
+        emit({"figure": "hbm", "hbm_read_GBps": round(gbps, 1), "bf16_matmul_tflops": round(tflops, 1)}, records)
     loaded = load_model(model, device=device)
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     print(f"# loaded {model}: {weight_bytes / 1e9:.2f} GB of weights on {device}", flush=True)
@@ -139,6 +263,8 @@ def main() -> None:
         emit({"figure": "roofline", "weight_GB": round(weight_bytes / 1e9, 2),
               "batch1_roofline_tok_s": round(gbps * 1e9 / weight_bytes, 1)}, records)
     vocab = loaded.config.vocab_size
+    if "memory" in parts and device.type == "cuda":
+        emit({"figure": "memory", **memory_figures(loaded, device)}, records)
     if "batch1" in parts:
         for eager in (False, True):
             engine = make_engine(loaded, device, 1, 2048, eager, min(kv_gib, 4.0))
@@ -147,13 +273,22 @@ def main() -> None:
             record = {"figure": "batch1", "cuda_graphs": not eager, **result}
             if gbps and result["decode_tok_s"]:
                 record["of_roofline"] = round(result["decode_tok_s"] / (gbps * 1e9 / weight_bytes), 3)
+                # The same step by parts (the embedding table is not read whole; context prompt + half the output).
+                floor = step_floor(loaded.config, 1, 512 + 64, gbps, tflops)
+                record["step_floor"] = floor
+                record["of_step_floor"] = round(floor["floor_ms"] / result["itl_ms"], 3)
             emit(record, records)
             del engine
             torch.cuda.empty_cache() if device.type == "cuda" else None
-    if "throughput" in parts:
-        batches = args.batches if device.type == "cuda" else [4, 8]
-        engine = make_engine(loaded, device, max(batches), 2048, False, kv_gib)
+    engine = None
+    batches = args.batches if device.type == "cuda" else [4, 8]
+    closed = args.closed if device.type == "cuda" else [min(c, 4) for c in args.closed]
+    if parts & {"throughput", "closed"}:
+        seqs = args.max_num_seqs or max([*(batches if "throughput" in parts else []),
+                                         *(closed if "closed" in parts else [])])
+        engine = make_engine(loaded, device, seqs, 2048, False, kv_gib)
         run_requests(engine, random_prompts(min(batches), 1024, vocab, 3), 4, device)  # warm-up
+    if "throughput" in parts:
         for batch in batches:
             result = run_requests(engine, random_prompts(batch, 1024, vocab, 10 + batch), 128, device)
             record = {"figure": "throughput", "batch": batch, "prompt_len": 1024, **result}
@@ -165,7 +300,16 @@ def main() -> None:
                 step_bytes = weight_bytes + batch * (1024 + 64) * kv_per_token
                 record["decode_step_roofline_ms"] = round(step_bytes / (gbps * 1e9) * 1e3, 2)
                 record["decode_of_roofline"] = round(record["decode_step_roofline_ms"] / result["itl_ms"], 3)
+                floor = step_floor(cfg, batch, 1024 + 64, gbps, tflops)
+                record["step_floor"] = floor
+                record["decode_of_step_floor"] = round(floor["floor_ms"] / result["itl_ms"], 3)
             emit(record, records)
+    if "closed" in parts:
+        for concurrency in closed:
+            n = max(16, 2 * concurrency)
+            result = run_closed_loop(engine, random_prompts(n, 1024, vocab, 1000 + concurrency), concurrency, 128,
+                                     device)
+            emit({"figure": "closed", "prompt_len": 1024, **result}, records)
     if args.hf_anchor:
         loaded = engine = None  # the peer needs the memory: drop the model, pool and graphs first
         torch.cuda.empty_cache() if device.type == "cuda" else None

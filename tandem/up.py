@@ -1,8 +1,9 @@
 """``tandem up`` as a command: refuse what cannot work (a bad model, a taken port, a data dir another
-``up`` holds: :mod:`tandem.runstate`) before anything starts, start the system
-(:mod:`tandem.supervisor`), print its URLs, optionally generate a demo, then supervise it
-(:mod:`tandem.scaling`) until Ctrl-C or SIGTERM, drain it (:mod:`tandem.shutdown`; a second
-Ctrl-C stops at once) and stop it all."""
+``up`` holds: :mod:`tandem.runstate`) before anything starts, place the workers on the devices it
+sees (:func:`tandem.gpus.plan_placement`: on one GPU no prefill worker unless asked) and say so in
+one line, start the system (:mod:`tandem.supervisor`), print its URLs, optionally generate a demo,
+then supervise it (:mod:`tandem.scaling`) until Ctrl-C or SIGTERM, drain it (:mod:`tandem.shutdown`;
+a second Ctrl-C stops at once) and stop it all."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tandem.shared.infra.config import Settings
 
 if TYPE_CHECKING:
+    from tandem.gpus import Placement
     from tandem.supervisor import Supervisor
 
 log = logging.getLogger("tandem.up")
@@ -32,7 +34,9 @@ def add_up_parser(sub: argparse._SubParsersAction, settings_note: str, demo_prom
                                     "OpenAI-compatible HTTP frontend (--http-port) as child processes. Settings "
                                     "flags given here are handed on to the children whose service uses them; "
                                     "--metrics-port N gives the i-th child N+i.")
-    up.add_argument("--prefill", type=int, default=1, help="prefill workers (default: 1)")
+    up.add_argument("--prefill", type=int, default=None,
+                    help="prefill workers (default: by the devices: none on one GPU, where the decode workers prefill "
+                         "themselves; else 1). Given on one GPU, they are started and used there")
     up.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
     up.add_argument("--kvstore", type=int, default=1,
                     help="KV-stores (RAM, then disk under <data-dir>/kvstore; default: 1)")
@@ -70,10 +74,11 @@ def run_up(args: argparse.Namespace, settings: Settings, overrides: dict[str, An
         return 2
     if held.removed:
         log.info("cleaned up after a tandem up that was killed: %s", "; ".join(held.removed))
-    sup = Supervisor(settings, num_prefill=args.prefill, num_decode=args.decode, num_kvstore=args.kvstore,
-                     overrides=overrides, planner=args.planner, frontend=True,
+    gpus, placement = place(settings, args, overrides)
+    sup = Supervisor(settings, num_prefill=placement.prefill, num_decode=args.decode, num_kvstore=args.kvstore,
+                     overrides=overrides, planner=args.planner, frontend=True, gpus=gpus,
                      nats_workdir=None if settings.bus.nats_url else nats_dir(settings.data_dir),
-                     min_prefill=overrides.get("planner_min_prefill"), max_prefill=overrides.get("planner_max_prefill"),
+                     min_prefill=overrides.get("planner_min_prefill"), max_prefill=placement.planner_max_prefill,
                      min_decode=overrides.get("planner_min_decode"), max_decode=overrides.get("planner_max_decode"))
     try:
         sup.check_ports()
@@ -98,13 +103,14 @@ def run_up(args: argparse.Namespace, settings: Settings, overrides: dict[str, An
     # Both explicitly: a shell that starts `up` in the background hands it SIGINT ignored.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    print(f"tandem up: {placement.line}", flush=True)
     try:
         sup.start()
         run_async(sup.wait_ready())
         sup.write_state()
         scaling = "planner on, prefill {}..{}, decode {}..{}".format(*sup.limits("prefill"), *sup.limits("decode"))
         http = f", HTTP at {sup.http_url}" if sup.http_url else ""
-        print(f"tandem up: NATS at {sup.url}{http} (router, {args.prefill} prefill, {args.decode} decode, "
+        print(f"tandem up: NATS at {sup.url}{http} (router, {placement.prefill} prefill, {args.decode} decode, "
               f"{args.kvstore} kvstore; {scaling if args.planner else 'planner off'}; Ctrl-C stops)", flush=True)
         print("\n".join(sup.url_lines()), flush=True)
         if args.demo:
@@ -146,6 +152,20 @@ async def serve_until_stopped(sup: Supervisor, sync_handler: Callable[[int, Any]
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
             signal.signal(sig, sync_handler)
+
+
+def place(settings: Settings, args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[list[str], Placement]:
+    """The GPUs the workers get and how many of each kind run there (:func:`tandem.gpus.plan_placement`).
+    Sets the router's ``prefill_on_shared_device`` in ``overrides`` as the placement wants, unless given."""
+    from tandem.gpus import plan_placement, visible_gpus
+
+    gpus = visible_gpus(settings.engine.device)
+    # --device cuda:N pins every worker to that one device: shared, as one GPU is.
+    devices = len(gpus) or int(settings.engine.device.startswith("cuda:"))
+    placement = plan_placement(devices, args.prefill, args.decode, overrides.get("planner_max_prefill"))
+    if placement.prefill_on_shared_device:
+        overrides.setdefault("router_prefill_on_shared_device", True)
+    return gpus, placement
 
 
 def usage_problem(settings: Settings) -> str:

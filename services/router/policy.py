@@ -11,8 +11,17 @@ load term keeps a hot prefix from piling every request onto one worker once its 
 than the recompute. llm-d's prefix-cache and load scorers weigh the same two signals;
 ``load_weight`` is configuration (``--router-load-weight``).
 
-Conditional disaggregation: when the chosen decode worker would have to prefill at most
-``local_prefill_max_tokens`` tokens, it prefills them itself instead of paying for a transfer.
+Conditional disaggregation (:func:`remote_prefill_workers`): a prefill worker takes the prompt only
+where that pays. Not when the chosen decode worker would have to prefill at most
+``local_prefill_max_tokens`` tokens (the transfer would cost more than the work), and not on a prefill
+worker computing on the decode worker's own device (the heartbeats' ``device``): two processes on one
+GPU time-slice it, so the prefill's kernels stall the decode batch's steps just as a chunk mixed into
+them would, and the hand-off and a second set of weights come on top (issue 19, one H200, c = 32:
+TPOT 1.82x and throughput 0.77x the engine alone). There the decode worker prefills by itself, chunked
+into its decode steps (``max_num_batched_tokens`` bounds what one step adds), unless the operator
+asked for prefill on the shared device (``--router-prefill-on-shared-device``: to exercise the
+hand-off, or to measure exactly this). Workers that say no device (CPU, or an older worker) are never
+taken for sharing one.
 """
 
 from __future__ import annotations
@@ -41,3 +50,26 @@ def rank(prompt_blocks: int, workers: list[tuple[str, int, int, int]], load_weig
 def prefill_locally(prompt_tokens: int, cached_tokens: int, local_prefill_max_tokens: int) -> bool:
     """Whether the decode worker should prefill the uncached part itself."""
     return prompt_tokens - cached_tokens <= local_prefill_max_tokens
+
+
+def shares_device(a: str, b: str) -> bool:
+    """Whether two workers' heartbeat ``device`` ids name the same accelerator (empty: unknown, never)."""
+    return bool(a) and a == b
+
+
+def remote_prefill_workers(uncached_tokens: int, local_prefill_max_tokens: int, decode_device: str,
+                           prefill_workers: list[tuple[str, str]],
+                           on_shared_device: bool = False) -> tuple[list[str], str]:
+    """The prefill workers worth handing this prompt to, in the order given, and when there are none
+    why the decode worker prefills it itself. ``prefill_workers``: (instance id, device) of the live
+    ones; ``decode_device``: the chosen decode worker's device."""
+    if uncached_tokens <= local_prefill_max_tokens:
+        return [], (f"{uncached_tokens} uncached tokens (at most --local-prefill-max-tokens "
+                    f"{local_prefill_max_tokens}): decode prefills locally")
+    if not prefill_workers:
+        return [], "no prefill worker is alive: decode prefills locally"
+    apart = [i for i, device in prefill_workers if on_shared_device or not shares_device(device, decode_device)]
+    if not apart:
+        return [], (f"every prefill worker shares the decode worker's device ({decode_device}): decode prefills "
+                    "locally, chunked into its decode steps (a separate process would only time-slice the device)")
+    return apart, ""

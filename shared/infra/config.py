@@ -178,6 +178,10 @@ class RouterSettings:
     local_prefill_max_tokens: int = Field(
         0, ge=0, description="a decode worker prefills a prompt itself when at most this many of its tokens are not "
                              "cached", json_schema_extra={"flat": "local_prefill_max_tokens"})
+    prefill_on_shared_device: bool = Field(
+        False, description="hand prompts to prefill workers on the decode worker's own device (off: the decode worker "
+                           "prefills them itself, chunked into its decode steps; tandem up turns it on when --prefill "
+                           "is given on one GPU)")
     # Admission (services/router/admission.py): requests wait in the router while every decode worker
     # is saturated. The defaults bound the router's memory, not normal use: a queue this deep or this
     # slow already means more load than the workers serve.
@@ -233,7 +237,8 @@ class PlannerSettings:
     actuator: Literal["auto", "up", "docker", "kubernetes"] = Field(
         "auto", description="who carries out the decisions: auto (kubernetes inside a pod, docker inside a compose "
                             "container with the Docker socket, else up), up (tandem up's supervisor does), docker "
-                            "(the Docker Engine API scales the compose service), kubernetes (the Deployment's replicas)")
+                            "(the Docker Engine API scales the compose service), kubernetes (patches the "
+                            "Deployment's replicas)")
 
 
 @dataclass(config=SECTION)

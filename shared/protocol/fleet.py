@@ -32,6 +32,10 @@ class Heartbeat(WireMessage):
     prefix_cache_hits: int = 0  # of those, tokens found cached
     host_id: str = ""  # workers with equal host ids share /dev/shm (tandem.shared.infra.shmring.host_id)
     kv_ring: str = ""  # a decode worker's shared-memory ring for KV hand-offs on this host
+    # The accelerator it computes on, as an id unique across processes and hosts (a CUDA GPU's UUID;
+    # an index is not: CUDA_VISIBLE_DEVICES renumbers). Equal ids share the device, so the router does
+    # not hand a decode worker's prompts to a prefill worker there. Empty: not said (CPU, older workers).
+    device: str = ""
     kv_transfers_ring: int = 0  # hand-offs received through the ring ...
     kv_transfers_nats: int = 0  # ... and as NATS frames
     pending_decode: list[str] = Field(default_factory=list)  # prefill: decode workers it still owes a hand-off

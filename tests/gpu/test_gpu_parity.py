@@ -149,8 +149,10 @@ def test_engine_bf16_matches_reference(tiny_cuda, overlap: bool):
 def gpu_system(start_system, model_dir):
     """Router, prefill and decode sharing the GPU, and a KV-store: hand-offs through the pinned ring."""
     share = ["--device", "cuda", "--gpu-memory-utilization", "0.3"]
+    # Prefill on the decode worker's own GPU, as asked: else the router prefills on decode (policy.py).
     return start_system(prefill=1, decode=1, kvstore=1, model_args=["--model", str(model_dir)],
-                        prefill_args=[*share, "--max-num-batched-tokens", "32"], decode_args=share)
+                        prefill_args=[*share, "--max-num-batched-tokens", "32"], decode_args=share,
+                        router_args=["--router-prefill-on-shared-device"])
 
 
 def complete_all(url: str, texts: list[str]):
