@@ -14,6 +14,7 @@
     tandem bench compare [--concurrency 1 8 32 64] [--requests N] [--json-out FILE]   (also: plain `tandem bench`)
     tandem console [--nats-url URL]
     tandem services [--json] [--nats-url URL]
+    tandem ping router|prefill|decode|kvstore|planner|trainer|frontend [--host HOST] [--wait S] [--nats-url URL]
     tandem --version
 
 The settings flags are generated from :mod:`tandem.shared.infra.config` (:mod:`tandem.flags`): every
@@ -174,6 +175,17 @@ def parser() -> argparse.ArgumentParser:
     add_common(listing)
     listing.add_argument("--json", action="store_true", help="print one JSON list instead of the table")
     listing.add_argument("--wait", type=float, default=0.5, help="seconds to collect answers")
+
+    ping = sub.add_parser("ping", help="exit 0 when a service instance on this host answers $SRV.PING (a "
+                                       "readiness probe)",
+                          description="Ask every instance of SERVICE on the bus $SRV.PING and exit 0 as soon as one "
+                                      "on HOST answers, else 1: a container's readiness probe (its hostname is the "
+                                      "one its service reports). Connects with --creds / TANDEM_NATS_CREDS, which a "
+                                      "service's container already has (its role may ping its own service).")
+    ping.add_argument("service", choices=SERVICES, help="which service")
+    add_common(ping)
+    ping.add_argument("--host", help="the host the instance must report (default: this one's hostname)")
+    ping.add_argument("--wait", type=float, default=2.0, help="seconds to wait for its answer")
 
     bench = sub.add_parser("bench", help="load benchmarks").add_subparsers(dest="bench_command", required=True)
     serve_bench = bench.add_parser("serve", help="load a running tandem, report latency and goodput (vllm bench serve)")
@@ -453,6 +465,63 @@ def services_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
+def cmd_ping(args: argparse.Namespace) -> int:
+    import asyncio
+    import socket
+
+    from tandem.access import BusConnectError, bus_options, command_auth, connect_command
+    from tandem.runstate import find_running_url
+    from tandem.services.common.runtime import run_async
+    from tandem.shared.auth.credentials import CredentialsError
+
+    prog = "tandem ping"
+    if not args.wait > 0:
+        print(f"{prog}: --wait must be > 0", file=sys.stderr)
+        return 2
+    settings = settings_from(args)
+    url = settings.bus.nats_url or find_running_url(settings.data_dir)
+    if url is None:
+        print(f"{prog}: no running tandem found; start one with `tandem up` or pass --nats-url", file=sys.stderr)
+        return 2
+    host = args.host or socket.gethostname()
+
+    async def answered() -> bool:
+        # The operator's key under `tandem up`; in a service's container, its role's (TANDEM_NATS_CREDS).
+        options = bus_options("operator", f"ping-{host}", url, **command_auth(settings))
+        nc = await connect_command(url, options, name=f"tandem-ping-{host}", connect_timeout=3,
+                                   max_reconnect_attempts=1, reconnect_time_wait=0.2)
+        found = asyncio.Event()
+
+        async def on_pong(msg) -> None:
+            try:
+                meta = json.loads(msg.data).get("metadata") or {}
+            except (ValueError, AttributeError):
+                return
+            if meta.get("host") == host:
+                found.set()
+
+        try:
+            inbox = nc.new_inbox()
+            await nc.subscribe(inbox, cb=on_pong)
+            await nc.publish(f"$SRV.PING.tandem-{args.service}", b"", reply=inbox)
+            try:
+                await asyncio.wait_for(found.wait(), args.wait)
+            except TimeoutError:
+                return False
+            return True
+        finally:
+            await nc.close()
+
+    try:
+        if run_async(answered()):
+            return 0
+    except (BusConnectError, CredentialsError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    print(f"{prog}: no {args.service} on {host} answered $SRV.PING on {url} within {args.wait:g}s", file=sys.stderr)
+    return 1
+
+
 def cmd_services(args: argparse.Namespace) -> int:
     from tandem.access import operator_options
     from tandem.runstate import find_running_url
@@ -527,7 +596,8 @@ def main(argv: list[str] | None = None) -> int:
         command.error(f"unrecognized arguments: {' '.join(extras)}")
     logging.captureWarnings(True)
     handler = {"up": cmd_up, "serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench,
-               "console": cmd_console, "train": cmd_train, "services": cmd_services, "auth": cmd_auth}[args.command]
+               "console": cmd_console, "train": cmd_train, "services": cmd_services, "auth": cmd_auth,
+               "ping": cmd_ping}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:

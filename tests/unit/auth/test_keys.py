@@ -143,9 +143,12 @@ def test_every_permission_is_a_valid_subject_or_template(role: str):
 
 
 def test_only_the_operator_may_drain_scale_train_or_reload():
+    """The planner drains workers too, and only workers (its actuator's scale-downs)."""
     operator_only = ("tandem.v1.planner.scale", "tandem.v1.trainer.start", "tandem.v1.models.updated", "drain")
+    planner_drains = {"tandem.v1.prefill.*.drain", "tandem.v1.decode.*.drain"}
+    assert planner_drains <= set(PERMISSIONS["planner"]["pub"]["allow"]), "the planner's actuator must drain"
     for role in ROLES:
         if role in ("operator", "trainer"):
             continue
-        allowed = " ".join(PERMISSIONS[role]["pub"]["allow"])
+        allowed = " ".join(p for p in PERMISSIONS[role]["pub"]["allow"] if role != "planner" or p not in planner_drains)
         assert not any(word in allowed for word in operator_only) and ">" not in allowed.split(), (role, allowed)
