@@ -55,6 +55,7 @@ MIB = 1 << 20
 PUT_BYTES_IN_FLIGHT = 512 * MIB  # put transfers being reassembled at once
 GET_MAX_BYTES = 512 * MIB  # one get sends at most this much; ``found`` says what was sent
 MAX_CONCURRENT_GETS = 4
+WRITE_BEHIND_BYTES = 64 * MIB  # written to disk per write-behind round at most
 
 
 class KVStoreService(ServiceRuntime):
@@ -85,10 +86,20 @@ class KVStoreService(ServiceRuntime):
         await self.add_endpoint("kv", subjects.kvstore_kv(iid), self.on_kv_frame, bulk=True)
         await self.add_endpoint("put", subjects.kvstore_put(iid), self.on_put)
         await self.add_endpoint("stats", subjects.kvstore_stats(iid), self.on_stats)
+        if self.settings.kvstore.write_behind_s > 0 and self.store.disk_capacity:
+            self.spawn(self.write_behind_loop(), "write-behind", in_flight=False)
 
     async def teardown(self) -> None:
         await self._call(self.store.close)  # RAM blocks go to disk, so a restart keeps them
         self._thread.shutdown(wait=True)
+
+    async def write_behind_loop(self) -> None:
+        """RAM blocks to disk every ``--kvstore-write-behind-s``, a bounded amount per round so gets
+        queued behind it on the store's thread wait little."""
+        while True:
+            await asyncio.sleep(self.settings.kvstore.write_behind_s)
+            if self.tier_stats.get("ram_unwritten_blocks"):
+                await self._call(self.store.write_behind, WRITE_BEHIND_BYTES)
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(service=self.name, instance_id=self.instance_id, host=self.host, pid=os.getpid(), model="")

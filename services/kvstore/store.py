@@ -14,7 +14,10 @@ into RAM (promotion) and its file stays, so tiers may overlap. Disk layout: one 
 ``<disk_dir>/<namespace digest>/<hash:016x>.blk``, written to a temporary name and renamed (no
 fsync: a torn file after a power cut fails its checksum), with a header holding magic, hash,
 length and crc32. A new store on the same folder scans it (LRU order from file mtimes) and so keeps
-the disk tier across restarts; RAM is written back to disk by :meth:`close`. A file failing its
+the disk tier across restarts. RAM blocks not yet on disk are written there behind the puts
+(:meth:`write_behind`, which the service calls every ``--kvstore-write-behind-s``; tiers then
+overlap, and an eviction from RAM needs no write) and by :meth:`close`, so a kill loses only the
+blocks put since the last round. A file failing its
 checks when read is deleted, logged, counted (``corrupt_blocks``) and never served. ``lookup``
 consults the index only. Not thread-safe: the service calls it from one thread.
 """
@@ -52,6 +55,7 @@ class KVBlockStore:
         self.disk_dir = Path(disk_dir) if disk_dir is not None else None
         self._ram: OrderedDict[Key, bytes] = OrderedDict()
         self._disk: OrderedDict[Key, int] = OrderedDict()  # key -> file size, LRU first
+        self._unwritten: OrderedDict[Key, None] = OrderedDict()  # RAM keys not on disk, oldest put first
         self.ram_used = 0
         self.disk_used = 0
         self.counters = dict.fromkeys(
@@ -99,6 +103,7 @@ class KVBlockStore:
 
     def stats(self) -> dict[str, int]:
         return {"ram_bytes": self.ram_used, "ram_blocks": len(self._ram), "ram_capacity": self.ram_capacity,
+                "ram_unwritten_blocks": len(self._unwritten),
                 "disk_bytes": self.disk_used, "disk_blocks": len(self._disk), "disk_capacity": self.disk_capacity,
                 **self.counters}
 
@@ -132,16 +137,30 @@ class KVBlockStore:
         data = bytes(data)
         if len(data) <= self.ram_capacity:
             self._ram_insert(key, data)
+            if key in self._ram and self.disk_capacity:
+                self._unwritten[key] = None
         elif not self._disk_write(key, data):
             return False
         self._note(key, True)
         return True
 
+    def write_behind(self, max_bytes: int | None = None) -> int:
+        """Write RAM blocks not yet on disk there, oldest put first, about ``max_bytes`` at most
+        (None: all); returns how many were written. A block the disk cannot take stays RAM-only."""
+        written = done = 0
+        while self._unwritten and (max_bytes is None or done < max_bytes):
+            key, _ = self._unwritten.popitem(last=False)
+            data = self._ram.get(key)
+            if data is None or key in self._disk:
+                continue
+            if self._disk_write(key, data):
+                written += 1
+            done += len(data)
+        return written
+
     def close(self) -> None:
         """Write RAM blocks not yet on disk there (oldest first), then release the folder."""
-        for key, data in list(self._ram.items()):
-            if key not in self._disk:
-                self._disk_write(key, data)
+        self.write_behind()
         if self._lock_file is not None:
             self._lock_file.close()
             self._lock_file = None
@@ -159,6 +178,7 @@ class KVBlockStore:
             old, old_data = self._ram.popitem(last=False)
             self.ram_used -= len(old_data)
             self.counters["evictions_ram"] += 1
+            self._unwritten.pop(old, None)
             if old not in self._disk and not self._disk_write(old, old_data):
                 self._note(old, False)
 

@@ -248,6 +248,9 @@ class KVStoreSettings:
     ram_mib: float = Field(1024, ge=0, description="the host-RAM tier's size in MiB")
     disk_mib: float = Field(8192, ge=0, description="the local-disk tier's size in MiB (0: RAM only)")
     dir: Path | None = Field(None, description="the disk tier's folder (unset: <data-dir>/kvstore)")
+    write_behind_s: float = Field(
+        1.0, ge=0, description="seconds between writes of RAM blocks not yet on disk to the disk tier: a kill loses "
+                               "at most the blocks put since the last round (0: written only at a clean stop)")
 
 
 @dataclass(config=SECTION)

@@ -129,6 +129,30 @@ def test_close_writes_ram_back(tmp_path):
     assert again.get(NS, [1, 2]) == [block(1), block(2)] and again.stats()["hits_disk"] == 2
 
 
+def test_write_behind_writes_unwritten_ram_blocks_oldest_first_within_its_budget(tmp_path):
+    store = make(tmp_path, ram_blocks=3, disk_blocks=8)
+    for h in (1, 2, 3):
+        store.put(NS, h, block(h))
+    assert store.stats()["ram_unwritten_blocks"] == 3 and disk_keys(store) == []
+    assert store.write_behind(max_bytes=B) == 1 and disk_keys(store) == [1]  # the oldest put, one block's bytes
+    store.put(NS, 4, block(4))  # evicts 1 from RAM: already on disk, so no write
+    assert disk_keys(store) == [1] and store.stats()["ram_unwritten_blocks"] == 3
+    store.put(NS, 5, block(5))  # evicts 2, unwritten: demoted as before, and no longer owed
+    assert disk_keys(store) == [1, 2] and store.stats()["ram_unwritten_blocks"] == 3
+    assert store.write_behind() == 3 and disk_keys(store) == [1, 2, 3, 4, 5]
+    assert store.write_behind() == 0 and store.stats()["ram_unwritten_blocks"] == 0
+    assert ram_keys(store) == [3, 4, 5], "written behind, the blocks stay in RAM too"
+    store._lock_file.close()  # as a kill leaves it: no close(), no write-back
+    again = make(tmp_path, ram_blocks=3, disk_blocks=8)
+    assert again.lookup(NS, [1, 2, 3, 4, 5]) == (5, [True] * 5)
+
+
+def test_no_disk_tier_owes_nothing(tmp_path):
+    store = KVBlockStore(4 * B)
+    store.put(NS, 1, block(1))
+    assert store.stats()["ram_unwritten_blocks"] == 0 and store.write_behind() == 0
+
+
 def test_second_store_on_same_folder_refused(tmp_path):
     store = make(tmp_path, 1, 1)
     with pytest.raises(RuntimeError, match="in use"):
