@@ -658,25 +658,29 @@ class Client:
         return self._inbox_prefix
 
     def stream(self, prompt: str | list[int], *, model: str | None = None, request_id: str | None = None,
-               timeout_s: float | None = None, **params) -> RequestStream:
+               timeout_s: float | None = None, priority: int = 0, **params) -> RequestStream:
         """One request as a :class:`RequestStream` (placed on first use). ``params`` are
-        :class:`SamplingParams` fields; a bad one raises :class:`InvalidRequestError` here."""
+        :class:`SamplingParams` fields; a bad one raises :class:`InvalidRequestError` here.
+        ``priority`` orders the request in the router's admission queue while every decode worker
+        is saturated: lower first (-100..100), equal ones first come first served."""
         request_id = uuid.uuid4().hex if request_id is None else request_id
-        request = self._request(prompt, model, request_id, params)
+        request = self._request(prompt, model, request_id, priority, params)
         inbox = subjects.stream_inbox(self.inbox_prefix, self.client_id, request.request_id)  # made of checked parts
         return RequestStream(self, request.model_copy(update={"stream_subject": inbox}),
                              timeout_s or self.request_timeout_s)
 
     def generate(self, prompt: str | list[int], *, model: str | None = None, request_id: str | None = None,
-                 timeout_s: float | None = None, **params) -> RequestStream:
+                 timeout_s: float | None = None, priority: int = 0, **params) -> RequestStream:
         """Stream the output of one request: ``async for chunk in client.generate(...)``."""
-        return self.stream(prompt, model=model, request_id=request_id, timeout_s=timeout_s, **params)
+        return self.stream(prompt, model=model, request_id=request_id, timeout_s=timeout_s, priority=priority,
+                           **params)
 
     async def complete(self, prompt: str | list[int], *, model: str | None = None, request_id: str | None = None,
-                       timeout_s: float | None = None, **params) -> Completion:
+                       timeout_s: float | None = None, priority: int = 0, **params) -> Completion:
         """Run one request to the end and return every output (best first) with its timings."""
         start = time.perf_counter()
-        stream = self.stream(prompt, model=model, request_id=request_id, timeout_s=timeout_s, **params)
+        stream = self.stream(prompt, model=model, request_id=request_id, timeout_s=timeout_s, priority=priority,
+                             **params)
         assembly = OutputAssembly(stream.request.params)
         async with stream:
             async for chunk in stream:
@@ -702,7 +706,7 @@ class Client:
                                    beam_width=beam_width, n=beam_width if n is None else n,
                                    length_penalty=length_penalty, early_stopping=early_stopping, **params)
 
-    def _request(self, prompt, model, request_id, params: dict) -> GenerateRequest:
+    def _request(self, prompt, model, request_id, priority: int, params: dict) -> GenerateRequest:
         """The request to send, or :class:`InvalidRequestError` naming the first field out of its
         bounds (checked before anything is sent: no value msgpack cannot carry reaches ``encode``)."""
         shown = request_id if isinstance(request_id, str) else None
@@ -715,7 +719,7 @@ class Client:
                                       error_field(exc)) from None
         try:
             return GenerateRequest(
-                request_id=request_id, params=sampling, model=model, stream_subject="_INBOX.unset",
+                request_id=request_id, params=sampling, model=model, stream_subject="_INBOX.unset", priority=priority,
                 prompt=prompt if isinstance(prompt, str) else None,
                 prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
             )

@@ -95,11 +95,12 @@ class Frontend:
             raise APIError(429, f"too many requests in flight ({self.max_concurrent_requests}); retry shortly",
                            "rate_limit_error", None, "too_many_requests")
 
-    async def open_streams(self, prompts: list[str | list[int]], params: dict, chat: bool) -> list[RequestStream]:
+    async def open_streams(self, prompts: list[str | list[int]], params: dict, chat: bool,
+                           priority: int = 0) -> list[RequestStream]:
         """Place every prompt's request; if one is refused, cancel the others and raise its error
         (a chat request's prompt is its ``messages``)."""
         try:
-            streams = [self.client.stream(p, model=self.model.bus_name, **params) for p in prompts]
+            streams = [self.client.stream(p, model=self.model.bus_name, priority=priority, **params) for p in prompts]
         except TandemError as exc:
             raise from_tandem(exc, exc.param) from None
         results = await asyncio.gather(*(s.__aenter__() for s in streams), return_exceptions=True)
@@ -342,7 +343,7 @@ def build_app(frontend: Frontend) -> FastAPI:
         n = params.get("n", 1)
         try:
             started = time.perf_counter()
-            streams = await frontend.open_streams(prompts, params, chat)
+            streams = await frontend.open_streams(prompts, params, chat, body.priority)
             tally = Tally(started, [len(s.accepted.prompt_token_ids) for s in streams], n)
             request_id = schemas.new_id("chatcmpl" if chat else "cmpl")
             model = frontend.model.served_name

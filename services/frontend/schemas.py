@@ -1,7 +1,7 @@
 """The OpenAI API's request and response bodies, as pydantic models (what crosses the HTTP boundary).
 
 Requests take OpenAI's fields and vLLM's extensions (``top_k``, ``ignore_eos``, ``stop_token_ids``,
-``repetition_penalty``, ``min_tokens``, ``prompt_logprobs``, and the older vLLM server's beam search:
+``repetition_penalty``, ``min_tokens``, ``prompt_logprobs``, ``priority``, and the older vLLM server's beam search:
 ``use_beam_search`` with ``length_penalty`` and ``early_stopping``). Fields the engine has no support
 for yet (``echo``, ``suffix``, tools) are declared, so that :func:`unsupported` can refuse them with
 a 400 naming the field, instead of silently ignoring what a client asked for. Unknown fields are
@@ -58,6 +58,9 @@ class SamplingFields(BaseModel):
     use_beam_search: bool = False
     length_penalty: float | None = None
     early_stopping: bool | Literal["never"] | None = None
+    # vLLM's extension: the order in the router's admission queue while the workers are saturated
+    # (lower first, -100..100; the bus checks the bound).
+    priority: int = 0
 
 
 class CompletionRequest(SamplingFields):

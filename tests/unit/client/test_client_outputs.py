@@ -57,6 +57,15 @@ async def test_a_stream_of_three_outputs_ends_when_all_three_have(scripted):
     assert seen[-1].cumulative_logprob == -1.0
 
 
+async def test_priority_goes_with_the_request_and_is_bounded(scripted):
+    client, router = await scripted(lambda r: [chunk(r, 0, 0, [97], finish_reason="stop")])
+    await client.complete("abc", max_tokens=1, priority=-5)
+    assert router.requests[0].priority == -5
+    with pytest.raises(InvalidRequestError) as caught:
+        client.generate("abc", priority=500)
+    assert caught.value.param == "priority", caught.value
+
+
 async def test_complete_returns_every_output_best_first(scripted):
     client, _ = await scripted(three_samples)
     result = await client.complete("abc", n=3, max_tokens=3)

@@ -161,6 +161,18 @@ async def test_the_bus_request_carries_every_field(api):
     assert params.logit_bias == [(97, 3.0), (10, -100.0)]
 
 
+@pytest.mark.parametrize("priority,status", [(-7, 200), (0, 200), (101, 400)])
+async def test_priority_reaches_the_routers_queue_order(api, priority, status):
+    http, router = await api(lambda r: [chunk(r, 0, 0, [97], finish_reason="stop")])
+    response = await http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "priority": priority})
+    assert response.status_code == status, response.text
+    if status == 200:
+        assert router.requests[0].priority == priority
+    else:
+        assert response.json()["error"]["param"] == "priority" and router.requests == []
+
+
 async def test_prompt_logprobs_in_vllms_shape(api):
     entries = [None, TokenLogprobs(logprob=-2.0, top=[(99, -0.5), (98, -2.0)]),
                TokenLogprobs(logprob=-4.0, top=[(97, -0.25)])]
