@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -87,9 +88,20 @@ class System:
             proc.wait()
 
     def stop_all(self) -> None:
-        for name in [n for n in self.processes if n.startswith("router")] + list(self.processes):
-            if name in self.processes:
-                self.stop(name)
+        """Routers first (no new placements), then every other service at once: each drains for
+        its grace period in parallel, not one after the other."""
+        routers = [n for n in self.processes if n.startswith("router")]
+        for group in (routers, list(self.processes)):
+            procs = {name: self.processes.pop(name) for name in group if name in self.processes}
+            for proc in procs.values():
+                proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 20
+            for proc in procs.values():
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
     def restart(self, name: str) -> None:
         """Stop one service process and start it again with the same arguments and instance id."""

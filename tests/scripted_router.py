@@ -39,9 +39,10 @@ def chunk(request: GenerateRequest, sample: int, index: int, token_ids: list[int
                        finish_reason=finish_reason, sample_index=sample, **fields)
 
 
-def error_chunk(request: GenerateRequest, message: str) -> StreamChunk:
-    """The chunk a worker sends when the request failed there: it ends every output."""
-    error = ErrorReply(code=ErrorCode.WORKER_FAILURE, message=message, request_id=request.request_id)
+def error_chunk(request: GenerateRequest, message: str, code: ErrorCode = ErrorCode.WORKER_FAILURE) -> StreamChunk:
+    """The chunk a worker sends when the request failed there (or, ``shutting_down``, it stopped
+    before the request finished): it ends every output."""
+    error = ErrorReply(code=code, message=message, request_id=request.request_id)
     return StreamChunk(request_id=request.request_id, index=0, token_ids=[], text="", error=error)
 
 

@@ -16,9 +16,10 @@ import nats
 import pytest
 from scripted_router import ScriptedRouter, chunk, entries, error_chunk
 
-from tandem.client import WorkerFailureError, connect
+from tandem.client import ShuttingDownError, WorkerFailureError, connect
 from tandem.migration import MAX_REQUEST_ID_CHARS, ResumeState, placement_request_id
 from tandem.shared.protocol import subjects
+from tandem.shared.protocol.base import ErrorCode
 from tandem.shared.protocol.codec import decode
 from tandem.shared.protocol.serving import Cancel, GenerateAccepted, GenerateRequest, StreamChunk, TokenLogprobs
 
@@ -64,6 +65,39 @@ async def test_a_stream_ended_by_a_worker_failure_goes_on_where_it_stopped(scrip
         "a placement after a migration has its own id and stream"
     assert again.prompt is None and again.prompt_token_ids == list(b"abc"), "the accepted token ids, not retokenized"
     assert (again.params.max_tokens, again.params.seed, again.params.temperature) == (5, 3, 0.7)
+
+
+def stops_after_two_tokens(request):
+    """The first placement's worker reaches its shutdown deadline after "hi"; another takes the rest."""
+    if not resumed(request):
+        return [chunk(request, 0, 0, [104]), chunk(request, 0, 1, [105]),
+                error_chunk(request, "decode worker d stopped before this request finished", ErrorCode.SHUTTING_DOWN)]
+    return [chunk(request, 0, 2, [106], finish_reason="length")]
+
+
+async def test_a_worker_stopped_past_its_deadline_hands_its_streams_to_another(scripted):
+    """A scale-down past its drain deadline loses nothing: the stream goes on elsewhere."""
+    client, router = await scripted(stops_after_two_tokens)
+    result = await client.complete("abc", max_tokens=3)
+    assert result.token_ids == [104, 105, 106] and result.migrations == 1
+    assert router.requests[1].resume_output_token_ids == [104, 105]
+
+
+async def test_shutting_down_with_no_router_left_fails_at_once_not_after_the_timeout(scripted):
+    """The whole deployment stopping: nobody takes the request on, so the caller hears why at once."""
+    client, router = await scripted(stops_after_two_tokens, request_timeout_s=60)
+    stream = client.generate("abc", max_tokens=3)
+    tokens = []
+    started = None
+    with pytest.raises(ShuttingDownError, match="stopped before this request finished") as caught:
+        async for part in stream:
+            tokens += part.token_ids
+            if len(tokens) == 1:
+                await router.nc.close()  # the router goes before the worker's error arrives
+                started = asyncio.get_running_loop().time()
+    took = asyncio.get_running_loop().time() - started
+    assert took < 5, f"{took:.1f}s: no waiting for the 60 s timeout when the deployment stops"
+    assert "no other worker took it on" in str(caught.value)
 
 
 async def test_a_late_chunk_of_the_placement_given_up_on_is_not_delivered(scripted):
