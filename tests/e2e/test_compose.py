@@ -121,8 +121,16 @@ def test_dockerfile_installs_the_package_with_cpu_torch():
     text = (COMPOSE / "Dockerfile").read_text()
     assert text.startswith("#") and "FROM python:3.11-slim" in text
     assert "ARG TORCH_VERSION=2.13.0" in text and "whl/cpu" in text
-    for source in re.findall(r"^COPY (\S+)", text, re.M):
+    copied = [part for line in re.findall(r"^COPY (.+) \S+$", text, re.M) for part in line.split()]
+    for source in copied:
         assert (ROOT / source).exists(), f"Dockerfile copies {source}, which is not in the repo"
+    allowed = {line[1:].rstrip("/") for line in (COMPOSE / "Dockerfile.dockerignore").read_text().splitlines()
+               if line.startswith("!")}
+    # What `pip install .` reads to build the package (setup.py maps the packages: without it
+    # setuptools refuses the flat layout), in the build context and in the image.
+    for needed in ("pyproject.toml", "setup.py", "README.md", "tandem", "shared", "services", "console"):
+        assert needed in allowed, f"compose/Dockerfile.dockerignore leaves {needed} out of the build context"
+        assert needed in [c.rstrip("/") for c in copied], f"compose/Dockerfile does not copy {needed}"
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["tandem"] == "tandem.cli:main"
 
