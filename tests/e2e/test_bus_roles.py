@@ -63,7 +63,12 @@ TABLE = [
     ("kvstore", "k-1", SUB, s.kvstore_get("k-1"), ALLOWED),
     ("kvstore", "k-1", SUB, s.kvstore_get("k-2"), REFUSED),
     ("planner", "pl-1", PUB, s.PLANNER_DECISIONS, ALLOWED),
-    ("planner", "pl-1", PUB, s.drain("decode", "d-1"), REFUSED),
+    ("planner", "pl-1", PUB, s.drain("decode", "d-1"), ALLOWED),  # its actuator drains before a scale-down
+    ("planner", "pl-1", PUB, s.drain("router", "r-1"), REFUSED),
+    ("planner", "pl-1", PUB, s.ROUTER_GENERATE, REFUSED),
+    ("client", "c", PUB, s.alive("decode", "d-1"), ALLOWED),  # is the worker holding my stream there?
+    ("client", "c", PUB, s.alive("kvstore", "k-1"), REFUSED),
+    ("router", "r-1", PUB, s.alive("prefill", "p-1"), ALLOWED),
     ("trainer", "t-1", PUB, s.WEIGHTS_UPDATED, ALLOWED),
     ("trainer", "t-1", PUB, s.ROUTER_GENERATE, REFUSED),
     ("frontend", "f-1", PUB, s.ROUTER_GENERATE, ALLOWED),
