@@ -11,6 +11,13 @@ folder and JetStream store, so clients that reconnect find the streams they had.
 
     with NatsServer.start() as server:
         print(server.url)
+
+Given a :class:`Cluster`, the server also listens for routes and routes to the other members, so
+services on several hosts, each connected to its own host's server, share one bus
+(``benchmarks/two_hosts.py`` builds two such hosts on one machine)::
+
+    routes = ("nats-route://10.0.0.1:6222", "nats-route://10.0.0.2:6222")
+    NatsServer.start(cluster=Cluster(host="10.0.0.1", port=6222, routes=routes, server_name="a"))
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import ctypes
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -26,7 +34,7 @@ import sys
 import sysconfig
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tandem.shared.auth.keyring import write_private
@@ -43,6 +51,21 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum))
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """How a server joins a cluster: where it listens for routes and which members it dials.
+
+    ``routes`` may hold every member, this one included (the server drops a route to itself), so
+    every member can be given the same list. JetStream in a cluster needs routes from the start:
+    a member given none refuses to start."""
+
+    routes: tuple[str, ...] = ()  # nats-route://HOST:PORT of the members
+    host: str = "127.0.0.1"  # the address the other members reach this one at
+    port: int = 0  # 0: a free one (then ``NatsServer.cluster.port`` says which)
+    name: str = "tandem"  # every member's must be the same
+    server_name: str = ""  # unique in the cluster (JetStream's peers are named by it); "": a random one
 
 
 class NatsServerError(RuntimeError):
@@ -89,19 +112,26 @@ class NatsServer:
     binary: str = ""
     jetstream: bool = True
     auth_config: str = field(default="", repr=False)  # may hold the accounts' JWTs
+    cluster: Cluster | None = None  # its port and server name as started, kept by a restart
     _stopped: bool = field(default=False, repr=False)
 
     @property
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
 
+    @property
+    def cluster_url(self) -> str | None:
+        """Where the other members route to this one (nats-route://HOST:PORT); None: not clustered."""
+        return f"nats-route://{self.cluster.host}:{self.cluster.port}" if self.cluster else None
+
     @classmethod
     def start(cls, *, binary: str | None = None, timeout_s: float = 15.0, jetstream: bool = True, port: int = 0,
-              workdir: Path | None = None, auth_config: str = "") -> NatsServer:
+              workdir: Path | None = None, auth_config: str = "", cluster: Cluster | None = None) -> NatsServer:
         """``port`` 0: a free one. ``workdir``: the server's folder, made here and removed by
         :meth:`stop` (it must not hold anything else); None: a new temporary folder.
         ``auth_config``: config lines that make the server require identities
-        (``Keyring.server_config``); empty: anyone who reaches the port may do anything."""
+        (``Keyring.server_config``); empty: anyone who reaches the port may do anything.
+        ``cluster``: also join a cluster of servers (routes); None: a server on its own."""
         binary = binary or find_nats_server()
         if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
             raise NatsServerError(f"nats-server binary {binary} does not exist or is not executable")
@@ -110,21 +140,26 @@ class NatsServer:
         else:
             workdir = Path(workdir)
             workdir.mkdir(parents=True, exist_ok=True)
+        if cluster is not None and not cluster.server_name:
+            cluster = replace(cluster, server_name=f"tandem-{secrets.token_hex(4)}")
         try:
-            process, url, monitor_port = _launch(binary, workdir, port, 0, jetstream, auth_config, timeout_s)
+            process, url, monitor_port, cluster = _launch(binary, workdir, port, 0, jetstream, auth_config, cluster,
+                                                          timeout_s)
         except NatsServerError:
             shutil.rmtree(workdir, ignore_errors=True)
             raise
         return cls(process=process, url=url, workdir=workdir, monitor_port=monitor_port, binary=binary,
-                   jetstream=jetstream, auth_config=auth_config)
+                   jetstream=jetstream, auth_config=auth_config, cluster=cluster)
 
     def restart(self, timeout_s: float = 15.0) -> None:
         """Start the server again in place after it died: same port, monitoring port, folder and
-        JetStream store (kept whatever happens: a failed restart can be tried again)."""
+        JetStream store (kept whatever happens: a failed restart can be tried again); a clustered
+        one also keeps its cluster port and server name, so the other members route to it again."""
         if self.process.poll() is None:
             raise NatsServerError(f"nats-server pid {self.process.pid} is still running")
-        self.process, _, self.monitor_port = _launch(self.binary, self.workdir, self.port, self.monitor_port or 0,
-                                                     self.jetstream, self.auth_config, timeout_s, restart=True)
+        self.process, _, self.monitor_port, self.cluster = _launch(
+            self.binary, self.workdir, self.port, self.monitor_port or 0, self.jetstream, self.auth_config,
+            self.cluster, timeout_s, restart=True)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the server (SIGTERM, then SIGKILL) and remove its folder. Safe to call twice."""
@@ -149,9 +184,11 @@ class NatsServer:
 
 
 def _launch(binary: str, workdir: Path, port: int, monitor_port: int, jetstream: bool, auth_config: str,
-            timeout_s: float, restart: bool = False) -> tuple[subprocess.Popen, str, int | None]:
+            cluster: Cluster | None, timeout_s: float,
+            restart: bool = False) -> tuple[subprocess.Popen, str, int | None, Cluster | None]:
     """Write the config into ``workdir`` and run the server on it until its ports file says where it
-    listens: (process, URL, monitoring port). Ports 0: free ones. Raises :class:`NatsServerError`."""
+    listens: (process, URL, monitoring port, the cluster with its port). Ports 0: free ones.
+    Raises :class:`NatsServerError`."""
     config = workdir / "nats.conf"
     store = workdir / "jetstream"
     lines = [
@@ -164,6 +201,15 @@ def _launch(binary: str, workdir: Path, port: int, monitor_port: int, jetstream:
     ]
     if jetstream:
         lines.append(f'jetstream {{ store_dir: "{store}" }}')
+    if cluster is not None:
+        routes = ", ".join(json.dumps(route) for route in cluster.routes)
+        lines += [
+            f"server_name: {json.dumps(cluster.server_name)}",
+            # no_advertise: the members' client URLs (127.0.0.1 here) mean nothing on another host, so
+            # clients must not be told of them; each is given its own host's server.
+            f"cluster {{ name: {json.dumps(cluster.name)}, host: {json.dumps(cluster.host)}, "
+            f"port: {cluster.port or -1}, no_advertise: true, routes: [{routes}] }}",
+        ]
     write_private(config, "\n".join(lines) + "\n" + auth_config)  # it may hold the accounts' JWTs
     for stale in workdir.glob("*.ports"):  # a dead predecessor's, never to be read as this one's
         stale.unlink(missing_ok=True)
@@ -190,11 +236,16 @@ def _launch(binary: str, workdir: Path, port: int, monitor_port: int, jetstream:
                 ports = json.loads(ports_file.read_text())
             except json.JSONDecodeError:  # written but not yet complete
                 ports = None
-            if ports and ports.get("nats"):
+            if ports and ports.get("nats") and (cluster is None or ports.get("cluster")):
                 url = ports["nats"][0]
                 monitor = ports.get("monitoring", [None])[0]
-                log.info("nats-server pid=%d listening on %s", process.pid, url)
-                return process, url, int(monitor.rsplit(":", 1)[1]) if monitor else None
+                if cluster is not None:
+                    cluster = replace(cluster, port=int(ports["cluster"][0].rsplit(":", 1)[1]))
+                    log.info("nats-server pid=%d listening on %s, routes on %s:%d", process.pid, url, cluster.host,
+                             cluster.port)
+                else:
+                    log.info("nats-server pid=%d listening on %s", process.pid, url)
+                return process, url, int(monitor.rsplit(":", 1)[1]) if monitor else None, cluster
         time.sleep(0.02)
     process.kill()
     process.wait()
