@@ -40,6 +40,8 @@ from tandem.shared.protocol.base import SCHEMA_VERSION
 from tandem.shared.protocol.fleet import DrainRequest, Heartbeat
 from tandem.shared.protocol.kv import KVEvent
 
+pytestmark = pytest.mark.slow  # over a thousand fuzzed messages against every service, legit rounds beside them
+
 SEED = 1234
 IN_FLIGHT = 32
 REPLY_TIMEOUT_S = 5.0

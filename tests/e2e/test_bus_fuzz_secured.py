@@ -32,6 +32,8 @@ from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import SCHEMA_VERSION
 from tandem.supervisor import wait_until_ready
 
+pytestmark = pytest.mark.slow  # the fuzz again, on a bus with identities
+
 SEED = 4321
 IN_FLIGHT = 32
 REPLY_TIMEOUT_S = 5.0

@@ -3,7 +3,7 @@
 Textual pilot tests drive the keys and read what each pane shows (the screen rendered as text).
 The planner, trainer and metrics messages come from the test itself (the console codes against
 their message contracts; those services may not run here), as does a stand-in planner answering
-scale requests. Run: ``python3 -m pytest -q tests/e2e/test_console_live.py``.
+scale requests. Run: ``python3 -m pytest -q -m slow tests/e2e/test_console_live.py``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from tandem.shared.protocol.base import Ack
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.fleet import HistogramSnapshot, MetricsSnapshot, ScaleRequest, ScalingDecision
 from tandem.shared.protocol.training import TimelineOp, TrainTimeline
+
+pytestmark = pytest.mark.slow  # the console against a live system, screen by screen
 
 SIZE = (150, 45)
 PROMPT = "def walk(tree):\n    for child in tree.children:\n"  # 48 tokens: 3 full blocks

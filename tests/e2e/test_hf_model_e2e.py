@@ -13,6 +13,8 @@ from tandem.client import UnknownModelError, connect
 from tandem.shared.model.loader import load_model
 from tandem.shared.model.reference import reference_generate
 
+pytestmark = pytest.mark.slow  # Hugging Face checkpoints made and served through the whole path
+
 LENGTHS = [1, 15, 16, 17, 31, 32, 33, 70]
 NEW_TOKENS = 8
 

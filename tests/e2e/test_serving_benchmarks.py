@@ -62,6 +62,7 @@ def test_kv_transfer_benchmark_moves_the_bytes_both_ways() -> None:
             and float(row[2].replace(",", "")) > 0), out.stdout
 
 
+@pytest.mark.slow  # a whole benchmark script run
 def test_several_outputs_benchmark_prints_shared_blocks_and_the_beam_peer() -> None:
     """One n = 8 request holds the prompt's full blocks once (8 independent requests hold 8 copies);
     the beam search figure compares the engine with transformers' generate(num_beams=4)."""
@@ -76,6 +77,7 @@ def test_several_outputs_benchmark_prints_shared_blocks_and_the_beam_peer() -> N
     assert beam["tandem_over_transformers"] > 0
 
 
+@pytest.mark.slow  # a whole benchmark script run
 def test_swap_vs_recompute_benchmark_preempts_both_ways() -> None:
     """The same workload on a pool too small for it, preempting by swap and by recompute: the same
     tokens either way, each run's preemptions of its own kind, and the throughput ratio."""
