@@ -15,6 +15,8 @@
     tandem console [--nats-url URL]
     tandem services [--json] [--nats-url URL]
     tandem ping router|prefill|decode|kvstore|planner|trainer|frontend [--host HOST] [--wait S] [--nats-url URL]
+    tandem bundle --out DIR [--torch cpu|cuda] [--platform TAG] [--python-version X.Y] [--images auto|require|skip]
+                  [--force] [--dry-run]      (everything an offline host needs: wheels, images, install.sh)
     tandem --version
 
 The settings flags are generated from :mod:`tandem.shared.infra.config` (:mod:`tandem.flags`): every
@@ -165,6 +167,10 @@ def parser() -> argparse.ArgumentParser:
     from tandem.auth_init import add_auth_parser
 
     add_auth_parser(sub)
+
+    from tandem.bundle import add_bundle_parser
+
+    add_bundle_parser(sub)
 
     console = sub.add_parser("console", help="the ops console (a terminal UI) for a running tandem")
     add_common(console)
@@ -575,6 +581,12 @@ def cmd_auth(args: argparse.Namespace) -> int:
     return run_auth(args)
 
 
+def cmd_bundle(args: argparse.Namespace) -> int:
+    from tandem.bundle import run_bundle
+
+    return run_bundle(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "serve":
         from tandem.bench_serve import run_bench_serve
@@ -597,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.captureWarnings(True)
     handler = {"up": cmd_up, "serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench,
                "console": cmd_console, "train": cmd_train, "services": cmd_services, "auth": cmd_auth,
-               "ping": cmd_ping}[args.command]
+               "ping": cmd_ping, "bundle": cmd_bundle}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:
