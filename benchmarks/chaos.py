@@ -4,14 +4,14 @@
                                [--concurrency 32] [--late 4] [--max-tokens 256] [--input-len 128]
 
 Starts ``tandem up`` (one prefill and two decode workers; ``--model`` defaults to
-``random:llama3-8b`` on CUDA, the tiny model on CPU) and runs the same N + L requests first
+``random:llama3-8b`` on CUDA, the tiny model on CPU) and runs the same requests first
 undisturbed (the reference), then once per ``--kill`` target: N streams, the target killed
 (SIGKILL) once every stream is under way, and L more requests sent in the instant after the kill
 (their placement meets the death). ``tandem up`` restarts what was killed; the clients migrate what
 it held (``tandem/migration.py``). The targets: ``decode``, the decode worker holding the most
 streams; ``prefill``, the prefill worker, killed at once (before its hand-offs); ``router``, with
-N/2 more requests waiting in its admission queue when it dies (the router's in-flight limit is (N +
-L)/2 per decode worker, so they queue); ``nats``, the nats-server itself. Prints one JSON line per
+both decode workers full (the router lets each hold N + L requests) and N/2 more requests waiting
+in its admission queue when it dies; ``nats``, the nats-server itself. Prints one JSON line per
 target: streams completed token-exact / total, requests failed and migrated, time from the kill to
 each migrated stream's next token (p50, max), the late requests' time from the kill to their first
 token (p50, max), and for the migrated requests their stall (the gap in their stream at the
@@ -126,6 +126,13 @@ def tpot(times: list[float]) -> float | None:
     return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
 
 
+def inflight_limit(args: argparse.Namespace) -> int:
+    """Requests the router lets one decode worker hold: all the streams and late requests, so one
+    worker left after a kill takes every migrated request at once (none waits in the router's
+    queue), while the router's kill, with both workers full, has requests queued."""
+    return args.concurrency + args.late
+
+
 async def disturbed(client: Client, requests: list[dict], late: int, target: str, args: argparse.Namespace,
                     data_dir: Path) -> tuple[list[Record], float, str]:
     """The requests once more, ``target`` killed once the first ``len - late`` are under way (or
@@ -133,7 +140,8 @@ async def disturbed(client: Client, requests: list[dict], late: int, target: str
     records = [Record() for _ in requests]
     streams = len(requests) - late
     tasks = [asyncio.create_task(consume(client, r, rec)) for r, rec in zip(requests[:streams], records)]
-    under_way = args.concurrency  # the queued ones (router target) never get under way before the kill
+    # The router target's queued ones never get under way before the kill: wait for the rest.
+    under_way = 2 * inflight_limit(args) if target == "router" else args.concurrency
     wanted = 0 if target == "prefill" else args.kill_after_tokens  # prefill: before its hand-offs
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -185,7 +193,8 @@ def figures(target: str, name: str, records: list[Record], reference: list[Recor
 
 
 async def run(url: str, data_dir: Path, args: argparse.Namespace, vocab_size: int) -> None:
-    queued = args.concurrency // 2  # sent with the streams before the router's kill: they wait in its queue
+    # Sent with the streams before the router's kill: both decode workers full, N/2 wait in its queue.
+    queued = 2 * inflight_limit(args) - args.concurrency + args.concurrency // 2
     requests = workload(args.concurrency + args.late + queued, args.input_len, args.max_tokens, vocab_size)
     async with connect(url, data_dir=str(data_dir), request_timeout_s=300, reconnect_s=30) as client:
         await client.complete(requests[0]["prompt"], max_tokens=4, temperature=0.0)  # warm-up
@@ -247,8 +256,7 @@ def main() -> None:
     env = {**os.environ, "TANDEM_DATA_DIR": str(data_dir)}
     up_args = [sys.executable, "-m", "tandem", "up", "--model", args.model, "--no-planner", "--http-port", "0",
                "--prefill", "1", "--decode", "2", "--max-num-seqs", str(max(64, args.concurrency)),
-               # The streams and the late requests fit the two decode workers; more wait in the router's queue.
-               "--router-max-inflight-per-worker", str(max(1, -(-(args.concurrency + args.late) // 2))),
+               "--router-max-inflight-per-worker", str(inflight_limit(args)),
                *args.up_arg]
     log_path = out_dir / "chaos-up.log"
     with open(log_path, "w") as log:

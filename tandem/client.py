@@ -289,6 +289,14 @@ MIGRATION_RETRY_S = 0.25  # between re-placements of a migrating request that fi
 RECONNECT_WAIT_S = 0.5  # nats-py's pause between reconnection attempts
 
 
+class _WorkerGone(WorkerFailureError):
+    """The worker holding a stream is gone (off the bus, or silent): its request migrates, never to it again."""
+
+    def __init__(self, message: str, request_id: str, instance: str) -> None:
+        super().__init__(message, request_id)
+        self.instance = instance
+
+
 class _RouterLost(Exception):
     """The router holding a placement left the bus before answering (or no router took it): the
     request is placed again, never left to the client's timeout."""
@@ -489,7 +497,8 @@ class RequestStream:
             dead = await client._first_dead(holders, None)
             if dead is None or time.monotonic() >= deadline:
                 break
-            log.debug("%s: placed on %s, which is gone: placing it again", self.request_id, dead)
+            resume.exclude(dead[0])
+            log.debug("%s: placed on %s, which is gone: placing it again", self.request_id, dead[0])
             await asyncio.sleep(MIGRATION_RETRY_S)
         self._placed = self._last_output = time.monotonic()
 
@@ -505,6 +514,8 @@ class RequestStream:
             except WorkerFailureError as exc:
                 if not self._may_migrate():
                     raise
+                if isinstance(exc, _WorkerGone):
+                    self.resume.exclude(exc.instance)
                 await self._migrate(str(exc), patient=not isinstance(exc, ShuttingDownError))
 
     async def _next_chunk_of_placement(self) -> Chunk:
@@ -594,8 +605,8 @@ class Client:
 
         self._beats = await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
 
-    async def _first_dead(self, holders: list[tuple[str, str]], since: float | None) -> str | None:
-        """Why the first (service, instance) of ``holders`` that died is taken for dead, or None:
+    async def _first_dead(self, holders: list[tuple[str, str]], since: float | None) -> tuple[str, str] | None:
+        """The first (service, instance) of ``holders`` that died and why it is taken for dead, or None:
         its heartbeats stopped for ``worker_timeout_s`` (counted from ``since`` for one never heard
         from; None: such a one is not judged), or, late by ``LATE_BEAT_S``, it is off the bus (the
         server knows a kill -9 at once, so this finds one in about a second)."""
@@ -605,18 +616,18 @@ class Client:
             if last is None:
                 continue
             if now - last > self.worker_timeout_s:
-                return f"worker {worker} stopped sending heartbeats"
+                return worker, f"worker {worker} stopped sending heartbeats"
             # Only one heard from: an instance that never beat (a test's stand-in) has no alive subject either.
             if now - last > LATE_BEAT_S and worker in self._last_beat and not await self._instance_alive(service,
                                                                                                          worker):
-                return f"worker {worker} left the bus"
+                return worker, f"worker {worker} left the bus"
         return None
 
     async def _check_alive(self, request_id: str, holders: list[tuple[str, str]], since: float) -> None:
         """Raise :class:`WorkerFailureError` when one of ``holders`` died (see :meth:`_first_dead`)."""
         dead = await self._first_dead(holders, since)
         if dead is not None:
-            raise WorkerFailureError(dead, request_id)
+            raise _WorkerGone(dead[1], request_id, dead[0])
 
     def _lost(self, exc: Exception | None, request_id: str | None) -> ConnectionLostError:
         why = f" ({type(exc).__name__})" if exc is not None else ""

@@ -6,6 +6,9 @@ request itself: the same prompt (as token ids, so it is not tokenized again), th
 the router granted the first time, and ``resume_output_token_ids`` = the tokens delivered so far.
 The workers take those as output sampled elsewhere and stream what follows from index
 ``len(resume_output_token_ids)`` on, so the caller sees one stream with no gap and no duplicate.
+``exclude_workers`` names the workers the client saw die under the request: a router that has not
+noticed yet (their last heartbeat is a moment old, and they cache the prompt) would otherwise
+place it on one of them again.
 Each placement has its own request id (:func:`placement_request_id`), hence its own stream
 subject: a late chunk of a placement given up on cannot enter the new one, and a cancel reaches
 exactly the placement it names.
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from tandem.shared.protocol.serving import GenerateAccepted, GenerateRequest, StreamChunk
 
 MAX_REQUEST_ID_CHARS = 128  # as RequestId allows
+MAX_EXCLUDED = 32  # as GenerateRequest.exclude_workers allows
 
 
 def placement_request_id(request_id: str, placement: int) -> str:
@@ -45,6 +49,12 @@ class ResumeState:
     resumed: int = 0  # tokens the current placement started from
     resumed_logprob_sum: float = 0.0  # their logprobs' sum: the current placement's own figure leaves them out
     reasons: list[str] = field(default_factory=list)  # why each migration happened
+    excluded: list[str] = field(default_factory=list)  # workers seen dead under it, oldest first
+
+    def exclude(self, instance: str) -> None:
+        """Never place the request on ``instance`` again (bounded as ``GenerateRequest`` bounds it)."""
+        if instance not in self.excluded:
+            self.excluded = [*self.excluded, instance][-MAX_EXCLUDED:]
 
     def deliver(self, chunk: StreamChunk) -> StreamChunk:
         """Record ``chunk`` as delivered and return it as the caller should see it: after a
@@ -80,7 +90,7 @@ class ResumeState:
         delivered tokens. ``accepted``: the router's answer to an earlier placement (None when none
         came: then the request is sent as it was, with the tokens it has, maybe none)."""
         update: dict = {"request_id": request_id, "stream_subject": stream_subject,
-                        "resume_output_token_ids": list(self.token_ids)}
+                        "resume_output_token_ids": list(self.token_ids), "exclude_workers": list(self.excluded)}
         if accepted is not None:
             # The same tokens and the same grant: a re-placement neither re-tokenizes the prompt nor
             # lets another worker's context length change max_tokens.

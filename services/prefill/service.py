@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import Counter
 
 import torch
 from nats.micro.request import Request
@@ -147,8 +148,11 @@ class PrefillService(EngineWorker):
         return super().busy() or bool(self.handoffs)
 
     def heartbeat(self) -> Heartbeat:
-        owed = {m.decode_worker for m in self.pending.values()} | set(self.handoffs.values())
-        return super().heartbeat().model_copy(update={"pending_decode": sorted(owed)})
+        # A request moves from pending to handoffs when its prefill ends: each counts once.
+        counts = Counter(m.decode_worker for m in self.pending.values())
+        counts.update(worker for request_id, worker in self.handoffs.items() if request_id not in self.pending)
+        return super().heartbeat().model_copy(update={"pending_decode": sorted(counts),
+                                                      "owed_requests": dict(counts)})
 
     async def hand_off(self, msg: PrefillRequest, out: RequestOutput, stream: Stream) -> None:
         """Move the prompt's KV to the decode worker (its ring on this host, else NATS frames),

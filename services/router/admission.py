@@ -44,7 +44,7 @@ class WorkerLoad:
 
     running: int
     waiting: int
-    placed_unseen: int  # placed by this router since its last heartbeat counted them
+    placed_unseen: int  # placed by this router since its last heartbeat counted them, or owed it by prefill workers
     max_num_seqs: int  # from its heartbeat; 0: not said
 
     @property

@@ -139,8 +139,10 @@ class Worker:
     def load(self) -> int:
         return self.beat.running + self.beat.waiting + len(self.assigned)
 
-    def admission_load(self) -> WorkerLoad:
-        return WorkerLoad(self.beat.running, self.beat.waiting, len(self.assigned), self.beat.max_num_seqs)
+    def admission_load(self, owed: int = 0) -> WorkerLoad:
+        """``owed``: requests prefill workers hold for it (their heartbeats' ``owed_requests``),
+        which its own running and waiting counts do not show yet: in flight to it, not waiting there."""
+        return WorkerLoad(self.beat.running, self.beat.waiting, len(self.assigned) + owed, self.beat.max_num_seqs)
 
     def reserve(self) -> float:
         stamp = time.monotonic()
@@ -261,7 +263,12 @@ class Router(ServiceRuntime):
     def decode_room(self) -> bool:
         """Whether some live decode worker can take one more request now (see admission.py)."""
         limit = self.settings.router.max_inflight_per_worker
-        return any(has_room(w.admission_load(), limit) for w in self.alive("decode", self.meta.name))
+        return any(has_room(self.admission_load(w), limit) for w in self.alive("decode", self.meta.name))
+
+    def admission_load(self, worker: Worker) -> WorkerLoad:
+        instance = worker.beat.instance_id
+        owed = sum(p.beat.owed_requests.get(instance, 0) for p in self.workers["prefill"].values())
+        return worker.admission_load(owed)
 
     def pump_admission(self) -> None:
         if not self.admission.depth:
@@ -280,9 +287,10 @@ class Router(ServiceRuntime):
                 del pool[instance_id]
                 self.index.forget(instance_id)
 
-    def alive(self, service: str, model: str) -> list[Worker]:
+    def alive(self, service: str, model: str, excluded: list[str] = ()) -> list[Worker]:
         self.sweep()
-        return [w for w in self.workers[service].values() if w.beat.model == model and not w.beat.draining]
+        return [w for w in self.workers[service].values()
+                if w.beat.model == model and not w.beat.draining and w.beat.instance_id not in excluded]
 
     def forget(self, worker: Worker) -> None:
         self.workers[worker.beat.service].pop(worker.beat.instance_id, None)
@@ -348,9 +356,10 @@ class Router(ServiceRuntime):
     async def place_valid(self, msg: GenerateRequest, accepted_at: float) -> GenerateAccepted:
         ids = await self.tokenize(msg)
         check_logit_bias(msg.params, self.meta.config.vocab_size)
-        decoders = self.alive("decode", self.meta.name)
+        decoders = self.alive("decode", self.meta.name, msg.exclude_workers)
         if not decoders:
-            raise ProtocolError(ErrorCode.NO_WORKERS, f"no decode worker serves {self.meta.name!r}")
+            raise ProtocolError(ErrorCode.NO_WORKERS, f"no decode worker serves {self.meta.name!r}"
+                                + (f" (besides {', '.join(msg.exclude_workers)})" if msg.exclude_workers else ""))
         longest = max(w.beat.max_model_len for w in decoders)
         if len(ids) >= longest:  # before hashing a prompt no worker could hold
             raise ProtocolError(ErrorCode.PROMPT_TOO_LONG,
@@ -358,11 +367,11 @@ class Router(ServiceRuntime):
         waited = await self.admission.admit(admission_key(msg.request_id, msg.stream_subject), len(ids), msg.priority)
         # From here to decode_worker.reserve() nothing awaits: the next queued request is woken only
         # after this one's load is on its worker (see AdmissionQueue.admit).
-        decoders = self.alive("decode", self.meta.name)  # workers may have come or gone while it waited
+        decoders = self.alive("decode", self.meta.name, msg.exclude_workers)  # they may have come or gone meanwhile
         if not decoders:
             raise ProtocolError(ErrorCode.NO_WORKERS, f"no decode worker serves {self.meta.name!r}")
         limit = self.settings.router.max_inflight_per_worker
-        decoders = [w for w in decoders if has_room(w.admission_load(), limit)] or decoders
+        decoders = [w for w in decoders if has_room(self.admission_load(w), limit)] or decoders
         prompt = PromptBlocks(ids)
         ranked_decode = self.ranked(decoders, prompt)
         for decode_worker, choice in ranked_decode:
@@ -372,7 +381,8 @@ class Router(ServiceRuntime):
             try:
                 placed = await self.still_there(decode_worker)
                 if placed:
-                    prefill_worker, reason = await self.place_prefill(spec, prompt, decode_worker, choice)
+                    prefill_worker, reason = await self.place_prefill(spec, prompt, decode_worker, choice,
+                                                                      msg.exclude_workers)
                     placed = prefill_worker is not None or await self.forward_decode(spec, prompt, decode_worker)
             except BaseException:
                 decode_worker.release(stamp)
@@ -389,13 +399,14 @@ class Router(ServiceRuntime):
             max_tokens=spec.params.max_tokens, queue_wait_s=waited,
         )
 
-    async def place_prefill(self, spec: RequestSpec, prompt: PromptBlocks, dec: Worker,
-                            choice: Candidate) -> tuple[Worker | None, str]:
-        """A prefill worker that took the request, or None (the decode worker prefills), and why."""
+    async def place_prefill(self, spec: RequestSpec, prompt: PromptBlocks, dec: Worker, choice: Candidate,
+                            excluded: list[str] = ()) -> tuple[Worker | None, str]:
+        """A prefill worker that took the request, or None (the decode worker prefills), and why;
+        never one of ``excluded`` (workers its client saw die)."""
         ids = prompt.ids
         cached_tokens = min(len(ids), choice.cached_blocks * dec.beat.block_size)
         router = self.settings.router
-        alive = self.alive("prefill", self.meta.name)
+        alive = self.alive("prefill", self.meta.name, excluded)
         devices = [(w.beat.instance_id, w.beat.device) for w in alive]
         usable, why_local = remote_prefill_workers(len(ids) - cached_tokens, router.local_prefill_max_tokens,
                                                    dec.beat.device, devices, router.prefill_on_shared_device)

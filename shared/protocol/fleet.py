@@ -39,6 +39,9 @@ class Heartbeat(WireMessage):
     kv_transfers_ring: int = 0  # hand-offs received through the ring ...
     kv_transfers_nats: int = 0  # ... and as NATS frames
     pending_decode: list[str] = Field(default_factory=list)  # prefill: decode workers it still owes a hand-off
+    # prefill: requests it holds (prefilling or handing off) per decode worker they go to, which the
+    # router counts against that worker until they arrive there
+    owed_requests: dict[str, int] = Field(default_factory=dict)
 
 
 class RouteCandidate(BaseModel):

@@ -146,6 +146,9 @@ class GenerateRequest(WireMessage):
     # A migrated request: the output tokens its client already streamed from a worker that died.
     # The workers take them as sampled elsewhere and stream only what follows (see RequestSpec).
     resume_output_token_ids: list[TokenId] = Field(default_factory=list)
+    # Workers the client saw die under this request: never placed on again, though a router may not
+    # have noticed yet (their heartbeats are only a moment late, and they cache its prefix).
+    exclude_workers: list[InstanceName] = Field(default_factory=list, max_length=32)
     # Order in the router's admission queue while every decode worker is saturated: lower first (as
     # vLLM's priority scheduling), equal priorities first come first served.
     priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)

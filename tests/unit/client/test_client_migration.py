@@ -124,6 +124,7 @@ async def test_a_silent_worker_is_migrated_from_without_any_error_from_it(script
     result = await client.complete("abc", max_tokens=3)
     assert result.token_ids == [104, 105, 106] and result.migrations == 1
     assert router.requests[1].resume_output_token_ids == [104]
+    assert router.requests[1].exclude_workers == ["decode-scripted"], "the router is told which worker died"
 
 
 async def test_the_migration_limit_ends_the_request_with_the_last_reason(scripted):

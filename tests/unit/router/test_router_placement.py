@@ -145,6 +145,56 @@ async def test_without_a_live_prefill_worker_decode_prefills_locally(router, pre
     assert "prefill-p" not in service.workers["prefill"], "a worker that does not answer is dropped"
 
 
+@pytest.fixture
+async def limited_router(tmp_path):
+    bus = FakeBus()
+    settings = bus_settings(tmp_path, instance_id="router-t", router_max_inflight_per_worker=3)
+    async with serving(Router(settings), bus) as service:
+        yield bus, service
+    assert not bus.errors, f"handlers on the bus failed: {bus.errors}"
+
+
+@pytest.mark.parametrize("owed", [0, 3])
+async def test_requests_a_prefill_worker_holds_count_against_their_decode_worker(limited_router, owed) -> None:
+    """A is idle by its own heartbeat, but the prefill worker still holds ``owed`` requests for it
+    (prefilling, or handing them off): with 3 it is full (3 in flight at most), so B gets the request."""
+    bus, service = limited_router
+    fleet = await workers(bus, service.meta.name, ("decode", "decode-a", 0), ("decode", "decode-b", 1),
+                          ("prefill", "prefill-p", 0))
+    prefill = fleet["prefill-p"]
+    prefill.beat_msg = prefill.beat_msg.model_copy(update={"owed_requests": {"decode-a": owed} if owed else {}})
+    await prefill.beat()
+
+    reply = await place(bus, generate())
+
+    assert isinstance(reply, GenerateAccepted), reply
+    assert reply.decode_worker == ("decode-b" if owed else "decode-a"), reply
+
+
+@pytest.mark.parametrize("excluded", [["decode-b"], ["decode-b", "prefill-p"], ["decode-a", "decode-b"]],
+                         ids=["the-cached-decode-worker", "and-the-prefill-worker", "every-decode-worker"])
+async def test_a_migrated_request_is_never_placed_on_a_worker_its_client_saw_die(router, excluded) -> None:
+    """B caches the prompt and its heartbeats are fresh (the router has not noticed its death),
+    but the client saw it die: the request goes elsewhere, or, none being left, is refused
+    naming what it may not use (the client tries again until a replacement is up)."""
+    bus, service = router
+    await workers(bus, service.meta.name, ("decode", "decode-a", 0), ("decode", "decode-b", 0),
+                  ("prefill", "prefill-p", 0))
+    stored = prefix_hashes(PROMPT, BS)[:3]
+    await bus.publish(subjects.kv_events("decode", "decode-b"),
+                      encode(KVEvent(source="decode-b", service="decode", namespace=NS, seq=0, stored=stored)))
+
+    reply = await place(bus, generate(exclude_workers=excluded))
+
+    if "decode-a" in excluded:
+        assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.NO_WORKERS, reply
+        assert "besides decode-a, decode-b" in reply.message, reply.message
+        return
+    assert isinstance(reply, GenerateAccepted), reply
+    assert reply.decode_worker == "decode-a"
+    assert reply.prefill_worker == (None if "prefill-p" in excluded else "prefill-p")
+
+
 @pytest.mark.parametrize(("payload", "code"), [
     (generate(model="some-other-model"), ErrorCode.UNKNOWN_MODEL),
     (generate(prompt="text as well"), ErrorCode.INVALID_REQUEST),  # prompt and prompt_token_ids both
