@@ -281,6 +281,9 @@ class OutputAssembly:
 _LOST = None  # put into a stream's queue when the connection drops: wakes it at once
 PLACEMENT_TRIES = 4  # sends of a request that finds no router, PLACEMENT_RETRY_S apart (about a second)
 PLACEMENT_RETRY_S = 0.3
+# Finding none after a router answered this client: one is likely restarting (a supervisor brings
+# a killed one back in seconds), so the request waits this long for it, not about a second.
+ROUTER_RESTART_WAIT_S = 15.0
 PLACEMENT_ACK_S = 1.5  # a router says PlacementReceived as it takes a request: none this long, none took it
 ROUTER_CHECK_S = 0.5  # while a router places a request, how often it is asked whether it is still there
 LATE_BEAT_S = 1.0  # a worker holding a stream silent this long (two heartbeats) is asked whether it is there
@@ -472,7 +475,7 @@ class RequestStream:
             self.finished = False
             await self._listen(inbox)
             try:
-                accepted = await client._place(request, self.timeout_s)
+                accepted = await client._place(request, self.timeout_s, patient)
             except NoWorkersError as exc:
                 if not patient:
                     raise ShuttingDownError(f"{reason}; no other worker took it on ({exc})", self.request_id) from None
@@ -584,6 +587,7 @@ class Client:
         self.worker_timeout_s = worker_timeout_s  # a worker silent this long has died with our request
         self.max_migrations = max_migrations  # placements again after a worker died, per request (0: none)
         self.reconnect_s = reconnect_s  # how long a dropped connection may take to come back
+        self._router_answered = False  # a router has answered this client: one found missing is restarting
         self._connected = asyncio.Event()  # cleared while the connection is down
         self._connected.set()
         self._alive_checks: dict[str, tuple[float, asyncio.Future]] = {}  # instance -> (asked at, its answer)
@@ -737,13 +741,18 @@ class Client:
         except (ValidationError, TypeError) as exc:
             raise InvalidRequestError(f"invalid request: {_first_error(exc)}", shown, error_field(exc)) from None
 
-    async def _place(self, request: GenerateRequest, timeout: float) -> GenerateAccepted:
+    async def _place(self, request: GenerateRequest, timeout: float, patient: bool = True) -> GenerateAccepted:
         """Send ``request`` to a router and return where it placed it, or raise its typed error.
         Raises :class:`_RouterLost` when the router that took it left the bus before answering
         (the caller places it again under a new id, so the first placement, if it was made after
-        all, is cancelled rather than run twice)."""
+        all, is cancelled rather than run twice). Finding no router, it asks again for about a
+        second, or, ``patient`` and a router having answered this client before, for
+        ``ROUTER_RESTART_WAIT_S`` (one is likely restarting); then :class:`NoWorkersError`."""
         payload = encode(request.model_copy(update={"ack_placement": True}))
-        for attempt in range(PLACEMENT_TRIES):
+        restarting = patient and self._router_answered
+        patience = ROUTER_RESTART_WAIT_S if restarting else PLACEMENT_TRIES * PLACEMENT_RETRY_S
+        give_up = time.monotonic() + min(timeout, patience)
+        while True:
             await self._until_connected(request.request_id)
             replies: asyncio.Queue = asyncio.Queue()
 
@@ -759,17 +768,18 @@ class Client:
                 return await self._placement_reply(request.request_id, replies, timeout)
             except NoRespondersError:
                 # Answered at once by the server: no router subscribes right now (one restarting, or
-                # none deployed). Asked again a few times, so a router's restart does not fail the request.
-                if attempt + 1 < PLACEMENT_TRIES:
+                # none deployed). Asked again meanwhile, so a router's restart does not fail the request.
+                if time.monotonic() + PLACEMENT_RETRY_S < give_up:
                     await asyncio.sleep(PLACEMENT_RETRY_S)
                     continue
-                raise NoWorkersError("no router is running", request.request_id) from None
+                raise NoWorkersError("no router is running" + (f" (none came back within {patience:.0f}s)"
+                                                               if restarting else ""),
+                                     request.request_id) from None
             finally:
                 try:
                     await sub.unsubscribe()
                 except NatsError:
                     pass
-        raise AssertionError("unreachable")
 
     async def _placement_reply(self, request_id: str, replies: asyncio.Queue, timeout: float) -> GenerateAccepted:
         """The router's answer on ``replies``: first :class:`PlacementReceived` (which router holds
@@ -800,6 +810,7 @@ class Client:
                 reply = decode(msg.data, (PlacementReceived, GenerateAccepted, ErrorReply))
             except ProtocolError as exc:
                 raise WorkerFailureError(f"bad reply from router: {exc}", request_id) from None
+            self._router_answered = True
             if isinstance(reply, PlacementReceived):
                 router = reply.router
             elif isinstance(reply, ErrorReply):

@@ -265,3 +265,20 @@ async def test_no_acknowledgement_from_any_router_fails_typed_not_by_timeout(pri
         assert took < 10, f"{took:.1f}s: three 1.5 s acknowledgement waits, not the 60 s timeout"
     finally:
         await silent.close()
+
+
+async def test_a_request_waits_for_a_router_that_is_restarting(private_server):
+    """A router answered this client before, then none is there (killed, its supervisor starting
+    it again): a new request waits for it instead of failing after a second."""
+    served: list[GenerateRequest] = []
+    router = await counting_router(private_server.url, served)
+    async with connect(private_server.url, worker_timeout_s=60) as client:
+        assert len((await client.complete("hello", max_tokens=3)).token_ids) == 3
+        await router.close()
+        request = asyncio.ensure_future(client.complete("again", max_tokens=3))
+        await asyncio.sleep(2.5)  # longer than the second a first-ever placement waits
+        assert not request.done(), request
+        router = await counting_router(private_server.url, served)
+        result = await asyncio.wait_for(request, 10)
+        assert result.token_ids == [position_token(p) for p in range(3)]
+    await router.close()
