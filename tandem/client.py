@@ -56,6 +56,7 @@ from tandem.access import BusConnectError, bus_options, connect_command
 from tandem.migration import ResumeState, placement_request_id
 from tandem.runstate import find_running_url
 from tandem.shared.auth.credentials import CredentialsError
+from tandem.shared.infra.liveness import on_bus
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError, first_error
 from tandem.shared.protocol.codec import decode, encode
@@ -279,6 +280,7 @@ class OutputAssembly:
 
 
 _LOST = None  # put into a stream's queue when the connection drops: wakes it at once
+_PROBED = object()  # put into a held-output stream's queue when the decode worker probes it: the request is there
 PLACEMENT_TRIES = 4  # sends of a request that finds no router, PLACEMENT_RETRY_S apart (about a second)
 PLACEMENT_RETRY_S = 0.3
 # Finding none after a router answered this client: one is likely restarting (a supervisor brings
@@ -308,7 +310,6 @@ class _RouterLost(Exception):
 class _Reconnected(Exception):
     """The connection dropped under a stream and came back: chunks sent meanwhile may be lost, so the
     request is placed again after the tokens delivered."""
-_PROBED = object()  # put into a held-output stream's queue when the decode worker probes it: the request is there
 
 
 class RequestStream:
@@ -825,18 +826,10 @@ class Client:
         now = time.monotonic()
         checked = self._alive_checks.get(instance_id)
         if checked is None or now - checked[0] > ROUTER_CHECK_S:
-            checked = (now, asyncio.ensure_future(self._ask_alive(service, instance_id)))
+            checked = (now, asyncio.ensure_future(on_bus(self.nc, service, instance_id, ALIVE_CHECK_TIMEOUT_S)))
             self._alive_checks[instance_id] = checked
         return await asyncio.shield(checked[1])
 
-    async def _ask_alive(self, service: str, instance_id: str) -> bool:
-        try:
-            await self.nc.request(subjects.alive(service, instance_id), b"", timeout=ALIVE_CHECK_TIMEOUT_S)
-        except NoRespondersError:
-            return False
-        except NatsError:  # slow, or our own connection dropping: no proof the instance is gone
-            return True
-        return True
 
     async def _release(self, sub, cancel_id: str | None) -> None:
         """Unsubscribe a stream's inbox and, for a request still running, cancel it on the workers."""

@@ -41,6 +41,7 @@ from tandem.services.router.kv_index import KVIndex
 from tandem.services.router.policy import Candidate, rank, remote_prefill_workers, shares_device
 from tandem.shared.infra.config import Settings
 from tandem.shared.infra.kvevents import ensure_kv_events_stream
+from tandem.shared.infra.liveness import on_bus
 from tandem.shared.model.meta import load_model_meta
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import Ack, ErrorCode, ErrorReply, ProtocolError
@@ -472,7 +473,7 @@ class Router(ServiceRuntime):
             # A request that met the worker's death gets no "no responders" (the server handed it
             # to the connection before it saw it close): ask the worker's alive subject meanwhile.
             while not (await asyncio.wait({answer}, timeout=WORKER_CHECK_S))[0]:
-                if not await self.instance_alive(worker.beat.service, worker.beat.instance_id):
+                if not await on_bus(self.nc, worker.beat.service, worker.beat.instance_id, WORKER_CHECK_S * 2):
                     self.log.warning("%s worker %s died with a request on its way to it; dropping it",
                                      worker.beat.service, worker.beat.instance_id)
                     self.forget(worker)
@@ -508,22 +509,12 @@ class Router(ServiceRuntime):
         a request handed to a prefill worker for a dead decode worker would fail only at the hand-off."""
         if time.monotonic() - worker.seen <= 2 * self.settings.bus.heartbeat_interval_s:
             return True
-        if await self.instance_alive(worker.beat.service, worker.beat.instance_id):
+        if await on_bus(self.nc, worker.beat.service, worker.beat.instance_id, WORKER_CHECK_S * 2):
             return True
         self.log.warning("%s worker %s is gone (off the bus); dropping it", worker.beat.service,
                          worker.beat.instance_id)
         self.forget(worker)
         return False
-
-    async def instance_alive(self, service: str, instance_id: str) -> bool:
-        """False only when the instance is off the bus (no responders); a slow answer is no proof."""
-        try:
-            await self.nc.request(subjects.alive(service, instance_id), b"", timeout=WORKER_CHECK_S * 2)
-        except NoRespondersError:
-            return False
-        except Exception:  # slow, or this router's own connection in trouble
-            return True
-        return True
 
 
 def main(settings: Settings) -> None:
