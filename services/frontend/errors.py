@@ -17,6 +17,7 @@ from tandem.client import (
     OverloadedError,
     PromptTooLongError,
     RequestTimeoutError,
+    ShuttingDownError,
     TandemError,
     UnknownModelError,
     error_field,
@@ -75,7 +76,7 @@ def from_tandem(exc: TandemError, param: str | None = None) -> APIError:
         return bad_request(message, param)
     if isinstance(exc, OverloadedError):  # OpenAI's answer to load it cannot take: retry later
         return APIError(429, message, "rate_limit_error", None, exc.code.value)
-    if isinstance(exc, NoWorkersError | ConnectionLostError):
+    if isinstance(exc, NoWorkersError | ConnectionLostError | ShuttingDownError):  # nothing serves: retry later
         return APIError(503, message, "service_unavailable_error", None, exc.code.value)
     if isinstance(exc, RequestTimeoutError):
         return APIError(504, message, "timeout_error", None, exc.code.value)

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from tandem.client import InvalidRequestError, NoWorkersError, OverloadedError, PromptTooLongError, UnknownModelError
+from tandem.client import (
+    InvalidRequestError,
+    NoWorkersError,
+    OverloadedError,
+    PromptTooLongError,
+    ShuttingDownError,
+    UnknownModelError,
+    WorkerFailureError,
+)
 from tandem.services.frontend.errors import APIError, from_tandem, from_validation
 from tandem.services.frontend.logprobs import TokenText, asked_logprobs, chat_logprobs, completion_logprobs
 from tandem.services.frontend.schemas import ChatCompletionRequest, CompletionRequest, unsupported
@@ -78,6 +86,8 @@ def test_a_bound_error_names_the_field_as_the_client_sent_it():
     (InvalidRequestError("invalid_request: x"), None, 400, "invalid_value"),
     (NoWorkersError("no_workers: x"), None, 503, "no_workers"),
     (OverloadedError("overloaded: x"), None, 429, "overloaded"),
+    (ShuttingDownError("shutting_down: x"), None, 503, "shutting_down"),  # the deployment is stopping
+    (WorkerFailureError("worker_failure: x"), None, 500, "worker_failure"),
 ])
 def test_bus_errors_map_to_openai_statuses(exc, param, status, code):
     error = from_tandem(exc, param)
