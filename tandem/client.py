@@ -581,13 +581,16 @@ class Client:
     """A connection to a tandem deployment. Make one with :func:`connect`."""
 
     def __init__(self, nc: nats.NATS, request_timeout_s: float = 30.0, worker_timeout_s: float = 3.0,
-                 url: str = "", max_migrations: int = 3, reconnect_s: float = 10.0) -> None:
+                 url: str = "", max_migrations: int = 3, reconnect_s: float = 10.0,
+                 router_restart_wait_s: float = ROUTER_RESTART_WAIT_S) -> None:
         self.nc = nc
         self.url = url
         self.request_timeout_s = request_timeout_s
         self.worker_timeout_s = worker_timeout_s  # a worker silent this long has died with our request
         self.max_migrations = max_migrations  # placements again after a worker died, per request (0: none)
         self.reconnect_s = reconnect_s  # how long a dropped connection may take to come back
+        # How long a request waits for a router to come back once one answered this client (0: about a second).
+        self.router_restart_wait_s = router_restart_wait_s
         self._router_answered = False  # a router has answered this client: one found missing is restarting
         self._connected = asyncio.Event()  # cleared while the connection is down
         self._connected.set()
@@ -748,10 +751,10 @@ class Client:
         (the caller places it again under a new id, so the first placement, if it was made after
         all, is cancelled rather than run twice). Finding no router, it asks again for about a
         second, or, ``patient`` and a router having answered this client before, for
-        ``ROUTER_RESTART_WAIT_S`` (one is likely restarting); then :class:`NoWorkersError`."""
+        ``router_restart_wait_s`` (one is likely restarting); then :class:`NoWorkersError`."""
         payload = encode(request.model_copy(update={"ack_placement": True}))
-        restarting = patient and self._router_answered
-        patience = ROUTER_RESTART_WAIT_S if restarting else PLACEMENT_TRIES * PLACEMENT_RETRY_S
+        restarting = patient and self._router_answered and self.router_restart_wait_s > 0
+        patience = self.router_restart_wait_s if restarting else PLACEMENT_TRIES * PLACEMENT_RETRY_S
         give_up = time.monotonic() + min(timeout, patience)
         while True:
             await self._until_connected(request.request_id)

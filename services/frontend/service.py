@@ -100,8 +100,10 @@ class FrontendService(ServiceRuntime):
 
     async def setup(self) -> None:
         bus = self.settings.bus
+        # router_restart_wait_s 0: with no router an HTTP client gets its 503 at once and retries by
+        # itself (as OpenAI's clients do), while /health says unhealthy, instead of holding the request.
         client = Client(self.nc, request_timeout_s=bus.request_timeout_s, worker_timeout_s=bus.worker_timeout_s,
-                        url=bus.nats_url or "")
+                        url=bus.nats_url or "", router_restart_wait_s=0.0)
         self.frontend = Frontend(client=client, model=self.model, api_key=self.settings.frontend.api_key,
                                  max_concurrent_requests=self.settings.frontend.max_concurrent_requests,
                                  router_models=self.router_models, max_model_len=self.context.get,
