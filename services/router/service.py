@@ -289,9 +289,13 @@ class Router(ServiceRuntime):
                 self.index.forget(instance_id)
 
     def alive(self, service: str, model: str, excluded: list[str] = ()) -> list[Worker]:
+        """Live workers of ``service`` serving ``model``, without the ``excluded`` ones (a client saw
+        them die) unless they beat again since: a worker restarted under the same instance id is back."""
         self.sweep()
+        stale = time.monotonic() - self.settings.bus.heartbeat_interval_s
         return [w for w in self.workers[service].values()
-                if w.beat.model == model and not w.beat.draining and w.beat.instance_id not in excluded]
+                if w.beat.model == model and not w.beat.draining
+                and not (w.beat.instance_id in excluded and w.seen < stale)]
 
     def forget(self, worker: Worker) -> None:
         self.workers[worker.beat.service].pop(worker.beat.instance_id, None)
