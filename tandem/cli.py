@@ -471,24 +471,35 @@ def services_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
+def bus_target(prog: str, args: argparse.Namespace):
+    """(settings, the NATS URL) of a command that asks the bus for ``--wait`` seconds, or None after
+    saying in one line what to change (a bad ``--wait``, no URL and no running ``tandem up``)."""
+    from tandem.runstate import find_running_url
+
+    if not args.wait > 0:
+        print(f"{prog}: --wait must be > 0", file=sys.stderr)
+        return None
+    settings = settings_from(args)
+    url = settings.bus.nats_url or find_running_url(settings.data_dir)
+    if url is None:
+        print(f"{prog}: no running tandem found; start one with `tandem up` or pass --nats-url", file=sys.stderr)
+        return None
+    return settings, url
+
+
 def cmd_ping(args: argparse.Namespace) -> int:
     import asyncio
     import socket
 
     from tandem.access import BusConnectError, bus_options, command_auth, connect_command
-    from tandem.runstate import find_running_url
     from tandem.services.common.runtime import run_async
     from tandem.shared.auth.credentials import CredentialsError
 
     prog = "tandem ping"
-    if not args.wait > 0:
-        print(f"{prog}: --wait must be > 0", file=sys.stderr)
+    target = bus_target(prog, args)
+    if target is None:
         return 2
-    settings = settings_from(args)
-    url = settings.bus.nats_url or find_running_url(settings.data_dir)
-    if url is None:
-        print(f"{prog}: no running tandem found; start one with `tandem up` or pass --nats-url", file=sys.stderr)
-        return 2
+    settings, url = target
     host = args.host or socket.gethostname()
 
     async def answered() -> bool:
@@ -530,19 +541,14 @@ def cmd_ping(args: argparse.Namespace) -> int:
 
 def cmd_services(args: argparse.Namespace) -> int:
     from tandem.access import operator_options
-    from tandem.runstate import find_running_url
     from tandem.services.common.runtime import run_async
     from tandem.shared.auth.credentials import CredentialsError
 
     prog = "tandem services"
-    if not args.wait > 0:
-        print(f"{prog}: --wait must be > 0", file=sys.stderr)
+    target = bus_target(prog, args)
+    if target is None:
         return 2
-    settings = settings_from(args)
-    url = settings.bus.nats_url or find_running_url(settings.data_dir)
-    if url is None:
-        print(f"{prog}: no running tandem found; start one with `tandem up` or pass --nats-url", file=sys.stderr)
-        return 2
+    settings, url = target
     try:
         rows = service_rows(run_async(discover(url, args.wait, operator_options(settings, "tandem-services", url))))
     except (UnreachableError, CredentialsError) as exc:
