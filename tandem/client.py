@@ -757,6 +757,11 @@ class Client:
         patience = self.router_restart_wait_s if restarting else PLACEMENT_TRIES * PLACEMENT_RETRY_S
         give_up = time.monotonic() + min(timeout, patience)
         while True:
+            if not patient and not self.nc.is_connected:
+                # A worker stopped on purpose and then the bus went too: the deployment is stopping,
+                # so waiting ``reconnect_s`` for a server nobody restarts would only delay the error.
+                raise NoWorkersError("the connection to NATS dropped while the deployment stops",
+                                     request.request_id)
             await self._until_connected(request.request_id)
             replies: asyncio.Queue = asyncio.Queue()
 
@@ -769,7 +774,7 @@ class Client:
             except NatsError as exc:
                 raise self._lost(exc, request.request_id) from None
             try:
-                return await self._placement_reply(request.request_id, replies, timeout)
+                return await self._placement_reply(request.request_id, replies, timeout, patient)
             except NoRespondersError:
                 # Answered at once by the server: no router subscribes right now (one restarting, or
                 # none deployed). Asked again meanwhile, so a router's restart does not fail the request.
@@ -785,7 +790,8 @@ class Client:
                 except NatsError:
                     pass
 
-    async def _placement_reply(self, request_id: str, replies: asyncio.Queue, timeout: float) -> GenerateAccepted:
+    async def _placement_reply(self, request_id: str, replies: asyncio.Queue, timeout: float,
+                               patient: bool = True) -> GenerateAccepted:
         """The router's answer on ``replies``: first :class:`PlacementReceived` (which router holds
         the request), then the outcome. While waiting, the holder is asked whether it is still on
         the bus; a missing acknowledgement, a holder gone or a connection that dropped meanwhile
@@ -799,7 +805,8 @@ class Client:
                                                                          else ROUTER_CHECK_S, left)))
             except TimeoutError:
                 if not self.nc.is_connected:
-                    await self._until_connected(request_id)
+                    if patient:
+                        await self._until_connected(request_id)
                     raise _RouterLost("the connection to NATS dropped while the request was being placed") from None
                 if time.monotonic() >= deadline:
                     raise RequestTimeoutError(f"the router did not answer in {timeout:.0f}s", request_id) from None

@@ -112,7 +112,9 @@ async def test_a_stream_past_the_shutdown_timeout_ends_with_a_typed_error(tmp_pa
         up.stop()
     log = up.log()
     assert [o[0] for o in outcomes] == ["typed", "typed"], (outcomes, log[-3000:])
-    assert code == 0 and took < 2 + 10, (code, took, log[-3000:])
+    # Under the client's reconnect_s (10 s): a stream told shutting_down must not wait for a bus
+    # that the stopping up will not bring back (3.5 s measured alone on 2 cores).
+    assert code == 0 and took < 2 + 8, (code, took, log[-3000:])
     assert "still busy after 2s" in log, log[-3000:]
     print(f"SIGTERM to exit past a 2 s shutdown timeout: {took:.1f}s; the streams got {outcomes}")
 
