@@ -262,8 +262,11 @@ class ServiceRuntime:
         await asyncio.wait([connecting, stopping], return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         if not connecting.done():
+            # nats-py's connect loop waits with asyncio.wait_for, which on Python 3.11 can swallow
+            # the cancel when a refused try ends at that instant, and then tries forever: the wait
+            # is bounded, and the process exits regardless (run_service ends with os._exit).
             connecting.cancel()
-            await asyncio.gather(connecting, return_exceptions=True)
+            await asyncio.wait([connecting], timeout=2.0)
             return None
         return connecting.result()
 
