@@ -145,6 +145,20 @@ _BY_CODE: dict[ErrorCode, type[TandemError]] = {
 }
 
 
+_EMPTY = object()
+
+
+async def _get_within(queue: asyncio.Queue, timeout_s: float):
+    """The queue's next item, or ``_EMPTY`` after ``timeout_s``. Not ``asyncio.wait_for``: on
+    Python 3.11 it swallows a cancellation that lands while the item is ready (it returns the item
+    instead), and a stream's items come that often, so Ctrl-C of ``tandem generate`` went unheard."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await queue.get()
+    except TimeoutError:
+        return _EMPTY
+
+
 def _first_error(exc: Exception) -> str:
     """``field: what is wrong`` for a pydantic error (its first one), else the exception's text."""
     if not isinstance(exc, ValidationError):
@@ -531,10 +545,8 @@ class RequestStream:
                     ready = self.resume.deliver(ready)
                 return Chunk(ready.token_ids, ready.text, ready.finish_reason, ready.logprobs, ready.sample_index,
                              ready.cumulative_logprob, ready.prompt_logprobs)
-            try:
-                data = await asyncio.wait_for(self._queue.get(), min(self.timeout_s, client.worker_timeout_s / 4,
-                                                                     ROUTER_CHECK_S))
-            except TimeoutError:
+            data = await _get_within(self._queue, min(self.timeout_s, client.worker_timeout_s / 4, ROUTER_CHECK_S))
+            if data is _EMPTY:
                 data = False
             if data is _LOST or not client.nc.is_connected:
                 raise _Reconnected
@@ -663,7 +675,8 @@ class Client:
         :class:`ConnectionLostError`."""
         if not self.nc.is_connected and not self.nc.is_closed:
             try:
-                await asyncio.wait_for(self._connected.wait(), self.reconnect_s)
+                async with asyncio.timeout(self.reconnect_s):  # not wait_for: see _get_within
+                    await self._connected.wait()
             except TimeoutError:
                 pass
         if not self.nc.is_connected:
@@ -800,20 +813,18 @@ class Client:
         router = None
         while True:
             left = deadline - time.monotonic()
-            try:
-                msg = await asyncio.wait_for(replies.get(), max(0.0, min(PLACEMENT_ACK_S if router is None
-                                                                         else ROUTER_CHECK_S, left)))
-            except TimeoutError:
+            msg = await _get_within(replies, max(0.0, min(PLACEMENT_ACK_S if router is None else ROUTER_CHECK_S, left)))
+            if msg is _EMPTY:
                 if not self.nc.is_connected:
                     if patient:
                         await self._until_connected(request_id)
-                    raise _RouterLost("the connection to NATS dropped while the request was being placed") from None
+                    raise _RouterLost("the connection to NATS dropped while the request was being placed")
                 if time.monotonic() >= deadline:
-                    raise RequestTimeoutError(f"the router did not answer in {timeout:.0f}s", request_id) from None
+                    raise RequestTimeoutError(f"the router did not answer in {timeout:.0f}s", request_id)
                 if router is None:
-                    raise _RouterLost(f"no router took the request within {PLACEMENT_ACK_S:.1f}s") from None
+                    raise _RouterLost(f"no router took the request within {PLACEMENT_ACK_S:.1f}s")
                 if not await self._instance_alive("router", router):
-                    raise _RouterLost(f"router {router} left the bus while it placed the request") from None
+                    raise _RouterLost(f"router {router} left the bus while it placed the request")
                 continue
             if msg.headers and msg.headers.get("Status") == "503":
                 raise NoRespondersError
