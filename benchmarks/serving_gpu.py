@@ -1,6 +1,6 @@
 """GPU serving speed of the engine on an 8B Llama-3-shaped model with random bf16 weights.
 
-    python benchmarks/serving_gpu.py [--model random:llama3-8b] [--parts roofline,batch1,throughput]
+    python benchmarks/serving_gpu.py [--model random:llama3-8b] [--parts roofline,batch1,throughput,fp8]
                                      [--batches 32 64 256] [--hf-anchor PATH] [--json-out FILE]
 
 Prints one JSON line per figure, all from one process and one run:
@@ -22,6 +22,15 @@ Prints one JSON line per figure, all from one process and one run:
   added when one finishes; output tokens/s and per-request TTFT and TPOT as the bench measures them,
   so a served system at the same concurrency compares with it like for like
   (``benchmarks/serving_system.py`` does);
+- ``fp8_batch1`` and ``fp8_parity`` (``--parts fp8``): batch-1 decode (prompt 512, 128 new tokens,
+  CUDA graphs) of the model in bf16 and with fp8 weights (``--quantization fp8``: the decoder
+  layers' linears at 1 byte per weight; the LM head stays bf16), each against its own roofline (the
+  bytes a step reads: every weight but the embedding table, whose rows are looked up) and its own
+  step floor, then fp8 over bf16; and the parity fp8 keeps: greedy tokens on the same prompt
+  (steps equal before the first divergence), teacher-forced top-1 agreement over those steps (both
+  models fed the bf16 tokens), |logit diff| at the first step and at worst, of the row's largest
+  |logit|; on the model, and on the shipped trained ``tiny`` checkpoint (a random model's logits are
+  nearly flat, so its top-1 flips more easily than a trained model's);
 - ``hf_generate`` (with ``--hf-anchor PATH``, e.g. ``../shared/anchors/hf_generate.py``): that
   script's plain transformers ``generate`` peer, run after this process freed its GPU memory, with
   tandem's batch-1 decode rate over the peer's.
@@ -42,7 +51,9 @@ import torch
 from tandem.shared.engine.engine import EngineConfig, LLMEngine
 from tandem.shared.engine.sequence import EngineRequest
 from tandem.shared.kvcache.cache import kv_cache_bytes_per_block
+from tandem.shared.model.fp8 import Fp8Linear, scaled_mm_plan, weight_bytes
 from tandem.shared.model.loader import load_model
+from tandem.shared.model.reference import reference_logits
 from tandem.shared.protocol.serving import SamplingParams
 
 
@@ -67,11 +78,14 @@ def matmul_tflops(device: torch.device) -> float:
     return rate
 
 
-def step_floor(cfg, batch: int, context: int, gbps: float, tflops: float, dtype_bytes: int = 2) -> dict:
+def step_floor(cfg, batch: int, context: int, gbps: float, tflops: float, dtype_bytes: int = 2,
+               linear_bytes: float | None = None) -> dict:
     """The least time one decode step of ``batch`` sequences at mean ``context`` tokens can take:
     each part at the larger of its bytes over ``gbps`` and its FLOPs over ``tflops``, summed (a part
     cannot overlap its own reads and math beyond that; parts run one after another). Parts:
-    ``matmuls``: every layer's projections and MLP, weights read once, 2 FLOPs per weight per row;
+    ``matmuls``: every layer's projections and MLP, weights read once (``linear_bytes`` each: 1 for
+    fp8 weights; default ``dtype_bytes``), 2 FLOPs per weight per row (at the bf16 rate: a bound
+    that fp8's faster tensor cores only lower where the step is compute-bound);
     ``attention``: each sequence's K/V read once, QK^T and PV 4 FLOPs per query head, dim and token;
     ``lm_head``: the vocabulary projection. The input embedding is a lookup of ``batch`` rows, not a
     read of the table; norms and RoPE are noise at this scale."""
@@ -79,7 +93,8 @@ def step_floor(cfg, batch: int, context: int, gbps: float, tflops: float, dtype_
     layer_weights = cfg.hidden_size * (2 * q_dim + 2 * kv_dim) + 3 * cfg.hidden_size * cfg.intermediate_size
     kv_per_token = cfg.num_layers * 2 * kv_dim * dtype_bytes
     parts = {
-        "matmuls": (cfg.num_layers * layer_weights * dtype_bytes, 2 * cfg.num_layers * layer_weights * batch),
+        "matmuls": (cfg.num_layers * layer_weights * (dtype_bytes if linear_bytes is None else linear_bytes),
+                    2 * cfg.num_layers * layer_weights * batch),
         "attention": (batch * context * kv_per_token, 4 * cfg.num_layers * q_dim * context * batch),
         "lm_head": (cfg.vocab_size * cfg.hidden_size * dtype_bytes, 2 * cfg.vocab_size * cfg.hidden_size * batch),
     }
@@ -125,6 +140,87 @@ def make_engine(loaded, device: torch.device, max_num_seqs: int, max_model_len: 
                           max_num_batched_tokens=8192, max_model_len=max_model_len, enable_prefix_caching=False,
                           enforce_eager=eager)
     return LLMEngine(loaded.model, loaded.tokenizer, config, device)
+
+
+def greedy_tokens(engine: LLMEngine, prompt: list[int], max_tokens: int) -> list[int]:
+    engine.add_request(EngineRequest(request_id="greedy", prompt_token_ids=prompt,
+                                     params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    return tokens
+
+
+def fp8_parity(plain, quantized, device: torch.device, prompts: list[list[int]], steps: int, label: str) -> dict:
+    """Greedy ``steps`` tokens of each prompt through each model's engine (CUDA graphs on), then both
+    models fed the bf16 tokens (the contiguous-KV reference forward): top-1 agreement at each step,
+    |logit diff| of the row's largest |logit| at the first step and at worst."""
+    prefix, agree, first, worst = [], 0, 0.0, 0.0
+    for prompt in prompts:
+        want = greedy_tokens(make_engine(plain, device, 1, 2048, False, 0.5), prompt, steps)
+        got = greedy_tokens(make_engine(quantized, device, 1, 2048, False, 0.5), prompt, steps)
+        prefix.append(next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), steps))
+        ids = prompt + want
+        rows = slice(len(prompt) - 1, len(ids) - 1)
+        a = reference_logits(plain.model, ids)[rows].float()
+        b = reference_logits(quantized.model, ids)[rows].float()
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        relative = (a - b).abs().amax(-1) / a.abs().amax(-1)
+        first, worst = max(first, relative[0].item()), max(worst, relative.max().item())
+        del a, b
+    return {"figure": "fp8_parity", "model": label, "prompts": len(prompts), "steps": steps,
+            "greedy_equal_steps": prefix, "teacher_forced_top1": round(agree / (len(prompts) * steps), 4),
+            "first_step_max_logit_diff_of_row_max": round(first, 4),
+            "worst_max_logit_diff_of_row_max": round(worst, 4)}
+
+
+def fp8_figures(model: str, plain, device: torch.device, gbps: float | None, tflops: float | None,
+                kv_gib: float, records: list[dict]) -> None:
+    """The ``fp8`` part: batch-1 decode in the model dtype and in fp8, each against its own roofline
+    and step floor, fp8 over the other, and the parity (see the module docstring)."""
+    quantized = load_model(model, device=device, quantization="fp8")  # same preset seed: the same weights before
+    plan = next(m.plan for m in quantized.model.modules() if isinstance(m, Fp8Linear))
+    path = plan.description if plan is not None else "dequantize reference (" + \
+        scaled_mm_plan(device, plain.model.model.embed_tokens.weight.dtype)[1] + ")"
+    cfg, vocab = plain.config, plain.config.vocab_size
+    rates = {}
+    for name, loaded in ((str(plain.model.model.embed_tokens.weight.dtype).removeprefix("torch."), plain),
+                         ("fp8", quantized)):
+        engine = make_engine(loaded, device, 1, 2048, False, min(kv_gib, 4.0))
+        run_requests(engine, random_prompts(1, 512, vocab, 1), 8, device)  # warm-up
+        result = run_requests(engine, random_prompts(1, 512, vocab, 2), 128, device)
+        read = weight_bytes(loaded.model, skip_embedding=True)
+        record = {"figure": "fp8_batch1", "weights": name, "read_GB_per_token": round(read / 1e9, 3),
+                  "decode_tok_s": result["decode_tok_s"], "ms_per_token": result["itl_ms"],
+                  "tpot_p50_ms": result["tpot_p50_ms"]}
+        if name == "fp8":
+            record["path"] = path
+        if gbps and result["decode_tok_s"]:
+            roofline = gbps * 1e9 / read
+            record["roofline_tok_s"] = round(roofline, 1)
+            record["of_roofline"] = round(result["decode_tok_s"] / roofline, 3)
+            floor = step_floor(cfg, 1, 512 + 64, gbps, tflops, linear_bytes=1 if name == "fp8" else None)
+            record["step_floor_ms"] = floor["floor_ms"]
+            record["of_step_floor"] = round(floor["floor_ms"] / result["itl_ms"], 3)
+        rates[name] = (result["decode_tok_s"], record.get("roofline_tok_s"))
+        emit(record, records)
+        del engine
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    (plain_rate, plain_roof), (fp8_rate, fp8_roof) = rates.values()
+    emit({"figure": "fp8_speedup", "decode_tok_s": round(fp8_rate / plain_rate, 3) if plain_rate else None,
+          "roofline": round(fp8_roof / plain_roof, 3) if plain_roof else None}, records)
+    emit(fp8_parity(plain, quantized, device, random_prompts(2, 512, vocab, 2), 64, model), records)
+    del quantized
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    # A trained model (the shipped tiny checkpoint): its logits have real margins.
+    tiny_plain, tiny_fp8 = load_model("tiny", device=device), load_model("tiny", device=device, quantization="fp8")
+    prompts = [tiny_plain.tokenizer.encode(text) for text in TINY_PROMPTS]
+    emit(fp8_parity(tiny_plain, tiny_fp8, device, prompts, 32, "tiny"), records)
+
+
+TINY_PROMPTS = ("def fibonacci(n):\n", "import os\nimport sys\n\n", "class Config:\n    def __init__(self",
+                "    for i in range(len(items)):\n        if ", "# Copyright 2001 Python Software Foundation\n")
 
 
 def memory_figures(loaded, device: torch.device) -> dict:
@@ -252,7 +348,7 @@ def main() -> None:
     kv_gib = args.kv_gib if device.type == "cuda" else 0.25
     records: list[dict] = []
     weight_bytes, gbps, tflops = 0, None, None
-    if "roofline" in parts and device.type == "cuda":
+    if parts & {"roofline", "fp8"} and device.type == "cuda":
         gbps = hbm_read_gbps(device)
         tflops = matmul_tflops(device)
         emit({"figure": "hbm", "hbm_read_GBps": round(gbps, 1), "bf16_matmul_tflops": round(tflops, 1)}, records)
@@ -265,6 +361,8 @@ def main() -> None:
     vocab = loaded.config.vocab_size
     if "memory" in parts and device.type == "cuda":
         emit({"figure": "memory", **memory_figures(loaded, device)}, records)
+    if "fp8" in parts:
+        fp8_figures(model, loaded, device, gbps, tflops, kv_gib, records)
     if "batch1" in parts:
         for eager in (False, True):
             engine = make_engine(loaded, device, 1, 2048, eager, min(kv_gib, 4.0))

@@ -69,8 +69,11 @@ async def reload_weights(worker, update: WeightsUpdated, lock: asyncio.Lock) -> 
             return False
         state = loaded.model.state_dict()
         await worker.thread.call_when_idle(lambda engine: engine.load_weights(state))
-        worker.kv_namespace = kv_namespace(f"{worker.model_name}@{update.version}", worker.dtype, cfg.num_layers,
-                                           cfg.num_kv_heads, cfg.head_dim, worker.settings.engine.block_size)
+        # A quantized worker's KV differs from a float one's on the same weights: keep it apart.
+        quantized = "" if worker.settings.engine.quantization == "none" else f"+{worker.settings.engine.quantization}"
+        worker.kv_namespace = kv_namespace(f"{worker.model_name}@{update.version}{quantized}", worker.dtype,
+                                           cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                           worker.settings.engine.block_size)
         worker.weights_version = update.version
         worker.log.info("weights %s (step %d) loaded from %s in %.2fs; KV namespace %s", update.version, update.step,
                         update.path, time.perf_counter() - started, worker.kv_namespace)

@@ -144,8 +144,12 @@ class EngineWorker(ServiceRuntime):
         self.device = resolve_device(settings.engine.device)
         self.device_id = device_id(self.device)
         self.dtype = resolve_dtype(settings.engine.dtype, self.device)
-        self.log.info("loading model %s on %s (%s)", settings.model, self.device, self.dtype)
-        self.loaded = load_model(settings.model, device=self.device, dtype=self.dtype, data_dir=settings.data_dir)
+        quantization = settings.engine.quantization
+        self.log.info("loading model %s on %s (%s%s)", settings.model, self.device, self.dtype,
+                      "" if quantization == "none" else f", {quantization} weights")
+        # Quantized here, not by the engine: the KV pool is then sized with the smaller weights.
+        self.loaded = load_model(settings.model, device=self.device, dtype=self.dtype, data_dir=settings.data_dir,
+                                 quantization=quantization)
         self.model_name = self.loaded.name
         self.engine_config = engine_config(settings, self.loaded, self.device, self.dtype)
         self.max_model_len = self.engine_config.max_model_len

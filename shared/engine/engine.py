@@ -59,7 +59,8 @@ from tandem.shared.text.tokenizer import Tokenizer
 # asynchronously to the host), overlap_steps (queue the next decode step before the host has this
 # one's tokens, see ``overlap.py``; None: on with CUDA graphs, off otherwise), swap_space_gib (host
 # memory preempted sequences' blocks are swapped out to; 0: preemption recomputes) and
-# preemption_mode (auto, swap or recompute: see the scheduler). device, dtype and the
+# preemption_mode (auto, swap or recompute: see the scheduler) and quantization (fp8: the runner
+# quantizes the model's decoder linears, unless the loader already did). device, dtype and the
 # memory budgets are the worker's: ``LLMEngine`` takes the resolved device and dtype as arguments.
 EngineConfig = EngineSettings
 
@@ -105,7 +106,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, device, dtype,
                                   cuda_graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
                                   max_model_len=self.max_model_len, eos_token_ids=tokenizer.eos_token_ids,
-                                  swap_space=self.swap_space)
+                                  swap_space=self.swap_space, quantization=config.quantization)
         # "auto" preemption prices recompute against swap at the runner's rates for its device type.
         block_bytes = kv_cache_bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
         self.preemption_costs = PreemptionCosts.for_model(cfg, block_bytes, self.runner.compute_flops_per_s,

@@ -23,6 +23,7 @@ from tandem.shared.infra.devcopy import host_values_to
 from tandem.shared.kvcache.attention import AttentionMetadata, build_attention_metadata
 from tandem.shared.kvcache.cache import allocate_kv_cache, gather_blocks, scatter_blocks
 from tandem.shared.kvcache.swap_space import SwapSpace
+from tandem.shared.model.fp8 import quantize_model
 from tandem.shared.protocol.serving import TokenLogprobs
 
 # (compute FLOP/s, host copy bytes/s) by device type: the effective rates the preemption policy
@@ -87,12 +88,24 @@ class ModelRunner:
         max_model_len: int = 4096,
         eos_token_ids: Seq[int] = (),
         swap_space: SwapSpace | None = None,
+        quantization: str = "none",
     ) -> None:
         config = model.config
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         use_graphs = self.device.type == "cuda" and cuda_graph_max_batch > 0
+        if self.device.type == "cuda":
+            model.fuse_projections()
+        if quantization != "none":
+            # After fusing (the fused codes are the one copy), before the KV pool takes the memory
+            # the float weights free and before graphs capture the fp8 matmuls. A model the loader
+            # already quantized is left as it is.
+            quantize_model(model, quantization)
+        if self.device.type == "cuda":
+            # The parts fusing (and quantizing) freed stay cached by the allocator, where a worker
+            # sharing the device cannot have them and the pool sizing does not see them (6 GiB on 8B).
+            torch.cuda.empty_cache()
         # With graphs, one block more than the block manager knows: padding rows write there.
         self.kv_cache = allocate_kv_cache(
             num_blocks + use_graphs, config.num_layers, block_size, config.num_kv_heads, config.head_dim, dtype,
@@ -104,8 +117,6 @@ class ModelRunner:
         self.compute_flops_per_s, self.copy_bytes_per_s = DEVICE_RATES.get(self.device.type, DEVICE_RATES["cpu"])
         self.graphs: DecodeGraphs | None = None
         self.last_logits: torch.Tensor | None = None
-        if self.device.type == "cuda":
-            model.fuse_projections()
         if use_graphs:
             # Garbage first: pinned memory of a dead engine (its swap space) that the collector frees
             # in the middle of the capture records a CUDA event there, which invalidates the capture.

@@ -54,13 +54,16 @@ import uuid
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 ENV_PREFIX = "TANDEM_"
 SECTION = ConfigDict(extra="forbid")  # a misspelt field is an error, not silently a default
+# --dtype values fp8 weights can compute in, torch's aliases included (shared/model/fp8.py checks the
+# resolved torch dtype too).
+FP8_COMPUTE_DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
 
 
 def default_data_dir() -> Path:
@@ -126,6 +129,11 @@ class EngineSettings:
                         description="auto (CUDA when there is one, else CPU), cpu, cuda, cuda:N")
     dtype: str = Field("auto", min_length=1,
                        description="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    quantization: Literal["none", "fp8"] = Field(
+        "none", description="the decoder layers' linear weights: none (in --dtype), fp8 (float8_e4m3fn with one "
+                            "float32 scale per output channel, half of bf16's bytes; torch._scaled_mm with "
+                            "per-token activation scales on CUDA compute capability 8.9+, dequantized elsewhere; "
+                            "the embeddings and LM head stay in --dtype)")
     torch_threads: int = Field(0, ge=0, description="CPU threads for model math (0: torch's default; tandem up "
                                                      "shares the cores out between its workers)")
     block_size: int = Field(16, ge=1, description="tokens per KV block")
@@ -154,6 +162,15 @@ class EngineSettings:
         "auto", description="how a preempted sequence comes back: auto (per sequence, whichever of swapping its KV "
                             "blocks out and back or recomputing them costs less), swap (whenever the swap space has "
                             "room), recompute (never swap)")
+
+    @field_validator("quantization")
+    @classmethod
+    def _fp8_needs_a_float_dtype(cls, value: str, info: ValidationInfo) -> str:
+        dtype = info.data.get("dtype")  # absent when dtype itself failed: that error is reported
+        if value == "fp8" and dtype is not None and dtype not in FP8_COMPUTE_DTYPES:
+            raise ValueError(f"fp8 weights compute in the model dtype, which must be auto, bfloat16, float16 or "
+                             f"float32, not {dtype!r}: change --dtype, or use --quantization none")
+        return value
 
 
 @dataclass(config=SECTION)

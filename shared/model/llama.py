@@ -241,6 +241,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Causal LM over a flattened varlen batch; serves LlamaForCausalLM, Qwen2 and Qwen3 checkpoints."""
 
+    # How the decoder layers' linears hold their weights: "none" (nn.Linear in the model dtype) or
+    # "fp8" (fp8.Fp8Linear, set by fp8.quantize_model; the embeddings and LM head are never quantized).
+    quantization: str = "none"
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tandem.shared.model.config import ModelConfig, ModelLoadError
+from tandem.shared.model.fp8 import check_quantization, quantize_model
 from tandem.shared.model.llama import LlamaForCausalLM
 from tandem.shared.model.meta import is_random_spec, load_model_meta, weight_files
 from tandem.shared.model.presets import build_preset_model
@@ -35,7 +36,10 @@ class LoadedModel:
     tokenizer: Tokenizer
     config: ModelConfig
     name: str  # stable model name for APIs and logs: "tiny" or the checkpoint directory's name
-    weights_id: str = "seeded"  # which weights: ModelMeta.weights_id (part of the KV namespace)
+    # Which weights: ModelMeta.weights_id, "+fp8" when quantized (part of the KV namespace: KV that
+    # fp8 weights computed is not the float model's).
+    weights_id: str = "seeded"
+    quantization: str = "none"  # "none" or "fp8" (see fp8.py)
 
 
 def load_model(
@@ -43,10 +47,15 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str | None = None,
     data_dir: str | os.PathLike | None = None,
+    quantization: str = "none",
 ) -> LoadedModel:
-    """Load "tiny", "tiny-random" or a Hugging Face directory, ready for serving (eval mode, no grads)."""
+    """Load "tiny", "tiny-random" or a Hugging Face directory, ready for serving (eval mode, no grads).
+
+    ``quantization="fp8"`` stores the decoder layers' linears as fp8 (``fp8.quantize_model``: fused
+    first, the float copies freed), so a worker sizes its KV pool with the smaller weights."""
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
+    check_quantization(quantization, dtype)  # before the weights are read: a refusal costs nothing
     meta = load_model_meta(spec, data_dir)
     if is_random_spec(spec):
         model = build_preset_model(meta.config, device, dtype)
@@ -57,6 +66,10 @@ def load_model(
     loaded = LoadedModel(model, meta.tokenizer, meta.config, meta.name, meta.weights_id())
     loaded.model.eval()
     loaded.model.requires_grad_(False)
+    if quantization != "none":
+        quantize_model(loaded.model, quantization)
+        loaded.weights_id = f"{loaded.weights_id}+{quantization}"
+        loaded.quantization = quantization
     return loaded
 
 
