@@ -1,6 +1,7 @@
 """Running ``tandem`` as a user does, in child processes: the command, its environment, waiting on it.
 
-``TANDEM``, ``tandem_env`` and ``wait_for`` serve the tests of ``tandem up`` / ``generate`` / ``bench``;
+``TANDEM``, ``tandem_env``, ``ctrl_c_reaches_it`` and ``wait_for`` serve the tests of ``tandem up`` /
+``generate`` / ``bench``;
 ``service_env`` and ``launch`` start one ``tandem serve <service>`` (conftest's ``start_system``
 uses them, as do tests that start a service of their own); ``run_sync`` runs a coroutine to the end
 from sync code or from inside a running loop.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +19,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 TANDEM = [sys.executable, "-m", "tandem.cli"]
+
+
+def ctrl_c_reaches_it() -> None:
+    """``preexec_fn`` of a child that a test interrupts with SIGINT as Ctrl-C would: a shell that
+    runs the suite in the background (``./.ci/run &``) hands its children SIGINT ignored, and Python
+    then never raises KeyboardInterrupt (``tandem up`` sets its handler itself; a plain command
+    keeps what it inherited, as a background command should)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def tandem_env(data_dir: Path) -> dict[str, str]:

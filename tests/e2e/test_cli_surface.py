@@ -17,8 +17,9 @@ from pathlib import Path
 
 import httpx
 import nats
+import nats.errors
 import pytest
-from cli_support import TANDEM, launch, run_sync, service_env, tandem_env, wait_for
+from cli_support import TANDEM, ctrl_c_reaches_it, launch, run_sync, service_env, tandem_env, wait_for
 
 from tandem import __version__
 from tandem.discovery import scrape_services, service_infos
@@ -200,13 +201,17 @@ async def test_ctrl_c_in_generate_cancels_the_request(system, tmp_path):
     cancels = await nc.subscribe(subjects.CANCEL)
     proc = subprocess.Popen([*TANDEM, "generate", "def f(x):", "--nats-url", system.url, "--max-tokens", "2000",
                              "--ignore-eos"], env=tandem_env(tmp_path), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, preexec_fn=ctrl_c_reaches_it)
     try:
         # Tokens streaming from the decode worker (2000 of them take half a minute here): stop it mid-way.
         first = await asyncio.to_thread(proc.stdout.read, 32)
         assert len(first) == 32, proc.stderr.read().decode()
         proc.send_signal(signal.SIGINT)
-        msg = await cancels.next_msg(timeout=10)
+        try:
+            msg = await cancels.next_msg(timeout=10)
+        except nats.errors.TimeoutError:
+            state = "still running" if proc.poll() is None else f"exited {proc.returncode}"
+            raise AssertionError(f"no Cancel within 10 s of SIGINT; tandem generate {state}") from None
         code = await asyncio.to_thread(proc.wait, 30)
     finally:
         if proc.poll() is None:
