@@ -3,6 +3,7 @@
     tandem train --default                 # tiny byte model on the Python stdlib -> <data-dir>/models/tiny
     tandem train --model 3b --device cuda --steps 20 --batch-size 8 --seq-len 2048 --gpu-memory-gib 16
     tandem train --model DIR --dataset notes/ --steps 500 --output-dir out/ [--resume]
+    tandem train --model DIR --dataset chat.jsonl --steps 300 --seq-len 1024 --lr 2e-5 --output-dir tuned/
     tandem train --model 3b --device cuda --batch-size 8 --seq-len 2048 --gpu-memory-gib 16 --plan
 
 ``--default`` trains the built-in tiny model where ``tandem up`` finds it (a few minutes on 2 CPU
@@ -10,7 +11,9 @@ cores) and prints a sample. With ``--nats-url`` a ``WeightsUpdated`` event follo
 so running workers that serve the model reload it. Before allocating, the job's memory plan
 (shared/train/plan.py) is checked: a job that does not fit in host RAM or under the GPU cap is
 refused in one line naming what to change; ``--plan`` prints the plan, the placement of each
-layer's fp32 state and the predicted step bound, and exits.
+layer's fp32 state and the predicted step bound, and exits. A ``.jsonl`` dataset is fine-tuning
+records, chat (``{"messages": [...]}``) or prompt/completion, trained on the answers only and packed
+(shared/train/finetune_data.py); a bad line is refused in one line naming it.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ from pathlib import Path
 
 DEFAULT_JOB = dict(model="tiny", dataset="stdlib", steps=200, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=20,
                    weight_decay=0.1, grad_clip=1.0)
-JOB_FLAGS = ("model", "dataset", "steps", "batch_size", "seq_len", "lr", "weight_decay", "grad_clip", "warmup_steps",
-             "seed", "device", "checkpoint_every", "output_dir", "resume", "gpu_memory_gib", "device_update_layers",
-             "device_update_sets", "compile_layers", "split_update")
+JOB_FLAGS = ("model", "dataset", "data_format", "pack", "steps", "batch_size", "seq_len", "lr", "weight_decay",
+             "grad_clip", "warmup_steps", "seed", "device", "checkpoint_every", "output_dir", "resume",
+             "gpu_memory_gib", "device_update_layers", "device_update_sets", "compile_layers", "split_update")
 SAMPLE_PROMPT = "def "
 
 
@@ -36,7 +39,15 @@ def add_train_parser(sub: argparse._SubParsersAction, add_common) -> None:  # no
     p.add_argument("--default", action="store_true",
                    help="the tiny byte model on the Python stdlib, saved where `tandem up` finds it")
     p.add_argument("--model", help="tiny, 1b, 3b, 7b, or a Hugging Face directory to start from")
-    p.add_argument("--dataset", help="stdlib, random, a text file or a folder of them")
+    p.add_argument("--dataset", help="stdlib, random, a text file or a folder of them, or a JSONL file of fine-tuning "
+                                     "records: {\"messages\": [...]} chats or {\"prompt\", \"completion\"} pairs")
+    p.add_argument("--data-format", choices=("auto", "text", "chat", "completion"),
+                   help="auto: a .jsonl dataset is fine-tuning records of either kind (loss on the assistant's "
+                        "tokens or the completion), anything else text; chat, completion: JSONL of only that "
+                        "kind; text: plain text whatever the name")
+    p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
+                   help="fine-tuning records: pack short examples into each --seq-len row, attention kept "
+                        "within each example (default: on; --no-pack: one example a row, padded)")
     p.add_argument("--steps", type=int)
     p.add_argument("--batch-size", type=int)
     p.add_argument("--seq-len", type=int)

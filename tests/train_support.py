@@ -2,11 +2,15 @@
 modules run with a plain causal forward (``reference_loss``) and trained by ``torch.optim.AdamW``
 (decoupled weight decay on matrices, ``reference_optimizer``) with ``clip_grad_norm_``
 (``reference_step``, which can also bound how far two fp32 runs may drift apart), on seeded random
-``batches``. The CPU parity tests and the CUDA ones share it."""
+``batches``; and for fine-tuning, seeded chat and prompt/completion records (``finetune_records``)
+with the masked loss of their examples each run alone (``reference_masked_step``). The CPU parity
+tests and the CUDA ones share it."""
 
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +27,13 @@ GRAD_ERROR_MARGIN = 4.0
 
 def reference_loss(model: LlamaForCausalLM, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Plain full-sequence causal forward and mean cross-entropy, with the model's own modules."""
+    logits = reference_forward(model, ids)
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def reference_forward(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """Logits ``[B, S, vocab]`` of a plain full-sequence causal forward (positions 0..S-1 in every
+    row), with the model's own modules and autograd."""
     inner, cfg = model.model, model.config
     bsz, seq = ids.shape
     cos, sin = inner.rotary_emb(torch.arange(seq, device=ids.device))
@@ -41,8 +52,7 @@ def reference_loss(model: LlamaForCausalLM, ids: torch.Tensor, targets: torch.Te
                                              is_causal=True)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    logits = model.lm_head(inner.norm(x))
-    return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+    return model.lm_head(inner.norm(x))
 
 
 def reference_model(state: HostState, device: str = "cpu") -> LlamaForCausalLM:
@@ -100,3 +110,57 @@ def batches(n: int, bsz: int, seq: int, vocab: int, seed: int = 0) -> list[tuple
         ids = torch.randint(0, vocab, (bsz, seq + 1), generator=gen)
         out.append((ids[:, :-1], ids[:, 1:]))
     return out
+
+
+FINETUNE_WORDS = "print return import class lambda yield while async await".split()
+
+
+def finetune_records(count: int, seed: int = 0) -> list[dict]:
+    """Seeded fine-tuning records of a few words each: two chats (some with a system turn, some with
+    two answers) for every prompt/completion pair."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def say(most: int) -> str:
+        n = int(torch.randint(1, most + 1, (), generator=gen))
+        return " ".join(FINETUNE_WORDS[int(i)] for i in torch.randint(0, len(FINETUNE_WORDS), (n,), generator=gen))
+
+    out: list[dict] = []
+    for index in range(count):
+        if index % 3 == 2:
+            out.append({"prompt": say(3), "completion": say(2)})
+        else:
+            turns = [{"role": "system", "content": say(2)}] if index % 2 else []
+            turns += [{"role": "user", "content": say(3)}, {"role": "assistant", "content": say(2)}]
+            if index % 4 == 0:
+                turns += [{"role": "user", "content": say(2)}, {"role": "assistant", "content": say(2)}]
+            out.append({"messages": turns})
+    return out
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    """One line per record: dicts as JSON, strings as they are (for lines that are not JSON)."""
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def reference_masked_step(model: LlamaForCausalLM, examples) -> tuple[float, dict[str, float]]:  # noqa: ANN001
+    """Each example (``finetune_data.Encoded``) alone from position 0: its cross-entropy summed over
+    its trained targets; the loss is the sum over all examples over their count. Returns it and the
+    squared gradient norm of each trainer unit (``extras``, ``layer.<i>``), gradients left in ``model``."""
+    device = next(model.parameters()).device
+    model.zero_grad(set_to_none=True)
+    total, count = torch.zeros((), device=device), 0
+    for example in examples:
+        ids = torch.tensor(example.ids[:-1], device=device)[None]
+        targets = torch.tensor([t if m else -100 for t, m in zip(example.ids[1:], example.trained[1:])],
+                               device=device)
+        logits = reference_forward(model, ids)
+        total = total + F.cross_entropy(logits[0].float(), targets, ignore_index=-100, reduction="sum")
+        count += int((targets != -100).sum())
+    loss = total / count
+    loss.backward()
+    norms: dict[str, float] = {}
+    for name, p in model.named_parameters():
+        unit = f"layer.{name.split('.')[2]}" if name.startswith("model.layers.") else "extras"
+        norms[unit] = norms.get(unit, 0.0) + p.grad.double().pow(2).sum().item()
+    return loss.item(), norms

@@ -27,11 +27,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from tandem import __version__
 from tandem.client import Client, RequestStream, TandemError
 from tandem.services.frontend import schemas
-from tandem.services.frontend.chat_template import ChatTemplate, ChatTemplateError
 from tandem.services.frontend.errors import APIError, bad_request, from_tandem, unknown_model
 from tandem.services.frontend.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from tandem.services.frontend.metrics import FrontendMetrics
 from tandem.services.frontend.sampling import sampling_params
+from tandem.shared.text.chat_template import ChatTemplate, ChatTemplateError
 from tandem.shared.text.tokenizer import HFTokenizer, Tokenizer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is "what the context leaves"

@@ -19,13 +19,13 @@ from tandem.client import Client
 from tandem.discovery import service_infos
 from tandem.services.common.runtime import ServiceRuntime, run_service
 from tandem.services.frontend.app import Frontend, ServedModel, build_app
-from tandem.services.frontend.chat_template import NO_TEMPLATE, ChatTemplateError, chat_template_for
 from tandem.services.frontend.metrics import FrontendMetrics
 from tandem.shared.infra.config import Settings
 from tandem.shared.model.meta import load_model_meta
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import decode
 from tandem.shared.protocol.fleet import Heartbeat
+from tandem.shared.text.chat_template import NO_TEMPLATE, ChatTemplateError, chat_template_for
 
 ROUTER_MODELS_TTL_S = 2.0  # /v1/models asks the routers at most this often
 STOP_TIMEOUT_S = 5.0

@@ -61,7 +61,10 @@ class JobRecord:
 
 
 def validate_job(job: TrainJob) -> None:
-    """Refuse, with a typed error, what would only fail later in the worker thread."""
+    """Refuse, with a typed error, what would only fail later in the worker thread. Fine-tuning
+    records are read and checked line by line here (not yet tokenized), so a bad line is the
+    requester's ``invalid_request`` naming it, not a failed job."""
+    from tandem.shared.train.finetune_data import read_records, records_kind
     from tandem.shared.train.presets import resolve_model
     from tandem.shared.train.runner import resolve_device
 
@@ -70,7 +73,10 @@ def validate_job(job: TrainJob) -> None:
         resolve_model(job.model)
     except ModelLoadError as exc:
         raise ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) from None
-    if job.dataset not in ("stdlib", "random") and not Path(job.dataset).exists():
+    kind = records_kind(job.dataset, job.data_format)
+    if kind is not None:
+        read_records(Path(job.dataset), kind)
+    elif job.dataset not in ("stdlib", "random") and not Path(job.dataset).exists():
         raise ProtocolError(ErrorCode.INVALID_REQUEST, f"dataset {job.dataset!r} does not exist")
 
 
@@ -164,6 +170,9 @@ class TrainerService(ServiceRuntime):
             record.state = "running"
             try:
                 self._run(record)
+            except ProtocolError as exc:  # refused as asked (a record the tokenizer or template rejects, a plan)
+                self.log.warning("job %s refused: %s", record.job_id, exc.message)
+                record.state, record.message = "failed", exc.message
             except Exception as exc:  # a failed job never takes the service down
                 self.log.exception("job %s failed", record.job_id)
                 record.state, record.message = "failed", f"{type(exc).__name__}: {exc}"

@@ -14,7 +14,13 @@ class TrainJob(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     model: str = "tiny"  # "tiny", a preset name (see tandem.shared.train), or a Hugging Face directory
-    dataset: str = "stdlib"  # "stdlib" (the Python standard library's sources) or a text file/folder
+    # "stdlib" (the Python standard library's sources), "random", a text file or folder, or a JSONL file of
+    # fine-tuning records (chat messages or prompt/completion: shared/train/finetune_data.py)
+    dataset: str = "stdlib"
+    # auto: a .jsonl file holds fine-tuning records of either kind, anything else is text; chat or completion:
+    # JSONL whose every record is that kind; text: the file as plain text whatever its name
+    data_format: Literal["auto", "text", "chat", "completion"] = "auto"
+    pack: bool = True  # fine-tuning records: pack short examples into rows (attention kept within each)
     steps: int = Field(100, ge=1)
     batch_size: int = Field(8, ge=1)
     seq_len: int = Field(256, ge=2)

@@ -6,12 +6,16 @@ tokens (for benchmarks). Batch ``k`` depends only on ``(seed, k)``, so the data 
 its step count and a resumed run sees exactly the batches an unbroken one would.
 
     data = TokenData.load("stdlib", ByteTokenizer(), vocab_size=259)
-    inputs, targets = data.batch(step=0, batch_size=8, seq_len=256, seed=0)   # [8, 256] each
+    batch = data.batch(step=0, batch_size=8, seq_len=256, seed=0)   # batch.inputs, batch.targets: [8, 256]
+
+Fine-tuning records (chat and prompt/completion JSONL, packed) are ``finetune_data.py``; both kinds
+of data hand the trainer a :class:`Batch`.
 """
 
 from __future__ import annotations
 
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +25,23 @@ from tandem.shared.text.tokenizer import ByteTokenizer, Tokenizer
 
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".toml", ".cfg", ".c", ".h", ".js", ".html", ".css"}
 SEPARATOR = "\n\n"
+
+
+IGNORE = -100  # a target the loss skips (cross_entropy's ignore_index)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's batch, each tensor ``[batch_size, seq_len]`` on the host.
+
+    ``targets`` holds :data:`IGNORE` where no loss is taken. ``segments`` is None for rows that are
+    one causal sequence each (text windows); packed rows number their examples 0, 1, ... from the
+    row's start and their padding -1: a position attends only within its own segment, and RoPE
+    positions restart at 0 with each one (``functional.packed_positions``)."""
+
+    inputs: torch.Tensor  # int64
+    targets: torch.Tensor  # int64
+    segments: torch.Tensor | None = None  # int32
 
 
 def stdlib_files() -> list[Path]:
@@ -40,6 +61,12 @@ class TokenData:
         self.tokens = tokens  # 1-D (uint8 for bytes, int32 otherwise); None: random tokens
         self.vocab_size = vocab_size
         self.description = description
+        self.packed = False  # windows of one stream: plain causal rows
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the data holds (the memory plan counts them)."""
+        return self.tokens.nbytes if self.tokens is not None else 0
 
     @classmethod
     def load(cls, spec: str, tokenizer: Tokenizer, vocab_size: int) -> TokenData:
@@ -64,9 +91,9 @@ class TokenData:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"dataset {spec!r} has token ids beyond the vocabulary")
         return cls(tokens, vocab_size, f"{spec}: {len(files)} files, {tokens.numel():,} tokens")
 
-    def batch(self, step: int, batch_size: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, targets)``, each ``[batch_size, seq_len]`` int64: windows at offsets drawn from
-        a generator seeded by ``(seed, step)``; targets are the inputs shifted by one token."""
+    def batch(self, step: int, batch_size: int, seq_len: int, seed: int) -> Batch:
+        """Inputs and targets, each ``[batch_size, seq_len]`` int64: windows at offsets drawn from a
+        generator seeded by ``(seed, step)``; targets are the inputs shifted by one token."""
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         if self.tokens is None:
             window = torch.randint(0, self.vocab_size, (batch_size, seq_len + 1), generator=gen)
@@ -77,4 +104,4 @@ class TokenData:
                                     f"dataset has {self.tokens.numel()} tokens, fewer than seq_len + 1")
             offsets = torch.randint(0, span, (batch_size,), generator=gen)
             window = self.tokens[offsets[:, None] + torch.arange(seq_len + 1)].long()
-        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+        return Batch(window[:, :-1].contiguous(), window[:, 1:].contiguous())

@@ -17,6 +17,11 @@ and with ``device_resident_layers=r`` the first r of them keep their fp32 state 
 the GPU, so their forward and backward read the resident copy and load nothing (device_update.py;
 plan.py chooses k and r from the GPU memory cap). Every hand-off between lanes is an event; on CPU
 the lanes are no-ops (lanes.py).
+
+Packed batches (``segments`` given, several examples in a row) run every layer's attention with a
+block-diagonal causal mask and per-example RoPE positions, both made once per step on the device
+(functional.py says what the mask costs); a batch whose rows each hold one example takes the plain
+causal path, whatever its padding.
 """
 
 from __future__ import annotations
@@ -107,6 +112,19 @@ class StreamingEngine:
         self._rope = fn.rope_tables(self.cfg, seq, self.device)
         self._sync()  # made on the default stream; the lanes use them from now on
 
+    def _attention_inputs(self, segments: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor | None]:
+        """``(cos, sin, mask)`` for this step's attention: the shared tables and no mask unless some
+        row packs two examples or more; then tables gathered at per-example positions and the
+        block-diagonal mask. Padding (segment -1) after a row's only example needs no mask: causal
+        attention never lets the example see what follows it."""
+        cos, sin = self._rope
+        if segments is None or not bool((segments.amax(dim=1) > 0).any()):
+            return cos, sin, None
+        seg = segments.to(self.device, non_blocking=True)
+        cos, sin = fn.packed_rope(cos, sin, fn.packed_positions(seg))
+        return cos, sin, fn.segment_mask(seg, self.dtype)
+
     def _sync(self) -> None:
         if self.lanes.cuda:
             torch.cuda.synchronize(self.device)
@@ -153,16 +171,18 @@ class StreamingEngine:
         return out
 
     # -- one step --------------------------------------------------------------------------------------
-    def step(self, input_ids: torch.Tensor, targets: torch.Tensor, record_timeline: bool = False) -> StepHandle:
-        """Run forward + backward of one batch (``[B, S]`` ids and targets on the host), hand the
-        gradients to the optimizer, return at once; the GPU and optimizer work run on."""
+    def step(self, input_ids: torch.Tensor, targets: torch.Tensor, record_timeline: bool = False,
+             segments: torch.Tensor | None = None) -> StepHandle:
+        """Run forward + backward of one batch (``[B, S]`` ids and targets on the host; ``segments``
+        as ``data.Batch.segments``, None for plain causal rows), hand the gradients to the optimizer,
+        return at once; the GPU and optimizer work run on."""
         cfg, lanes, L = self.cfg, self.lanes, self.cfg.num_layers
         version = self.version
         self._prepare(*input_ids.shape)
-        cos, sin = self._rope
         self.trace = tl = StepTrace(lanes, record_timeline)
         self._fwd = True
         with lanes.on("compute"):
+            cos, sin, mask = self._attention_inputs(segments)
             ids = input_ids.to(self.device, non_blocking=True)
             tgt = targets.to(self.device, non_blocking=True)
             num_targets = max(1, int((targets != -100).sum()))
@@ -189,7 +209,7 @@ class StreamingEngine:
                 lanes.wait("compute", ready)
                 with tl.op("compute", i, "fwd"):
                     x = fn.layer_forward(self.layer_layout.views(weights), x, cos, sin, cfg, self.mlp_chunk,
-                                         self.blocks)
+                                         self.blocks, mask)
                 if slot is not None:
                     self.slot_free[slot] = lanes.record("compute")
 
@@ -207,7 +227,7 @@ class StreamingEngine:
                     self._load_layer(i - 1, version)
                     if i - 1 < L - RESIDENT_TAIL:
                         self._pending[i - 1] = self._load_checkpoint(i - 1)
-                grad = self._layer_backward(i, x_in, x_ready, grad, cos, sin)
+                grad = self._layer_backward(i, x_in, x_ready, grad, cos, sin, mask)
             with tl.op("compute", -1, "bwd"):
                 fn.embed_backward(self.extras_layout.views(self.extras_g)["model.embed_tokens.weight"], ids, grad)
                 self.sumsq[EXTRAS] = _sumsq(self.extras_g)
@@ -241,7 +261,8 @@ class StreamingEngine:
         self.updater.synchronize()
         self._sync()
 
-    def _layer_backward(self, i: int, x_in: torch.Tensor, x_ready, grad: torch.Tensor, cos, sin) -> torch.Tensor:  # noqa: ANN001
+    def _layer_backward(self, i: int, x_in: torch.Tensor, x_ready, grad: torch.Tensor, cos, sin,  # noqa: ANN001
+                        mask: torch.Tensor | None) -> torch.Tensor:
         lanes, half, on_device = self.lanes, i % 2, self.updater.owns(i)
         weights, ready, slot = self._weights(i)
         grads = self.updater.grads[i] if on_device else self.g_slots[half]
@@ -251,7 +272,7 @@ class StreamingEngine:
         with self.trace.op("compute", i, "bwd"):
             grads.zero_()
             leaves = self._leaves(weights, grads, self.layer_layout)
-            grad = fn.layer_backward(leaves, x_in, grad, cos, sin, self.cfg, self.mlp_chunk, self.blocks)
+            grad = fn.layer_backward(leaves, x_in, grad, cos, sin, self.cfg, self.mlp_chunk, self.blocks, mask)
             self.sumsq[i + 1] = _sumsq(grads)
         done = lanes.record("compute")
         self.act_free[half] = done

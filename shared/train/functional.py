@@ -8,6 +8,15 @@ over token chunks (forward and backward), and the LM head + cross-entropy run ch
 backward fused in, so full ``[tokens, vocab]`` logits never exist. On CUDA the two blocks can be
 ``torch.compile``d (:func:`compiled_blocks`): the norms, RoPE and SiLU-gating fuse into a few kernels,
 about a fifth off a 3B step's GPU compute (README); the math and parameter names stay the same.
+
+Packed rows (several fine-tuning examples in one row, ``data.Batch.segments``) take two extra inputs:
+RoPE tables gathered per position (``[B, S, head_dim/2]``, positions restarting at 0 with each
+example, so an example sees the rotations it would see alone) and an additive block-diagonal causal
+mask (:func:`segment_mask`) that keeps every query inside its own example. Unpacked rows keep
+``is_causal`` SDPA, which is flash attention on CUDA. With a mask, SDPA cannot use the flash kernel:
+CUDA runs the memory-efficient kernel with the mask as a bias (it computes every block of the
+``S x S`` scores, masked or not, so about twice the causal FLOPs, and the mask costs ``B·S²`` elements
+of the work dtype for the step); CPU runs its SDPA with the mask. The math is the same either way.
 """
 
 from __future__ import annotations
@@ -38,8 +47,50 @@ def rope_tables(cfg: ModelConfig, seq_len: int, device: torch.device) -> tuple[t
     return freqs.cos().to(device), freqs.sin().to(device)
 
 
-def attention_block(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """``x + o_proj(causal_attention(input_layernorm(x)))`` for ``x`` of shape ``[B, S, hidden]``."""
+def packed_positions(segments: torch.Tensor) -> torch.Tensor:
+    """RoPE positions ``[B, S]`` (int64) of packed rows: 0, 1, ... from each segment's first token."""
+    seq = segments.shape[-1]
+    index = torch.arange(seq, device=segments.device).expand_as(segments)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return index - torch.cummax(torch.where(starts, index, 0), dim=-1).values
+
+
+def packed_rope(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``[S, head_dim/2]`` tables of :func:`rope_tables` gathered at ``positions`` ``[B, S]``."""
+    return cos[positions], sin[positions]
+
+
+def segment_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask ``[B, 1, S, S]`` of packed rows: 0 where query i may see key j (same segment,
+    j <= i), -inf elsewhere. Every query sees itself, so no row of the softmax is empty. The last dim
+    is allocated padded to a multiple of 16 elements (then sliced): the memory-efficient CUDA kernel
+    wants its bias rows aligned, and torch pads (copies) an unaligned mask on every call."""
+    bsz, seq = segments.shape
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=segments.device).tril_()
+    allowed = (segments[:, :, None] == segments[:, None, :]) & causal
+    padded = -(-seq // 16) * 16
+    mask = torch.zeros(bsz, 1, seq, padded, dtype=dtype, device=segments.device)[..., :seq]
+    return mask.masked_fill_(~allowed[:, None], float("-inf"))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x`` ``[B, S, H, D]`` with tables shared by every row (``[S, D/2]``) or per row
+    (``[B, S, D/2]``, packed rows): the serving path's :func:`apply_rope`, over ``B·S`` tokens in the
+    second case."""
+    if cos.dim() == 2:
+        return apply_rope(x, cos, sin)
+    bsz, seq, heads, dim = x.shape
+    flat = apply_rope(x.reshape(bsz * seq, heads, dim), cos.reshape(bsz * seq, -1), sin.reshape(bsz * seq, -1))
+    return flat.view(bsz, seq, heads, dim)
+
+
+def attention_block(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``x + o_proj(causal_attention(input_layernorm(x)))`` for ``x`` of shape ``[B, S, hidden]``.
+
+    ``mask`` None: each row is one causal sequence (``is_causal``: flash attention on CUDA). Else
+    the additive :func:`segment_mask` of packed rows, with ``cos``/``sin`` per row."""
     bsz, seq, _ = x.shape
     h = rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps)
     q = F.linear(h, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias")).view(bsz, seq, cfg.num_heads,
@@ -51,13 +102,16 @@ def attention_block(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     if cfg.qk_norm:
         q = rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
+    q, k = _rope(q, cos, sin).transpose(1, 2), _rope(k, cos, sin).transpose(1, 2)
     v = v.transpose(1, 2)
     group = cfg.num_heads // cfg.num_kv_heads
     if group > 1:  # explicit GQA expansion: every SDPA backend (flash included) takes it
         k = k[:, :, None].expand(bsz, cfg.num_kv_heads, group, seq, cfg.head_dim).reshape(bsz, cfg.num_heads, seq, -1)
         v = v[:, :, None].expand(bsz, cfg.num_kv_heads, group, seq, cfg.head_dim).reshape(bsz, cfg.num_heads, seq, -1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.head_dim**-0.5)
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.head_dim**-0.5)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.head_dim**-0.5)
     out = out.transpose(1, 2).reshape(bsz, seq, cfg.num_heads * cfg.head_dim)
     return x + F.linear(out, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
 
@@ -94,9 +148,10 @@ def _chunks(num_tokens: int, chunk: int) -> list[slice]:
 
 @torch.no_grad()
 def layer_forward(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
-                  mlp_chunk: int, blocks: LayerBlocks = EAGER) -> torch.Tensor:
-    """One decoder layer without autograd state (the backward recomputes it)."""
-    a = blocks.attention(p, x, cos, sin, cfg)
+                  mlp_chunk: int, blocks: LayerBlocks = EAGER, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One decoder layer without autograd state (the backward recomputes it); ``mask`` as in
+    :func:`attention_block`."""
+    a = blocks.attention(p, x, cos, sin, cfg, mask)
     flat = a.view(-1, a.shape[-1])
     if flat.shape[0] <= mlp_chunk:
         return blocks.mlp(p, a, cfg)
@@ -107,7 +162,8 @@ def layer_forward(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 
 def layer_backward(p: Params, x: torch.Tensor, grad_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   cfg: ModelConfig, mlp_chunk: int, blocks: LayerBlocks = EAGER) -> torch.Tensor:
+                   cfg: ModelConfig, mlp_chunk: int, blocks: LayerBlocks = EAGER,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
     """Recompute the layer from its input ``x`` and backpropagate ``grad_out``; returns dL/dx.
 
     ``p`` holds leaf tensors whose ``.grad`` are preset views of a gradient buffer: autograd adds
@@ -115,7 +171,7 @@ def layer_backward(p: Params, x: torch.Tensor, grad_out: torch.Tensor, cos: torc
     before the next, so only the attention half's graph is held across the layer."""
     with torch.enable_grad():
         x_leaf = x.detach().requires_grad_(True)
-        a = blocks.attention(p, x_leaf, cos, sin, cfg)
+        a = blocks.attention(p, x_leaf, cos, sin, cfg, mask)
         a_flat = a.detach().view(-1, a.shape[-1])
         g_flat = grad_out.reshape(-1, a.shape[-1])
         grad_a = torch.empty_like(a_flat)

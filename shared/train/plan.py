@@ -239,8 +239,11 @@ def default_loss_chunk(cfg: ModelConfig) -> int:
 def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int, placement: Placement,
                 device: str = "cuda", split: bool = True, gpu_cap: int | None = None,
                 host_available: int | None = None, mlp_chunk: int = 16384, loss_chunk: int | None = None,
-                data_bytes: int = 0) -> MemoryPlan:
-    """The bytes a job needs, from the same shapes the allocating code uses (module docstring)."""
+                data_bytes: int = 0, packed: bool = False) -> MemoryPlan:
+    """The bytes a job needs, from the same shapes the allocating code uses (module docstring).
+    ``packed``: batches pack several examples a row, so each step also holds the attention mask
+    (``functional.segment_mask``: ``[B, 1, S, S]`` of the work dtype, the last dim padded to 16) and
+    RoPE tables gathered per row."""
     e = torch.empty((), dtype=work_dtype).element_size()
     L = cfg.num_layers
     n, ne = layer_layout(cfg).numel, extras_layout(cfg).numel
@@ -271,6 +274,9 @@ def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int,
         "update_sets": sets * (16 + e) * n,
         "steps": 4 * k,
     }
+    if packed:
+        gpu["packed attention mask"] = batch * seq * (-(-seq // 16) * 16) * e
+        gpu["packed rope"] = 2 * batch * seq * (cfg.head_dim // 2) * 4
     plan = MemoryPlan(cfg, device, batch, seq, e, placement, split, host, gpu,
                       activation_bytes(cfg, batch, seq, e, mlp_chunk, loss_chunk or default_loss_chunk(cfg)),
                       gpu_cap=gpu_cap, host_available=host_available)
@@ -397,22 +403,23 @@ def step_bound(cfg: ModelConfig, batch: int, seq: int, placement: Placement, rat
 
 def choose_placement(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int, gpu_cap: int,
                      rates: Rates = H200, split: bool = True, sets: int | None = None, mlp_chunk: int = 16384,
-                     loss_chunk: int | None = None) -> tuple[Placement, dict[str, float]]:
+                     loss_chunk: int | None = None, packed: bool = False) -> tuple[Placement, dict[str, float]]:
     """The ``(resident, device_update, sets)`` that fits ``gpu_cap`` with the lowest
     :func:`step_bound` (ties: more resident, fewer streamed, fewer sets); ``sets`` None tries 1 and
-    2 buffer sets for the streamed updates. The reason names the bound and the memory."""
+    2 buffer sets for the streamed updates; ``packed`` as in :func:`memory_plan`. The reason names
+    the bound and the memory."""
     L = cfg.num_layers
     e = torch.empty((), dtype=work_dtype).element_size()
     best, best_key = None, None
     for r in range(L + 1):
         if not memory_plan(cfg, work_dtype, batch, seq, Placement(r, r), split=split, gpu_cap=gpu_cap,
-                           mlp_chunk=mlp_chunk, loss_chunk=loss_chunk).fits_gpu():
+                           mlp_chunk=mlp_chunk, loss_chunk=loss_chunk, packed=packed).fits_gpu():
             break
         for count in ((sets,) if sets else (1, 2)):
             for k in range(r, L + 1):
                 placement = Placement(r, k, count)
                 plan = memory_plan(cfg, work_dtype, batch, seq, placement, split=split, gpu_cap=gpu_cap,
-                                   mlp_chunk=mlp_chunk, loss_chunk=loss_chunk)
+                                   mlp_chunk=mlp_chunk, loss_chunk=loss_chunk, packed=packed)
                 if not plan.fits_gpu():
                     break
                 terms = step_bound(cfg, batch, seq, placement, rates, e, split)

@@ -23,10 +23,19 @@ from tandem.shared.model.config import ModelConfig, ModelLoadError
 from tandem.shared.model.meta import read_hf_config
 from tandem.shared.protocol.base import ErrorCode, ProtocolError
 from tandem.shared.protocol.training import TimelineOp, TrainJob, TrainStepMetrics
+from tandem.shared.text.chat_template import (
+    SPECIAL_TOKENS_MAP,
+    TEMPLATE_DIR,
+    TEMPLATE_FILE,
+    TOKENIZER_CONFIG,
+    ChatTemplate,
+    ChatTemplateError,
+)
 from tandem.shared.text.tokenizer import ByteTokenizer, HFTokenizer
 from tandem.shared.train.checkpoint import has_checkpoint, restore_optimizer, save_checkpoint
 from tandem.shared.train.data import TokenData
 from tandem.shared.train.engine import StepHandle, StreamingEngine
+from tandem.shared.train.finetune_data import FinetuneData, records_kind, training_template
 from tandem.shared.train.host_state import HostState
 from tandem.shared.train.lanes import hidden_fraction
 from tandem.shared.train.layout import count_parameters
@@ -47,6 +56,8 @@ from tandem.shared.train.plan import (
 from tandem.shared.train.presets import resolve_model
 
 log = logging.getLogger("tandem.train")
+# What a checkpoint takes from the directory it started from, beside its own weights and config.
+TOKENIZER_FILES = ("tokenizer.json", TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, TEMPLATE_FILE)
 
 
 @dataclass
@@ -79,7 +90,7 @@ class JobSetup:
     dtype: torch.dtype
     resume: bool
     output_dir: Path
-    data: TokenData
+    data: TokenData | FinetuneData
     split: bool
     placement: Placement
     plan: MemoryPlan
@@ -115,15 +126,15 @@ def plan_job(job: TrainJob, output_dir: Path, device_resident_layers: int | None
     if resume:
         config = read_hf_config(output_dir)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tokenizer = ByteTokenizer() if config.byte_tokenizer or init_from is None else HFTokenizer(init_from)
-    data = TokenData.load(job.dataset, tokenizer, config.vocab_size)
-    data_bytes = data.tokens.nbytes if data.tokens is not None else 0
+    data = load_data(job, config, init_from, model_name)
+    data_bytes = data.nbytes
     cap, host_free = gpu_cap_bytes(device, job.gpu_memory_gib), host_ram_available()
     sets = job.device_update_sets
 
     def plan_for(placement: Placement, split: bool) -> MemoryPlan:
         return memory_plan(config, dtype, job.batch_size, job.seq_len, placement, device=device.type, split=split,
-                           gpu_cap=cap, host_available=host_free, mlp_chunk=mlp_chunk, data_bytes=data_bytes)
+                           gpu_cap=cap, host_available=host_free, mlp_chunk=mlp_chunk, data_bytes=data_bytes,
+                           packed=data.packed)
 
     split = job.split_update if job.split_update is not None else device.type == "cuda"
     if split and job.split_update is None and not plan_for(Placement(), True).fits_host():
@@ -141,12 +152,32 @@ def plan_job(job: TrainJob, output_dir: Path, device_resident_layers: int | None
     elif device.type == "cuda":
         rates = rates or measure_rates(device)
         placement, bound = choose_placement(config, dtype, job.batch_size, job.seq_len, cap, rates, split, sets,
-                                            mlp_chunk)
+                                            mlp_chunk, packed=data.packed)
     else:
         placement = Placement(0, 0, sets, "CPU: the host updates every layer")
         bound = {}
     return JobSetup(config, init_from, model_name, device, dtype, resume, output_dir, data, split, placement,
                     plan_for(placement, split), bound)
+
+
+def load_data(job: TrainJob, config: ModelConfig, init_from: Path | None,
+              model_name: str) -> TokenData | FinetuneData:
+    """The job's data: text (``data.TokenData``) or fine-tuning records (``finetune_data``) as
+    ``job.data_format`` says, tokenized with the model's tokenizer (records also with its chat template)."""
+    tokenizer = ByteTokenizer() if config.byte_tokenizer or init_from is None else HFTokenizer(init_from)
+    kind = records_kind(job.dataset, job.data_format)
+    if kind is None:
+        return TokenData.load(job.dataset, tokenizer, config.vocab_size)
+    pad = config.pad_token_id if config.pad_token_id is not None and config.pad_token_id < config.vocab_size else 0
+    template, problem = None, None
+    try:
+        template = training_template(init_from, config.byte_tokenizer)
+    except ChatTemplateError as exc:  # refused at the first chat record, if there is one
+        problem = str(exc)
+    return FinetuneData.load(Path(job.dataset), kind, tokenizer, template,
+                             eos_id=config.eos_token_ids[0] if config.eos_token_ids else None,
+                             vocab_size=config.vocab_size, seq_len=job.seq_len, pack=job.pack, pad_id=pad,
+                             model_name=f"model {model_name!r}", template_problem=problem)
 
 
 def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
@@ -210,9 +241,22 @@ class TrainRunner:
         self.optimizer.wait_all(self.engine.version)
         self.engine.synchronize()
         path = save_checkpoint(self.output_dir, self.state, step, self.job.model_dump())
-        if self.source_dir is not None and (self.source_dir / "tokenizer.json").is_file():
-            shutil.copyfile(self.source_dir / "tokenizer.json", path / "tokenizer.json")
+        self._save_tokenizer(path)
         return path
+
+    def _save_tokenizer(self, path: Path) -> None:
+        """The source's tokenizer and chat template files beside the weights, so the checkpoint serves
+        as its source did; a model fine-tuned on chat records without a template file of its own (the
+        byte-level models' built-in one) gets the template it was trained with as chat_template.jinja."""
+        if self.source_dir is not None and self.source_dir.resolve() != path.resolve():  # not trained in place
+            for name in TOKENIZER_FILES:
+                if (self.source_dir / name).is_file():
+                    shutil.copyfile(self.source_dir / name, path / name)
+            if (self.source_dir / TEMPLATE_DIR).is_dir():
+                shutil.copytree(self.source_dir / TEMPLATE_DIR, path / TEMPLATE_DIR, dirs_exist_ok=True)
+        template = getattr(self.data, "chat_template", None)
+        if template is not None and ChatTemplate.from_model_dir(path) is None:
+            (path / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
 
     def run(self, on_step: Callable[[TrainStepMetrics], None] | None = None,
             on_trace: Callable[[int, list[TimelineOp], float], None] | None = None,
@@ -233,8 +277,8 @@ class TrainRunner:
                     state = "stopped"
                     break
                 record = on_trace is not None and time.perf_counter() - last_trace >= trace_every_s
-                inputs, targets = self.data.batch(step, job.batch_size, job.seq_len, job.seed)
-                handle = self.engine.step(inputs, targets, record_timeline=record)
+                batch = self.data.batch(step, job.batch_size, job.seq_len, job.seed)
+                handle = self.engine.step(batch.inputs, batch.targets, record_timeline=record, segments=batch.segments)
                 loss = handle.loss()
                 grad_norm = float(self.engine.sumsq_host.sum().sqrt())
                 now = time.perf_counter()

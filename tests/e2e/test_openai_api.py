@@ -19,7 +19,7 @@ from support import assert_pools_free, prompt_of
 
 from tandem.client import connect
 from tandem.discovery import service_infos
-from tandem.services.frontend.chat_template import tiny_template
+from tandem.shared.text.chat_template import tiny_template
 from tandem.shared.text.tokenizer import ByteTokenizer
 from tandem.supervisor import wait_until_ready
 

@@ -54,6 +54,30 @@ def test_bad_arguments_exit_2_with_a_message(tmp_path):
     assert proc.returncode == 2 and "steps" in proc.stderr
 
 
+def test_fine_tunes_on_a_jsonl_file(tmp_path):
+    dataset = tmp_path / "chat.jsonl"
+    dataset.write_text(json.dumps({"messages": [{"role": "user", "content": "2+2?"},
+                                                {"role": "assistant", "content": "4"}]}) + "\n"
+                       + json.dumps({"prompt": "def add(a, b):", "completion": "\n    return a + b"}) + "\n")
+    out = tmp_path / "tuned"
+    proc = run([*TANDEM, "train", "--model", "tiny", "--dataset", str(dataset), "--steps", "2", "--batch-size", "2",
+                "--seq-len", "64", "--log-every", "1", "--output-dir", str(out), "--device", "cpu", "--threads", "1"],
+               tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 examples (1 chat, 1 prompt/completion), packed into" in proc.stdout, proc.stdout
+    assert "finished at step 2" in proc.stdout and (out / "chat_template.jinja").is_file()
+
+
+def test_a_bad_jsonl_line_is_refused_in_one_line(tmp_path):
+    dataset = tmp_path / "chat.jsonl"
+    dataset.write_text('{"prompt": "a", "completion": "b"}\n{"messages": [{"role": "user"}]}\n')
+    proc = run([*TANDEM, "train", "--dataset", str(dataset), "--steps", "1", "--device", "cpu"], tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "chat.jsonl line 2: has no assistant message" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.slow  # a whole benchmark script run
 def test_benchmark_cpu_mode_prints_its_figures(tmp_path):
     out = tmp_path / "bench.json"

@@ -7,6 +7,7 @@ Run: ``python -m pytest -q tests/e2e/test_train_service.py``.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import msgpack
@@ -158,3 +159,23 @@ async def test_bad_input_gets_typed_errors_and_the_trainer_lives_on(trainer):
     everything = await request(nc, subjects.TRAINER_STATUS, encode(TrainStatusRequest()))
     await nc.close()
     assert isinstance(everything, TrainStatusReply) and "dup" in {j.job_id for j in everything.jobs}
+
+
+async def test_fine_tuning_records_over_the_bus(trainer, tmp_path):
+    """A JSONL job trains; a file with a bad line is refused at start, the reply naming the line."""
+    url, out = trainer
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    chat = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+    good.write_text(json.dumps(chat) + "\n" + json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n")
+    bad.write_text(json.dumps(chat) + "\n" + '{"messages": [\n')
+    nc = await nats.connect(url)
+    refused = await request(nc, subjects.TRAINER_START,
+                            encode(TrainStart(job_id="ft-bad", job=small_job(out / "ft-bad", dataset=str(bad)))))
+    assert isinstance(refused, ErrorReply) and refused.code == ErrorCode.INVALID_REQUEST, refused
+    assert "bad.jsonl line 2: is not JSON" in refused.message, refused.message
+    job = small_job(out / "ft-good", dataset=str(good), steps=2)
+    started = await request(nc, subjects.TRAINER_START, encode(TrainStart(job_id="ft-good", job=job)))
+    assert isinstance(started, TrainStatusReply), started
+    final = await wait_state(nc, "ft-good", {"finished", "failed"})
+    await nc.close()
+    assert final.jobs[0].state == "finished" and final.jobs[0].step == 2, final.jobs[0]

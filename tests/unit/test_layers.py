@@ -26,7 +26,10 @@ CASES = {
     "router": ["tandem.services.router.service"],
     "kvstore service side": ["tandem.services.kvstore.service"],
     "frontend": ["tandem.services.frontend.service"],
+    "text": ["tandem.shared.text.tokenizer", "tandem.shared.text.chat_template"],
 }
+# What the text layer may load of tandem's own packages: itself and the wire protocol below it.
+TEXT_LAYER_MAY_LOAD = ("tandem.shared.text", "tandem.shared.protocol")
 
 PROBE = """
 import importlib, json, sys
@@ -47,6 +50,14 @@ def test_imports_no_torch_and_no_compute_layer(case):
     loaded = loaded_modules(CASES[case])
     bad = sorted({f for f in FORBIDDEN for m in loaded if m == f or m.startswith(f + ".")})
     assert not bad, f"{case} ({', '.join(CASES[case])}) loads {', '.join(bad)}"
+
+
+def test_text_layer_imports_only_the_layers_below_it():
+    """The chat template is shared by the front end and the trainer: it must stay in the text layer."""
+    loaded = loaded_modules(CASES["text"])
+    ours = [m for m in loaded if m.startswith("tandem.") and m != "tandem.shared"]
+    above = sorted(m for m in ours if not m.startswith(TEXT_LAYER_MAY_LOAD))
+    assert not above, f"the text layer ({', '.join(CASES['text'])}) loads {', '.join(above)}"
 
 
 def test_the_probe_sees_torch_where_it_is_used():

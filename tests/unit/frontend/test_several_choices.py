@@ -15,8 +15,8 @@ from scripted_router import ScriptedRouter, chunk, prompt_ids
 
 from tandem.client import connect
 from tandem.services.frontend.app import Frontend, ServedModel, build_app
-from tandem.services.frontend.chat_template import tiny_template
 from tandem.shared.protocol.serving import TokenLogprobs
+from tandem.shared.text.chat_template import tiny_template
 from tandem.shared.text.tokenizer import ByteTokenizer
 
 

@@ -24,7 +24,10 @@ no model and must start fast):
   ``{% generation %}`` block (which marks assistant text for training) rendered as its body.
 
 Every failure is a :class:`ChatTemplateError` whose message is one line a user can act on; the
-frontend answers it with HTTP 400.
+frontend answers it with HTTP 400. The HTTP front end renders prompts with it and the trainer renders
+fine-tuning conversations with it (``shared/train/finetune_data.py``), so a model is trained on
+exactly the text it is later served with; it lives in the text layer because of that, and imports
+nothing above it (Jinja, the standard library).
 """
 
 from __future__ import annotations
@@ -45,8 +48,6 @@ import jinja2.parser
 import jinja2.sandbox
 import jinja2.utils
 
-from tandem.shared.model.meta import TINY, TINY_RANDOM
-
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"  # more named templates, one <name>.jinja each (transformers' name)
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -56,6 +57,9 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 # transformers refuses older Jinja: it has known sandbox escapes, and templates are untrusted code.
 MIN_JINJA = (3, 1, 6)
 NO_TEMPLATE = "this model has no chat template; use /v1/completions"
+# The names the tiny model is served under (shared/model/meta.py's TINY and TINY_RANDOM, spelt again here
+# because the text layer imports nothing from the model package; a test keeps the two equal).
+TINY_MODEL_NAMES = ("tiny", "tiny-random")
 # Older names for a message's reasoning that transformers copies into reasoning_content (and thinking).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -167,7 +171,7 @@ def chat_template_for(checkpoint: Path | None, model_name: str) -> ChatTemplate:
         template = ChatTemplate.from_model_dir(checkpoint)
         if template is not None:
             return template
-    is_tiny = model_name in (TINY, TINY_RANDOM) and (
+    is_tiny = model_name in TINY_MODEL_NAMES and (
         checkpoint is None or not (Path(checkpoint) / "tokenizer.json").exists()
     )
     if is_tiny:
