@@ -4,8 +4,11 @@ For each block size, a consumer process (what a decode worker does) and this pro
 prefill worker does) move ``--total-mib`` of KV blocks, ``--blocks-per-transfer`` blocks per
 transfer and ``--concurrency`` transfers in flight, two ways in the same run:
 
-- nats: ``send_kv`` acknowledged frames + crc32 per block, then an admit message whose checksums
-  ``KVReceiver.take`` verifies (as services/prefill ``hand_off`` and decode ``on_admit`` do);
+- nats: ``send_kv`` frames under credit flow control (``--kv-window`` frames in flight) with a crc32
+  per block computed on both ends as the bytes move, over ``--kv-connections`` bulk connections per
+  process (:mod:`tandem.shared.infra.bulklinks`; 0: over nats-py, as a service without them), then an
+  admit message whose checksums ``KVReceiver.take`` verifies (as services/prefill ``hand_off`` and
+  decode ``on_admit`` do);
 - ring: ``ShmRing.try_write`` into the consumer's ring, a small descriptor message, the consumer
   ``read``s (and releases) the slots and acks (``--ring-checksum`` adds crc32 on both ends); the
   consumer reads from tasks, ``--consumer-copies`` at once.
@@ -16,6 +19,7 @@ GPU or, with ``--producer-gpu 1 --consumer-gpu 0``, between two (as ``tandem up`
 and decode workers on a two-GPU machine)::
 
     python benchmarks/kv_transfer.py                       # CPU: 64 KiB and 2 MiB blocks
+    python benchmarks/kv_transfer.py --block-kib 2048 --total-mib 512 --repeat 3 --kv-connections 0 4 8
     python benchmarks/kv_transfer.py --device cuda --total-mib 4096 --block-kib 2048 --blocks-per-transfer 32
 """
 
@@ -35,9 +39,12 @@ import nats
 import numpy as np
 import torch
 
+from tandem.shared.infra.bulklinks import BulkLinks
+from tandem.shared.infra.config import BusSettings
 from tandem.shared.infra.natsserver import NatsServer
 from tandem.shared.infra.shmring import ShmRing, SlotDescriptor, host_id
-from tandem.shared.protocol.frames import KVReceiver, block_checksums, send_kv
+from tandem.shared.protocol.base import ProtocolError
+from tandem.shared.protocol.frames import KVReceiver, block_checksums, error_payload, send_kv
 from tandem.shared.protocol.kv import KVTransfer
 
 MiB = 1 << 20
@@ -51,12 +58,21 @@ def crc(t: torch.Tensor) -> int:
     return zlib.crc32(t.cpu().numpy())
 
 
+async def open_links(args: argparse.Namespace, url: str, name: str) -> BulkLinks | None:
+    if not args.kv_connections:
+        return None
+    links = await BulkLinks(lambda: url, name=name, size=args.kv_connections).start()
+    assert links.open_connections == args.kv_connections, "bulk connections did not open"
+    return links
+
+
 async def consumer(args: argparse.Namespace) -> None:
     nc = await nats.connect(args.nats_url, pending_size=256 * MiB)
     block = args.block_kib * 1024
     slots = max(args.ring_mib * MiB // block, args.concurrency * args.blocks_per_transfer)
     ring = ShmRing.create("bench", block, slots, pin=args.device == "cuda")
     receiver = KVReceiver(max_bytes_in_flight=1 << 40)
+    links = await open_links(args, args.nats_url, "bench-consumer")
     dev = torch.device("cuda", args.consumer_gpu) if args.device == "cuda" else torch.device("cpu")
     # Where the decode worker wants its KV: blocks of its preallocated pool, one transfer's worth
     # per copy that may run at once.
@@ -73,9 +89,13 @@ async def consumer(args: argparse.Namespace) -> None:
         pool.numpy()[: data.numel()] = data.numpy()  # a memcpy, as the ring's CPU copies are
         return pool[: data.numel()]
 
-    async def on_frame(msg) -> None:
-        receiver.on_frame(msg.data)
-        await msg.respond(b"ok")
+    async def on_frame(msg) -> None:  # without bulk connections: frames whole, on the loop
+        try:
+            reply = receiver.on_frame(msg.data)
+        except ProtocolError as exc:
+            reply = error_payload(exc)
+        if reply is not None and msg.reply:
+            await nc.publish(msg.reply, reply)
 
     async def on_admit(msg) -> None:
         head = msgpack.unpackb(msg.data)
@@ -111,8 +131,10 @@ async def consumer(args: argparse.Namespace) -> None:
     async def on_info(msg) -> None:
         await msg.respond(msgpack.packb({"ring": ring.name, "host_id": host_id()}))
 
-    for subject, cb in (("bench.kv", on_frame), ("bench.admit", on_admit), ("bench.ring", on_ring),
-                        ("bench.info", on_info)):
+    if links is not None:  # frames land from the bulk connections' reader threads
+        await links.serve_kv("bench.kv", receiver)
+    for subject, cb in ((("bench.kv", on_frame),) if links is None else ()) + (
+            ("bench.admit", on_admit), ("bench.ring", on_ring), ("bench.info", on_info)):
         # Room for every frame in flight (transfers x window x frame size): a receiver that can hold
         # less than that is a slow consumer, and the server cuts it off.
         await nc.subscribe(subject, cb=cb, pending_bytes_limit=2048 * MiB)
@@ -120,6 +142,8 @@ async def consumer(args: argparse.Namespace) -> None:
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
     ring.close()
+    if links is not None:
+        await links.close()
     await nc.close()
 
 
@@ -127,14 +151,17 @@ async def producer(args: argparse.Namespace, url: str) -> dict[str, list[float]]
     block = args.block_kib * 1024
     per = block * args.blocks_per_transfer
     count = max(1, args.total_mib * MiB // per)
-    label = f"[{args.block_kib} KiB blocks, {args.blocks_per_transfer}/transfer, {count} transfers, {route(args)}]"
+    label = (f"[{args.block_kib} KiB blocks, {args.blocks_per_transfer}/transfer, {count} transfers, {route(args)}, "
+             f"{args.kv_connections} bulk connections]")
     proc = subprocess.Popen([sys.executable, __file__, "--role", "consumer", "--nats-url", url, "--device", args.device,
                              "--block-kib", str(args.block_kib), "--blocks-per-transfer", str(args.blocks_per_transfer),
                              "--concurrency", str(args.concurrency), "--ring-mib", str(args.ring_mib),
-                             "--consumer-copies", str(args.consumer_copies), "--consumer-gpu", str(args.consumer_gpu)],
+                             "--consumer-copies", str(args.consumer_copies), "--consumer-gpu", str(args.consumer_gpu),
+                             "--kv-connections", str(args.kv_connections)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready", "consumer did not start"
     nc = await nats.connect(url, pending_size=256 * MiB)
+    links = await open_links(args, url, "bench-producer")
     info = msgpack.unpackb((await nc.request("bench.info", b"", timeout=10)).data)
     assert info["host_id"] == host_id(), "consumer is on another host"
     ring = ShmRing.attach(info["ring"], pin=args.device == "cuda")
@@ -146,9 +173,10 @@ async def producer(args: argparse.Namespace, url: str) -> dict[str, list[float]]
 
     async def via_nats(part: torch.Tensor, check: bool = False) -> bytes:
         blob = memoryview(part.cpu().numpy())
-        t = KVTransfer(transfer_id=uuid.uuid4().hex, num_blocks=args.blocks_per_transfer, block_bytes=block,
-                       checksums=block_checksums(blob, block))
-        await send_kv(nc, "bench.kv", t.transfer_id, blob, window=8, timeout_s=60)
+        tid = uuid.uuid4().hex  # the checksums come back from the send, computed as the frames went out
+        sums = await send_kv(nc, "bench.kv", tid, blob, window=args.kv_window, timeout_s=60, block_bytes=block,
+                             links=links)
+        t = KVTransfer(transfer_id=tid, num_blocks=args.blocks_per_transfer, block_bytes=block, checksums=sums)
         head = {"transfer": t.model_dump(), "check": check}
         return (await nc.request("bench.admit", msgpack.packb(head), timeout=60)).data
 
@@ -181,6 +209,8 @@ async def producer(args: argparse.Namespace, url: str) -> dict[str, list[float]]
     if fallbacks:
         print(f"{label} ring full {fallbacks} times: those transfers went over NATS")
     ring.close()
+    if links is not None:
+        await links.close()
     await nc.close()
     proc.stdin.close()
     proc.wait(30)
@@ -190,20 +220,25 @@ async def producer(args: argparse.Namespace, url: str) -> dict[str, list[float]]
 async def main(args: argparse.Namespace) -> None:
     server = None if args.nats_url else NatsServer.start()
     url = args.nats_url or server.url
-    print(f"nats at {url}; {args.total_mib} MiB per run, {args.concurrency} transfers in flight", flush=True)
+    print(f"nats at {url}; {args.total_mib} MiB per run, {args.concurrency} transfers in flight, "
+          f"{args.kv_window} frames in flight per transfer", flush=True)
     rows = []
     try:
         for kib in args.block_kib:
-            res = await producer(argparse.Namespace(**{**vars(args), "block_kib": kib}), url)
-            nats_mbs, ring_mbs = (statistics.median(res[k]) if res[k] else float("nan") for k in ("nats", "ring"))
-            rows.append((kib, nats_mbs, ring_mbs))
+            for i, conns in enumerate(args.kv_connections):
+                # The ring does not depend on the bulk connections: measured once per block size.
+                paths = [p for p in args.paths if p == "nats" or i == 0]
+                res = await producer(argparse.Namespace(**{**vars(args), "block_kib": kib, "kv_connections": conns,
+                                                           "paths": paths}), url)
+                nats_mbs, ring_mbs = (statistics.median(res[k]) if res[k] else float("nan") for k in ("nats", "ring"))
+                rows.append((kib, conns, nats_mbs, ring_mbs if i == 0 else rows[-1][3]))
     finally:
         if server:
             server.stop()
-    print(f"\n{'block':>9} | {'nats MB/s':>10} | {'ring MB/s':>10} | ring / nats   "
+    print(f"\n{'block':>9} | {'nats MB/s':>10} | {'ring MB/s':>10} | {'ring / nats':>11} | bulk connections   "
           f"({route(args)}, median of {args.repeat})")
-    for kib, n, r in rows:
-        print(f"{kib:>5} KiB | {n:>10,.0f} | {r:>10,.0f} | {r / n:.1f}x")
+    for kib, conns, n, r in rows:
+        print(f"{kib:>5} KiB | {n:>10,.0f} | {r:>10,.0f} | {r / n:>10.1f}x | {conns}")
 
 
 if __name__ == "__main__":
@@ -224,9 +259,13 @@ if __name__ == "__main__":
     p.add_argument("--paths", nargs="+", choices=["nats", "ring"], default=["nats", "ring"],
                    help="ring alone for GB-sized GPU runs (NATS moves a few hundred MB/s)")
     p.add_argument("--ring-checksum", action="store_true", help="crc32 per block on the ring path too")
+    bus = BusSettings()
+    p.add_argument("--kv-connections", type=int, nargs="+", default=[bus.kv_connections],
+                   help="bulk NATS connections per process for frames, one run each (0: nats-py's own connection)")
+    p.add_argument("--kv-window", type=int, default=bus.kv_window, help="frames in flight per transfer")
     a = p.parse_args()
     if a.role == "consumer":
-        a.block_kib = a.block_kib[0]
+        a.block_kib, a.kv_connections = a.block_kib[0], a.kv_connections[0]
         asyncio.run(consumer(a))
     else:
         asyncio.run(main(a))

@@ -5,18 +5,20 @@
     found, blob, block_bytes = await store.get(namespace, hashes[:leading], prefix_only=True)
     await store.put(namespace, new_hashes, blob, block_bytes)
 
-Bytes move as acknowledged binary frames (:mod:`tandem.shared.protocol.frames`) and are verified block by
-block (crc32) on arrival; every refusal comes back as :class:`ProtocolError` with its typed code.
+Bytes move as credited binary frames (:mod:`tandem.shared.protocol.frames`), over the worker's bulk
+connections when it has them (``links``), and are verified block by block (crc32) on arrival; every
+refusal comes back as :class:`ProtocolError` with its typed code.
 """
 
 from __future__ import annotations
 
 import uuid
 
+from tandem.shared.infra.bulklinks import BulkLinks
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorReply, ProtocolError
-from tandem.shared.protocol.codec import decode, encode, error_reply
-from tandem.shared.protocol.frames import KVReceiver, block_checksums, send_kv
+from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.frames import KVReceiver, error_payload, send_kv
 from tandem.shared.protocol.kv import (
     KVGetReply,
     KVGetRequest,
@@ -33,8 +35,10 @@ MIB = 1024 * 1024
 class KVStoreClient:
     """One KV-store instance, over an existing NATS connection."""
 
-    def __init__(self, nc, store_id: str, timeout_s: float = 30.0, window: int = 4) -> None:
+    def __init__(self, nc, store_id: str, timeout_s: float = 30.0, window: int = 4,
+                 links: BulkLinks | None = None) -> None:
         self.nc, self.store_id, self.timeout_s, self.window = nc, store_id, timeout_s, window
+        self.links = links  # a BulkLinks: frames sent and landed on its threads
 
     async def _ask(self, subject: str, message, expect):
         reply = decode((await self.nc.request(subject, encode(message), timeout=self.timeout_s)).data,
@@ -54,12 +58,16 @@ class KVStoreClient:
 
         async def on_frame(msg) -> None:
             try:
-                receiver.on_frame(msg.data)
-                await msg.respond(b"ok")
+                reply = receiver.on_frame(msg.data)
             except ProtocolError as exc:
-                await msg.respond(encode(error_reply(exc)))
+                reply = error_payload(exc)
+            if reply is not None and msg.reply:
+                await self.nc.publish(msg.reply, reply)
 
-        sub = await self.nc.subscribe(inbox, cb=on_frame, pending_bytes_limit=256 * MIB)
+        if self.links is not None and self.links.usable:  # the inbox is this identity's: its bulk connections read it
+            sub = await self.links.serve_kv(inbox, receiver)
+        else:
+            sub = await self.nc.subscribe(inbox, cb=on_frame, pending_bytes_limit=256 * MIB)
         try:
             request = KVGetRequest(request_id=uuid.uuid4().hex, namespace=namespace, hashes=hashes, inbox=inbox,
                                    prefix_only=prefix_only)
@@ -73,9 +81,9 @@ class KVStoreClient:
     async def put(self, namespace: str, hashes: list[int], blob: bytes | memoryview, block_bytes: int) -> KVPutReply:
         """Store ``len(hashes)`` blocks laid end to end in ``blob``."""
         transfer_id = uuid.uuid4().hex
-        await send_kv(self.nc, subjects.kvstore_kv(self.store_id), transfer_id, blob, window=self.window,
-                      timeout_s=self.timeout_s)
+        checksums = await send_kv(self.nc, subjects.kvstore_kv(self.store_id), transfer_id, blob, window=self.window,
+                                  timeout_s=self.timeout_s, block_bytes=block_bytes, links=self.links)
         transfer = KVTransfer(transfer_id=transfer_id, num_blocks=len(hashes), block_bytes=block_bytes,
-                              checksums=block_checksums(blob, block_bytes))
+                              checksums=checksums)
         request = KVPutRequest(request_id=transfer_id, namespace=namespace, hashes=hashes, transfer=transfer)
         return await self._ask(subjects.kvstore_put(self.store_id), request, KVPutReply)

@@ -34,11 +34,14 @@ from nats.micro.service import EndpointConfig, ServiceConfig
 
 from tandem import __version__
 from tandem.shared.auth.credentials import CredentialsError, connect_options, load_credentials, tls_context
+from tandem.shared.infra.bulklinks import BulkLinks
 from tandem.shared.infra.config import Settings
 from tandem.shared.infra.metrics import MetricsPublisher, MetricsRegistry
 from tandem.shared.protocol import subjects
+from tandem.shared.protocol.base import ProtocolError
 from tandem.shared.protocol.codec import encode, error_reply
 from tandem.shared.protocol.fleet import Heartbeat
+from tandem.shared.protocol.frames import KVReceiver
 
 Handler = Callable[[Request], Awaitable[None]]
 SHUTDOWN_TIMEOUT_S = 5.0
@@ -60,6 +63,7 @@ class ServiceRuntime:
 
     name = "service"
     description = ""
+    moves_kv = False  # True: KV frames go and come over bulk connections of its own (--kv-connections)
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -67,6 +71,7 @@ class ServiceRuntime:
         self.host = socket.gethostname()
         self.log = logging.getLogger(f"tandem.{self.name}")
         self.nc: nats.NATS | None = None
+        self.links: BulkLinks | None = None  # bulk connections for KV frames, when moves_kv
         self.started_at = time.time()
         self._service = None
         self._tasks: set[asyncio.Task] = set()
@@ -142,6 +147,24 @@ class ServiceRuntime:
         await self._service.add_endpoint(
             EndpointConfig(name=name, subject=subject, handler=guarded, queue_group=queue_group)
         )
+
+    async def add_kv_endpoint(self, name: str, subject: str, receiver: KVReceiver) -> None:
+        """Land the KV frames sent to ``subject`` in ``receiver``: from the bulk connections' reader
+        threads when this process has them open, else as a ``bulk`` endpoint on the loop. Either way
+        each frame's reply (a credit, or a typed error) goes to its reply subject."""
+        if self.links is not None and self.links.usable:
+            try:
+                await self.links.serve_kv(subject, receiver)
+                return
+            except ProtocolError as exc:  # none could subscribe: the loop takes the frames instead
+                self.log.warning("%s: %s; KV frames land on the event loop", name, exc.message)
+
+        async def on_frame(request: Request) -> None:
+            reply = receiver.on_frame(request.data)  # a refusal raises: ``guarded`` replies the typed error
+            if reply is not None and request.reply:
+                await request.respond(reply)
+
+        await self.add_endpoint(name, subject, on_frame, bulk=True)
 
     def spawn(self, coro: Awaitable[None], what: str, in_flight: bool = True) -> asyncio.Task:
         """Run ``coro`` in the background, keep a reference, log if it fails. Once the service
@@ -285,6 +308,12 @@ class ServiceRuntime:
             self.log.info("%s %s stopped before reaching NATS at %s", self.name, self.instance_id,
                           self.settings.bus.nats_url)
             return
+        if self.moves_kv and bus.kv_connections and isinstance(self.nc, nats.aio.client.Client):
+            # The server and identity of the service's own connection; not over an in-process test bus.
+            nc = self.nc
+            self.links = await BulkLinks(lambda: nc.connected_url.geturl(), options=self.bus_options,
+                                         name=f"tandem-{self.name}-{self.instance_id}", size=bus.kv_connections,
+                                         timeout_s=bus.request_timeout_s).start()
         if self.settings.metrics.port >= 0:  # before registering: the URL goes into the micro metadata
             self.log.info("metrics at %s", self.prom.serve(self.settings.metrics.port, self.settings.metrics.host))
         self._service = await add_service(
@@ -332,6 +361,8 @@ class ServiceRuntime:
                 await asyncio.wait_for(self.nc.close(), 2.0)
             except Exception:
                 pass
+        if self.links is not None:
+            await self.links.close()
 
     async def _on_alive(self, msg) -> None:
         if msg.reply:

@@ -2,7 +2,8 @@
 
 ``tandem serve decode --nats-url URL``. Endpoints (per instance):
 
-- ``tandem.v1.decode.<id>.kv``: binary KV frames from prefill workers (see :mod:`tandem.shared.protocol.frames`);
+- ``tandem.v1.decode.<id>.kv``: binary KV frames from prefill workers (see :mod:`tandem.shared.protocol.frames`),
+  landed and checksummed by the reader threads of this worker's bulk connections (``--kv-connections``);
 - ``tandem.v1.decode.<id>.admit``: a :class:`DecodeRequest`, prefilled elsewhere (its KV arrived as
   frames and is verified here, or lies in this worker's shared-memory ring when the prefill worker
   is on the same host) or to prefill locally.
@@ -48,6 +49,7 @@ RING_AUTO_MAX_BYTES = 4 << 30  # the largest ring a CUDA decode worker sizes for
 class DecodeService(EngineWorker):
     name = "decode"
     description = "continuous-batching decode worker over a paged KV cache"
+    moves_kv = True
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
@@ -93,13 +95,9 @@ class DecodeService(EngineWorker):
 
     async def setup(self) -> None:
         await super().setup()
-        await self.add_endpoint("kv", subjects.decode_kv(self.instance_id), self.on_kv_frame, bulk=True)
+        await self.add_kv_endpoint("kv", subjects.decode_kv(self.instance_id), self.receiver)
         await self.add_endpoint("admit", subjects.decode_admit(self.instance_id), self.on_admit)
         self.spawn(self.probe_loop(), "probe loop")
-
-    async def on_kv_frame(self, request: Request) -> None:
-        self.receiver.on_frame(request.data)
-        await request.respond(b"ok")
 
     async def on_admit(self, request: Request) -> None:
         # Admission waits for the ring copy and the engine thread (up to a step): from a task, or
@@ -124,8 +122,8 @@ class DecodeService(EngineWorker):
         self.admitting.add(spec.request_id)  # a duplicate arriving during the copy is refused too
         try:
             # A 1k-token prompt of an 8B model is 134 MB: the ring is read on a thread, or every admit
-            # and token stream of this worker waits behind the copy (frames stay on the loop, which
-            # owns their reassembly buffers).
+            # and token stream of this worker waits behind the copy (frames were reassembled and
+            # checksummed as they landed: taking them only compares the checksums).
             kv = await asyncio.to_thread(self.received_kv, msg) if msg.ring is not None else self.received_kv(msg)
         finally:
             self.admitting.discard(spec.request_id)

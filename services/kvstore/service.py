@@ -7,9 +7,10 @@
   count and per-hash presence); ``tandem.v1.kvstore.lookup`` is the same, answered by every store
   (each in its own queue group), for a scatter-gather over all stores;
 - ``tandem.v1.kvstore.<id>.get``: :class:`KVGetRequest` -> the blocks found go as KV frames to the
-  request's ``inbox`` (the requester acks each frame with ``b"ok"``, as a decode worker does), then
+  request's ``inbox`` (the requester credits them, as a decode worker does), then
   :class:`KVGetReply` lists the hashes sent and a :class:`KVTransfer` (block_bytes, crc32 per block);
-- ``tandem.v1.kvstore.<id>.kv``: KV frames of a put (:func:`tandem.shared.protocol.frames.send_kv`);
+- ``tandem.v1.kvstore.<id>.kv``: KV frames of a put (:func:`tandem.shared.protocol.frames.send_kv`),
+  landed by the reader threads of the store's bulk connections (``--kv-connections``);
 - ``tandem.v1.kvstore.<id>.put``: :class:`KVPutRequest` naming that transfer and one hash per block
   -> :class:`KVPutReply`; the blocks' checksums are verified before anything is stored;
 - ``tandem.v1.kvstore.<id>.stats``: any payload -> a msgpack map of tier usage and hit counters.
@@ -40,7 +41,7 @@ from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ProtocolError
 from tandem.shared.protocol.codec import decode, encode, error_reply
 from tandem.shared.protocol.fleet import Heartbeat
-from tandem.shared.protocol.frames import KVReceiver, block_checksums, send_kv
+from tandem.shared.protocol.frames import KVReceiver, send_kv
 from tandem.shared.protocol.kv import (
     KVGetReply,
     KVGetRequest,
@@ -61,6 +62,7 @@ WRITE_BEHIND_BYTES = 64 * MIB  # written to disk per write-behind round at most
 class KVStoreService(ServiceRuntime):
     name = "kvstore"
     description = "KV-block store: host RAM and local disk tiers, by chained block hash"
+    moves_kv = True
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
@@ -83,7 +85,7 @@ class KVStoreService(ServiceRuntime):
         await self.add_endpoint("lookup", subjects.kvstore_lookup(iid), self.on_lookup)
         await self.add_endpoint("lookup_all", subjects.KVSTORE_LOOKUP_ALL, self.on_lookup, queue_group=iid)
         await self.add_endpoint("get", subjects.kvstore_get(iid), self.on_get)
-        await self.add_endpoint("kv", subjects.kvstore_kv(iid), self.on_kv_frame, bulk=True)
+        await self.add_kv_endpoint("kv", subjects.kvstore_kv(iid), self.receiver)
         await self.add_endpoint("put", subjects.kvstore_put(iid), self.on_put)
         await self.add_endpoint("stats", subjects.kvstore_stats(iid), self.on_stats)
         if self.settings.kvstore.write_behind_s > 0 and self.store.disk_capacity:
@@ -145,20 +147,18 @@ class KVStoreService(ServiceRuntime):
             return KVGetReply(request_id=msg.request_id, found=[])
         blob = b"".join(parts)
         block_bytes = len(parts[0])
-        transfer = KVTransfer(transfer_id=f"{self.instance_id}-{uuid.uuid4().hex[:12]}", num_blocks=len(found),
-                              block_bytes=block_bytes, checksums=block_checksums(blob, block_bytes))
+        transfer_id = f"{self.instance_id}-{uuid.uuid4().hex[:12]}"
         try:
-            await send_kv(self.nc, msg.inbox, transfer.transfer_id, blob, window=self.settings.bus.kv_window,
-                          timeout_s=self.settings.bus.request_timeout_s)
+            checksums = await send_kv(self.nc, msg.inbox, transfer_id, blob, window=self.settings.bus.kv_window,
+                                      timeout_s=self.settings.bus.request_timeout_s, block_bytes=block_bytes,
+                                      links=self.links)
         except NoRespondersError:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"nobody listens on inbox {msg.inbox}") from None
         except NatsTimeoutError:
             raise ProtocolError(ErrorCode.TIMEOUT, f"inbox {msg.inbox} did not acknowledge KV frames") from None
+        transfer = KVTransfer(transfer_id=transfer_id, num_blocks=len(found), block_bytes=block_bytes,
+                              checksums=checksums)
         return KVGetReply(request_id=msg.request_id, found=found, transfer=transfer)
-
-    async def on_kv_frame(self, request: Request) -> None:
-        self.receiver.on_frame(request.data)
-        await request.respond(b"ok")
 
     async def on_put(self, request: Request) -> None:
         msg: KVPutRequest = decode(request.data, KVPutRequest)

@@ -4,7 +4,8 @@
 :class:`PrefillRequest`. The engine prefills it (chunked: ``max_num_batched_tokens`` per step,
 batched with other prompts), samples the first token, which goes straight to the client, then
 the prompt's KV blocks travel to the chosen decode worker — through its shared-memory ring when
-both are on one host, otherwise as checksummed binary frames over NATS — followed by a
+both are on one host, otherwise as checksummed binary frames over NATS, striped across this
+worker's bulk connections (``--kv-connections``) — followed by a
 :class:`DecodeRequest` that admits the sequence there. If the first token already ends the
 request (EOS, a stop string, ``max_tokens=1``) nothing is handed off.
 """
@@ -32,7 +33,7 @@ from tandem.shared.protocol.base import Ack, ErrorCode, ErrorReply, ProtocolErro
 from tandem.shared.protocol.block_hashes import prefix_hashes
 from tandem.shared.protocol.codec import decode, encode, error_reply
 from tandem.shared.protocol.fleet import Heartbeat
-from tandem.shared.protocol.frames import block_checksums, send_kv
+from tandem.shared.protocol.frames import send_kv
 from tandem.shared.protocol.kv import KVTransfer, RingSlots
 from tandem.shared.protocol.serving import DecodeRequest, PrefillRequest
 
@@ -55,6 +56,7 @@ def handoff_request(msg: PrefillRequest, output_token_ids: list[int], kv_namespa
 class PrefillService(EngineWorker):
     name = "prefill"
     description = "chunked prefill worker; hands KV blocks to decode workers"
+    moves_kv = True
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
@@ -112,8 +114,8 @@ class PrefillService(EngineWorker):
         hashes = prefix_hashes(spec.prompt_token_ids, bs)[:want]
         start = time.time()
         try:
-            found, blob, block_bytes = await KVStoreClient(self.nc, msg.kvstore).get(self.kv_namespace, hashes,
-                                                                                   prefix_only=True)
+            found, blob, block_bytes = await KVStoreClient(self.nc, msg.kvstore, links=self.links).get(
+                self.kv_namespace, hashes, prefix_only=True)
         except Exception as exc:
             self.log.warning("kvstore %s fetch for %s failed (%s); computing the prefix", msg.kvstore, spec.request_id,
                              exc)
@@ -226,16 +228,14 @@ class PrefillService(EngineWorker):
             await asyncio.sleep(0.002)
 
     async def send_frames(self, msg: PrefillRequest, kv: torch.Tensor, timeout: float) -> KVTransfer:
-        def pack() -> tuple[bytes, list]:  # a device copy and a checksum per block: off the event loop
-            blob = tensor_bytes(to_host(kv))
-            return blob, block_checksums(blob, len(blob) // kv.shape[0])
-
-        blob, checksums = await asyncio.to_thread(pack)
-        transfer = KVTransfer(transfer_id=uuid.uuid4().hex, num_blocks=kv.shape[0],
-                              block_bytes=len(blob) // kv.shape[0], checksums=checksums)
-        await send_kv(self.nc, subjects.decode_kv(msg.decode_worker), transfer.transfer_id, blob,
-                      window=self.settings.bus.kv_window, timeout_s=timeout)
-        return transfer
+        blob = await asyncio.to_thread(lambda: tensor_bytes(to_host(kv)))  # a device copy: off the event loop
+        transfer_id, block_bytes = uuid.uuid4().hex, len(blob) // kv.shape[0]
+        # The checksums are computed as the frames go out, on the bulk connections' threads.
+        checksums = await send_kv(self.nc, subjects.decode_kv(msg.decode_worker), transfer_id, blob,
+                                  window=self.settings.bus.kv_window, timeout_s=timeout, block_bytes=block_bytes,
+                                  links=self.links)
+        return KVTransfer(transfer_id=transfer_id, num_blocks=kv.shape[0], block_bytes=block_bytes,
+                          checksums=checksums)
 
     async def teardown(self) -> None:
         await super().teardown()

@@ -84,6 +84,9 @@ class BusSettings:
     probe_interval_s: float = Field(2.0, gt=0,
                                     description="decode: seconds between checks that a client still listens")
     kv_window: int = Field(8, ge=1, description="KV frames in flight per transfer")
+    kv_connections: int = Field(4, ge=0, description="bulk NATS connections per KV-moving process (prefill, decode, "
+                                                     "kvstore) that send and land KV frames from their own threads, "
+                                                     "striped; 0: frames go over the service's own connection")
     shutdown_timeout_s: float = Field(
         30.0, gt=0, description="seconds a stopping service (SIGTERM or Ctrl-C; for tandem up, the whole system) "
                                 "gives the requests in flight to finish; what is left then ends with an error",
