@@ -102,10 +102,6 @@ class ModelRunner:
             # the float weights free and before graphs capture the fp8 matmuls. A model the loader
             # already quantized is left as it is.
             quantize_model(model, quantization)
-        if self.device.type == "cuda":
-            # The parts fusing (and quantizing) freed stay cached by the allocator, where a worker
-            # sharing the device cannot have them and the pool sizing does not see them (6 GiB on 8B).
-            torch.cuda.empty_cache()
         # With graphs, one block more than the block manager knows: padding rows write there.
         self.kv_cache = allocate_kv_cache(
             num_blocks + use_graphs, config.num_layers, block_size, config.num_kv_heads, config.head_dim, dtype,
