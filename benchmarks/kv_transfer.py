@@ -43,8 +43,7 @@ from tandem.shared.infra.bulklinks import BulkLinks
 from tandem.shared.infra.config import BusSettings
 from tandem.shared.infra.natsserver import NatsServer
 from tandem.shared.infra.shmring import ShmRing, SlotDescriptor, host_id
-from tandem.shared.protocol.base import ProtocolError
-from tandem.shared.protocol.frames import KVReceiver, block_checksums, error_payload, send_kv
+from tandem.shared.protocol.frames import KVReceiver, block_checksums, send_kv
 from tandem.shared.protocol.kv import KVTransfer
 
 MiB = 1 << 20
@@ -90,10 +89,7 @@ async def consumer(args: argparse.Namespace) -> None:
         return pool[: data.numel()]
 
     async def on_frame(msg) -> None:  # without bulk connections: frames whole, on the loop
-        try:
-            reply = receiver.on_frame(msg.data)
-        except ProtocolError as exc:
-            reply = error_payload(exc)
+        reply = receiver.answer(msg.data)
         if reply is not None and msg.reply:
             await nc.publish(msg.reply, reply)
 

@@ -18,7 +18,7 @@ from tandem.shared.infra.bulklinks import BulkLinks
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorReply, ProtocolError
 from tandem.shared.protocol.codec import decode, encode
-from tandem.shared.protocol.frames import KVReceiver, error_payload, send_kv
+from tandem.shared.protocol.frames import KVReceiver, send_kv
 from tandem.shared.protocol.kv import (
     KVGetReply,
     KVGetRequest,
@@ -57,10 +57,7 @@ class KVStoreClient:
         receiver, inbox = KVReceiver(max_bytes), self.nc.new_inbox()
 
         async def on_frame(msg) -> None:
-            try:
-                reply = receiver.on_frame(msg.data)
-            except ProtocolError as exc:
-                reply = error_payload(exc)
+            reply = receiver.answer(msg.data)
             if reply is not None and msg.reply:
                 await self.nc.publish(msg.reply, reply)
 

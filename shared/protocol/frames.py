@@ -339,6 +339,13 @@ class KVReceiver:
             assembly = self._assemblies.get(transfer_id)
             return assembly.received if assembly is not None else 0
 
+    def answer(self, data: Buffer) -> bytes | None:
+        """:meth:`on_frame` for a plain subscription: a refused frame's reply is its typed error."""
+        try:
+            return self.on_frame(data)
+        except ProtocolError as exc:
+            return error_payload(exc)
+
     def on_frame(self, data: Buffer) -> bytes | None:
         """Land one whole frame; returns the reply to send to its reply subject (a credit, ``b"ok"``
         for the older form), or None. Raises :class:`ProtocolError` for a frame it refuses."""

@@ -42,7 +42,6 @@ from tandem.shared.protocol.frames import (
     KVReceiver,
     block_checksums,
     encode_reply,
-    error_payload,
     frame_payload_bytes,
     pack_frame,
     send_kv,
@@ -99,10 +98,7 @@ async def serve(nc, links, subject: str, receiver: KVReceiver, delay_s: float = 
 
     async def on_frame(msg) -> None:
         await asyncio.sleep(delay_s)
-        try:
-            reply = receiver.on_frame(msg.data)
-        except ProtocolError as exc:
-            reply = error_payload(exc)
+        reply = receiver.answer(msg.data)
         if reply is not None and msg.reply:
             await nc.publish(msg.reply, reply)
 
