@@ -9,13 +9,18 @@ Runs (each in its own process, so host RAM is returned between them):
 - ``3b``: the 3B preset, batch 8 x 2048, bf16 compute, GPU memory capped at 16 GiB;
 - ``probe``: the 7B preset (6.74B parameters, fp32 masters and moments) under the same 16 GiB cap;
 - ``long``: the 1B preset at sequence 131,072, GPU memory capped at 32 GiB;
-- ``adam``: the host AdamW's throughput on one 3B layer, and the host's copy bandwidth.
+- ``adam``: the host AdamW's throughput on one 3B layer, and the host's copy bandwidth;
+- ``learn``: the 3B preset as ``3b`` but on the Python stdlib's text for 24 steps, its loss curve
+  printed (``learn-tiny``: the tiny model on the CPU);
+- ``tiny``: a tiny config, for CI.
 A run named ``NAME:v1/v2`` (e.g. ``3b:auto/0/13``) is measured once per variant, on one host state.
 A variant is ``auto`` (the placement plan.py chooses from the cap and the rates measured in this run;
 a bare ``NAME`` is ``NAME:auto``) or ``K[rR][sS]``: the GPU does the AdamW of the first K layers, R of
 them with their fp32 state resident on the GPU, the others streamed from host RAM with S GPU buffer
 sets (default 2), and the CPU the rest (shared/train/device_update.py): ``0`` is all on the CPU,
-``13`` the earlier 13 streamed layers, ``6r6`` six resident ones.
+``13`` the earlier 13 streamed layers, ``6r6`` six resident ones. Either may end in ``+atomics``: the
+step without deterministic kernels (shared/train/determinism.py), so ``3b:auto/auto+atomics`` prints
+what determinism costs.
 
 Every run first measures, in its own process, host memory read, write and copy on the host AdamW's
 threads and pinned PCIe copies host->device, device->host and both at once (plan.measure_rates),
@@ -43,27 +48,37 @@ RUNS = {
     "probe": dict(model="7b", batch_size=4, seq_len=2048, gpu_memory_gib=16, warmup=1, measure=2),
     "long": dict(model="1b", batch_size=1, seq_len=131072, gpu_memory_gib=32, warmup=1, measure=1),
     "tiny": dict(model="tiny", batch_size=4, seq_len=128, gpu_memory_gib=None, warmup=1, measure=2),
+    "learn": dict(model="3b", dataset="stdlib", lr=3e-4, batch_size=8, seq_len=2048, gpu_memory_gib=16, warmup=0,
+                  measure=24),
+    "learn-tiny": dict(model="tiny", dataset="stdlib", lr=3e-3, batch_size=8, seq_len=128, gpu_memory_gib=None,
+                       warmup=0, measure=30),
 }
+ATOMICS = "+atomics"
 
 
-def parse_variant(token: str) -> tuple[int, int, int] | None:
-    """``"auto"`` -> None; ``"K[rR][sS]"`` -> (K, R, S)."""
+def parse_variant(token: str) -> tuple[tuple[int, int, int] | None, bool]:
+    """``"auto"`` -> (None, True); ``"K[rR][sS]"`` -> ((K, R, S), True); a ``+atomics`` suffix makes
+    the second item (deterministic kernels) False."""
     import re
 
+    deterministic = not token.endswith(ATOMICS)
+    token = token.removesuffix(ATOMICS)
     if token in ("", "auto"):
-        return None
+        return None, deterministic
     match = re.fullmatch(r"(\d+)(?:r(\d+))?(?:s(\d+))?", token)
     if not match:
-        raise SystemExit(f"bad variant {token!r}: auto or K[rR][sS], e.g. 13, 13s4, 6r6")
+        raise SystemExit(f"bad variant {token!r}: auto or K[rR][sS], e.g. 13, 13s4, 6r6, each with an optional "
+                         f"{ATOMICS}")
     k, r, sets = int(match[1]), int(match[2] or 0), int(match[3] or 2)
-    return max(k, r), r, sets
+    return (max(k, r), r, sets), deterministic
 
 
-def variant_label(base: str, placement, auto: bool) -> str:  # noqa: ANN001 - plan.Placement
+def variant_label(base: str, placement, auto: bool, deterministic: bool) -> str:  # noqa: ANN001 - plan.Placement
+    suffix = "" if deterministic else ATOMICS
     if auto:
-        return f"{base}:auto"
+        return f"{base}:auto{suffix}"
     label = f"{base}:{placement.device_update}" + (f"r{placement.resident}" if placement.resident else "")
-    return label + (f"s{placement.sets}" if placement.sets != 2 and placement.streamed else "")
+    return label + (f"s{placement.sets}" if placement.sets != 2 and placement.streamed else "") + suffix
 
 
 def run_one(name: str, device: str, steps: int | None) -> list[dict]:
@@ -95,21 +110,23 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
     print("RATES " + json.dumps(rates_row), flush=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        first = variants[0]
+        first, first_deterministic = variants[0]
         explicit = dict(device_update_layers=first[0], device_update_sets=first[2]) if first else {}
-        job = TrainJob(dataset="random", steps=warmup + measure, lr=1e-4, weight_decay=0.0, grad_clip=1.0,
-                       device=device, output_dir=tmp, **spec, **explicit)
+        job = TrainJob(**(dict(dataset="random", lr=1e-4) | spec), steps=warmup + measure, weight_decay=0.0,
+                       grad_clip=1.0, device=device, output_dir=tmp, deterministic=first_deterministic, **explicit)
         t0 = time.perf_counter()
         runner = TrainRunner(job, name, Path(tmp), device_resident_layers=first[1] if first else None, rates=rates)
         init_s = time.perf_counter() - t0
-        for index, variant in enumerate(variants):
+        for index, (variant, deterministic) in enumerate(variants):
             if index:  # same host state, fresh optimizer thread and engine
                 runner.engine = None
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
-                if variant is None:
+                if variant is None and runner.device.type != "cuda":
+                    placement = runner.setup.placement  # the CPU's: it updates every layer itself
+                elif variant is None:
                     placement, _ = choose_placement(runner.config, runner.state.work_dtype, job.batch_size, job.seq_len,
                                                     gpu_cap_bytes(runner.device, job.gpu_memory_gib), rates,
                                                     runner.optimizer.split, job.device_update_sets)
@@ -117,27 +134,29 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
                     placement = Placement(variant[1], variant[0], variant[2], "given")
                 runner.placement = placement
                 runner.start_step = int(runner.state.units[0].step)
-                runner.job = job = job.model_copy(update={"steps": runner.start_step + warmup + measure})
+                runner.job = job = job.model_copy(update={"steps": runner.start_step + warmup + measure,
+                                                          "deterministic": deterministic})
                 runner.optimizer = HostAdamW(runner.state, runner.lr_at, job.weight_decay, job.grad_clip,
                                              split=runner.optimizer.split)
                 runner.engine = StreamingEngine(runner.config, runner.state, runner.optimizer, runner.device,
                                                 device_update_layers=placement.device_update,
                                                 device_update_sets=placement.sets,
                                                 device_resident_layers=placement.resident,
-                                                compile_layers=runner.compile_layers)
+                                                compile_layers=runner.compile_layers, deterministic=deterministic)
             placement = runner.placement
             metrics, traces = [], []
             first_step = runner.start_step
             runner.run(on_step=metrics.append, trace_every_s=0, final_checkpoint=False,
                        on_trace=lambda step, ops, hidden, traces=traces: traces.append((step, ops, hidden)))
             result = summarize(runner, job, metrics, [t for t in traces if t[0] - first_step > warmup], warmup)
-            label = variant_label(base, placement, variant is None)
+            label = variant_label(base, placement, variant is None, deterministic)
             compute = result["last_step_compute_s"]
             terms = step_bound(runner.config, job.batch_size, job.seq_len, placement, rates,
                                runner.state.work_dtype.itemsize, runner.optimizer.split,
                                compute_s=(compute["fwd"], compute["bwd"]) if compute["fwd"] else None)
             binding = max((k for k in terms if k != "bound"), key=terms.get)
-            result = {"run": label, "device_update_layers": placement.device_update,
+            result = {"run": label, "dataset": job.dataset, "deterministic": deterministic,
+                      "device_update_layers": placement.device_update,
                       "device_resident_layers": placement.resident, "device_update_sets": placement.sets,
                       "placement": placement.describe(runner.config.num_layers), "placement_reason": placement.reason,
                       **result, "bound_s": round(terms["bound"], 3), "bound_binding": binding,
@@ -229,7 +248,8 @@ def run_adam(device: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="auto", help="auto, cuda or cpu (cpu: the tiny config only)")
-    ap.add_argument("--runs", default="", help="comma-separated subset of 3b,probe,long,adam (default: all)")
+    ap.add_argument("--runs", default="", help="comma-separated subset of 3b,probe,long,adam,learn (default: "
+                                               "3b,probe,long,adam)")
     ap.add_argument("--steps", type=int, help="measured steps per run (default: per run)")
     ap.add_argument("--json-out")
     ap.add_argument("--peer", help="DeepSpeed anchor script (../shared/anchors/zero3_offload.py): run it for the 3B "
@@ -296,6 +316,10 @@ def main() -> int:
                       f"{r['over_bound']}x" + (f"; DeepSpeed at the bound would be "
                                                f"{round(r['over_peer'] * r['over_bound'], 2)}x"
                                                if "over_peer" in r else ""))
+            if r.get("dataset") != "random" and r.get("losses"):
+                curve = " ".join(f"{loss:.2f}" for loss in r["losses"])
+                print(f"        learning on {r['dataset']}: loss {r['losses'][0]:.2f} -> {r['losses'][-1]:.2f} in "
+                      f"{len(r['losses'])} steps; per step: {curve}")
         elif "anchor" in r:
             print(f"  peer: DeepSpeed ZeRO-3 offload, 3B batch 8 x 2048: {r['tokens_per_s']:,} tok/s, "
                   f"step {r['step_s_median']} s")

@@ -28,7 +28,8 @@ DEFAULT_JOB = dict(model="tiny", dataset="stdlib", steps=200, batch_size=16, seq
                    weight_decay=0.1, grad_clip=1.0)
 JOB_FLAGS = ("model", "dataset", "data_format", "pack", "steps", "batch_size", "seq_len", "lr", "weight_decay",
              "grad_clip", "warmup_steps", "seed", "device", "checkpoint_every", "output_dir", "resume",
-             "gpu_memory_gib", "device_update_layers", "device_update_sets", "compile_layers", "split_update")
+             "gpu_memory_gib", "device_update_layers", "device_update_sets", "compile_layers", "split_update",
+             "deterministic")
 SAMPLE_PROMPT = "def "
 
 
@@ -75,6 +76,9 @@ def add_train_parser(sub: argparse._SubParsersAction, add_common) -> None:  # no
                    help="torch.compile the layer blocks (default: on CUDA)")
     p.add_argument("--split-update", action=argparse.BooleanOptionalAction, default=None,
                    help="host AdamW as preview + commit (default: on CUDA when host RAM has room)")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA: backward kernels with a fixed reduction order, so a rerun or a resume is bit-exact "
+                        "(default: on; --no-deterministic: the atomics-based kernels, last bits vary)")
     p.add_argument("--job-id", help="name of the run (default: random)")
     p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's)")

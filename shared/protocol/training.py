@@ -38,6 +38,9 @@ class TrainJob(BaseModel):
     device_update_sets: int = Field(2, ge=1, le=16)  # GPU buffer sets for those updates (state loads ahead)
     compile_layers: bool | None = None  # torch.compile the layer blocks; None: on CUDA only
     split_update: bool | None = None  # host AdamW as preview + commit (optimizer.py); None: on CUDA only
+    # CUDA kernels with a fixed reduction order (shared/train/determinism.py): reruns and resumes are bit-exact;
+    # False: the atomics-based backward kernels (embedding, attention), slightly faster, last bits vary
+    deterministic: bool = True
 
 
 class TrainStart(WireMessage):

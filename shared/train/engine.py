@@ -32,6 +32,7 @@ import torch
 
 from tandem.shared.model.config import ModelConfig
 from tandem.shared.train import functional as fn
+from tandem.shared.train.determinism import deterministic_kernels, fix_cublas_workspace
 from tandem.shared.train.device_update import DeviceUpdater
 from tandem.shared.train.host_state import EXTRAS, HostState
 from tandem.shared.train.lanes import Lanes, StepTrace, host_buffer
@@ -65,8 +66,12 @@ class StepHandle:
 class StreamingEngine:
     def __init__(self, config: ModelConfig, state: HostState, optimizer: HostAdamW, device: torch.device,
                  mlp_chunk: int = 16384, loss_chunk: int | None = None, device_update_layers: int = 0,
-                 compile_layers: bool = False, device_update_sets: int = 2, device_resident_layers: int = 0) -> None:
+                 compile_layers: bool = False, device_update_sets: int = 2, device_resident_layers: int = 0,
+                 deterministic: bool = False) -> None:
         self.cfg, self.state, self.opt, self.device = config, state, optimizer, device
+        self.deterministic = deterministic and device.type == "cuda"  # the CPU kernels are deterministic already
+        if self.deterministic:
+            fix_cublas_workspace()
         self.lanes = Lanes(device)
         self.trace = StepTrace(self.lanes, False)
         self.dtype = state.work_dtype
@@ -175,7 +180,13 @@ class StreamingEngine:
              segments: torch.Tensor | None = None) -> StepHandle:
         """Run forward + backward of one batch (``[B, S]`` ids and targets on the host; ``segments``
         as ``data.Batch.segments``, None for plain causal rows), hand the gradients to the optimizer,
-        return at once; the GPU and optimizer work run on."""
+        return at once; the GPU and optimizer work run on. Launched under ``deterministic_kernels``
+        when the engine was made ``deterministic``."""
+        with deterministic_kernels(self.deterministic):
+            return self._step(input_ids, targets, record_timeline, segments)
+
+    def _step(self, input_ids: torch.Tensor, targets: torch.Tensor, record_timeline: bool,
+              segments: torch.Tensor | None) -> StepHandle:
         cfg, lanes, L = self.cfg, self.lanes, self.cfg.num_layers
         version = self.version
         self._prepare(*input_ids.shape)

@@ -229,7 +229,7 @@ class TrainRunner:
                                       device_update_layers=self.placement.device_update,
                                       device_update_sets=self.placement.sets,
                                       device_resident_layers=self.placement.resident,
-                                      compile_layers=self.compile_layers)
+                                      compile_layers=self.compile_layers, deterministic=job.deterministic)
         log.info("job %s: placement %s (%s)", job_id, self.placement.describe(config.num_layers),
                  self.placement.reason)
         self.num_params = count_parameters(config)

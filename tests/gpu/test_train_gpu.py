@@ -101,3 +101,41 @@ def test_long_sequence_uses_memory_efficient_attention():
     assert 4 < loss < 7
     # Dense attention scores alone would be 8 heads x 64k x 64k x 2 bytes = 64 GiB.
     assert torch.cuda.max_memory_allocated() < 4 * 2**30
+
+
+def _attention_and_embedding_grads(packed: bool) -> list[torch.Tensor]:
+    """dQ, dK, dV of the trainer's attention call and the embedding gradient, at the 3B preset's
+    shapes (24 heads of 128, two rows of 2,048 tokens; ids from a 128-token alphabet, so they repeat)."""
+    from tandem.shared.train import functional as fn
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    shape = (2, 24, 2048, 128)
+    q, k, v = (torch.randn(shape, device=CUDA, dtype=torch.bfloat16, generator=gen).requires_grad_(True)
+               for _ in range(3))
+    grad_out = torch.randn(shape, device=CUDA, dtype=torch.bfloat16, generator=gen)
+    if packed:  # four examples of 512 tokens a row
+        segments = torch.arange(2048, device=CUDA).div(512, rounding_mode="floor").expand(2, -1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=fn.segment_mask(segments,
+                                                                                                 torch.bfloat16))
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out.backward(grad_out)
+    ids = torch.randint(0, 128, (2, 2048), device=CUDA, generator=gen)
+    grad_embed = torch.zeros(512, 3072, device=CUDA)
+    fn.embed_backward(grad_embed, ids, torch.randn(2, 2048, 3072, device=CUDA, dtype=torch.bfloat16, generator=gen))
+    return [q.grad, k.grad, v.grad, grad_embed]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
+def test_the_step_mode_makes_the_racing_backward_reductions_bit_exact(packed):
+    """The reductions that use atomics by default (determinism.py) give the same bits twice under
+    ``deterministic_kernels``; with it off at least one of them usually differs (not asserted)."""
+    from tandem.shared.train.determinism import deterministic_kernels, fix_cublas_workspace
+
+    fix_cublas_workspace()
+    with deterministic_kernels(True):
+        first, second = _attention_and_embedding_grads(packed), _attention_and_embedding_grads(packed)
+    names = ["dQ", "dK", "dV", "embedding"]
+    differing = [name for name, a, b in zip(names, first, second) if not torch.equal(a, b)]
+    assert not differing, f"deterministic kernels still gave different bits for {differing}"
+    assert not torch.are_deterministic_algorithms_enabled(), "the mode must be put back after the block"
