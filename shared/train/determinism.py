@@ -1,16 +1,17 @@
 """Bit-exact training steps on CUDA: the kernels whose reduction order is fixed, for the span of a step.
 
-Three backward kernels of a training step accumulate with atomics by default on CUDA, so a rerun
-(or a resumed run) drifts in the last bits from the first step on: the embedding gradient
-(``index_add_``: duplicate token ids race), flash attention's dQ (split over key blocks) and the
-memory-efficient kernel used with a packing mask. PyTorch's deterministic mode replaces each with a
-fixed-order version: ``index_add_`` becomes the sorted, segment-by-segment ``index_put_`` and the two
-attention kernels accumulate per split and reduce afterwards. cuBLAS is deterministic on one stream
+Backward kernels of a training step accumulate with atomics by default on CUDA, so a rerun (or a
+resumed run) drifts in the last bits from the first step on: the embedding gradient (``index_add_``:
+duplicate token ids race) and attention's dQ (split over key blocks; cuDNN's kernel for causal rows
+and the memory-efficient one used with a packing mask both say they are non-deterministic).
+PyTorch's deterministic mode replaces each with a fixed-order version: ``index_add_`` becomes the
+sorted, segment-by-segment ``index_put_`` and the attention kernels accumulate per split and reduce
+afterwards. cuBLAS is deterministic on one stream
 once its workspace is fixed (``CUBLAS_WORKSPACE_CONFIG``), which is set before the first handle is
 made. The mode is global in PyTorch, so it is switched on for the step's launches only and put back
 after: another model in the same process (a test, a served engine) keeps its own choice.
 
-The cost is measured by ``benchmarks/train_offload.py --runs 3b:auto,3b:auto:fast`` (README).
+The cost is measured by ``benchmarks/train_offload.py --runs 3b:auto/auto+atomics`` (README).
 """
 
 from __future__ import annotations
