@@ -8,7 +8,10 @@
 Runs (each in its own process, so host RAM is returned between them):
 - ``3b``: the 3B preset, batch 8 x 2048, bf16 compute, GPU memory capped at 16 GiB;
 - ``probe``: the 7B preset (6.74B parameters, fp32 masters and moments) under the same 16 GiB cap;
-- ``long``: the 1B preset at sequence 131,072, GPU memory capped at 32 GiB;
+- ``long``: the 1B preset at sequence 131,072, GPU memory capped at 32 GiB; ``long-1b-524k`` and
+  ``long-3b-262k``: the 1B preset at 524,288 and the 3B at 262,144 under the same cap, one step each
+  (attention staged, functional.layer_backward), ``+atomics`` unless a variant is named (the
+  deterministic flash backward does not fit the cap there);
 - ``adam``: the host AdamW's throughput on one 3B layer, and the host's copy bandwidth;
 - ``learn``: the 3B preset as ``3b`` but on the Python stdlib's text for 24 steps, its loss curve
   printed (``learn-tiny``: the tiny model on the CPU);
@@ -47,6 +50,12 @@ RUNS = {
     "3b": dict(model="3b", batch_size=8, seq_len=2048, gpu_memory_gib=16, warmup=2, measure=4),
     "probe": dict(model="7b", batch_size=4, seq_len=2048, gpu_memory_gib=16, warmup=1, measure=2),
     "long": dict(model="1b", batch_size=1, seq_len=131072, gpu_memory_gib=32, warmup=1, measure=1),
+    # the long contexts: one step each (minutes), eager blocks so no compile lands in it, the
+    # atomics kernels by default (deterministic flash attention needs 16-20 GiB more there: plan.flash_splits)
+    "long-1b-524k": dict(model="1b", batch_size=1, seq_len=524288, gpu_memory_gib=32, compile_layers=False,
+                         warmup=0, measure=1, variants="auto+atomics"),
+    "long-3b-262k": dict(model="3b", batch_size=1, seq_len=262144, gpu_memory_gib=32, compile_layers=False,
+                         warmup=0, measure=1, variants="auto+atomics"),
     "tiny": dict(model="tiny", batch_size=4, seq_len=128, gpu_memory_gib=None, warmup=1, measure=2),
     "learn": dict(model="3b", dataset="stdlib", lr=3e-4, batch_size=8, seq_len=2048, gpu_memory_gib=16, warmup=0,
                   measure=24),
@@ -95,8 +104,9 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     base, _, ks = name.partition(":")
-    variants = [parse_variant(v) for v in (ks.split("/") if ks else ["auto"])]
     spec = dict(RUNS[base])
+    variants = [parse_variant(v) for v in (ks or spec.pop("variants", "auto")).split("/")]
+    spec.pop("variants", None)
     warmup, measure = spec.pop("warmup"), spec.pop("measure")
     measure = steps or measure
     rates = measure_rates(torch.device(device))

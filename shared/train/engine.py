@@ -10,9 +10,9 @@ Forward: layer i+1's weights load (h2d lane) while layer i computes; each layer'
 pinned host memory (d2h lane) as its checkpoint. The head computes loss and its backward in token
 chunks. Backward, top layer down: layer i-1's weights and checkpoint load while layer i is
 recomputed and backpropagated; layer i's gradients go to the host as soon as they exist, with their
-squared norm. The last two layers' weights and inputs stay on the GPU from the forward. The host
-optimizer then updates unit by unit, and the next step's forward of layer i waits only for layer
-i's update. With ``device_update_layers=k`` the GPU computes the first k layers' updates instead,
+squared norm. The last two layers' weights stay on the GPU from the forward, and so do their
+inputs except on long sequences (plan.resident_tail). The host optimizer then updates unit by
+unit, and the next step's forward of layer i waits only for layer i's update. With ``device_update_layers=k`` the GPU computes the first k layers' updates instead,
 and with ``device_resident_layers=r`` the first r of them keep their fp32 state and working copy on
 the GPU, so their forward and backward read the resident copy and load nothing (device_update.py;
 plan.py chooses k and r from the GPU memory cap). Every hand-off between lanes is an event; on CPU
@@ -38,8 +38,7 @@ from tandem.shared.train.host_state import EXTRAS, HostState
 from tandem.shared.train.lanes import Lanes, StepTrace, host_buffer
 from tandem.shared.train.layout import head_weight_name
 from tandem.shared.train.optimizer import HostAdamW, UpdateJob
-
-RESIDENT_TAIL = 2  # top layers whose weights and inputs stay on the GPU between forward and backward
+from tandem.shared.train.plan import resident_tail
 
 
 def _sumsq(grad: torch.Tensor) -> torch.Tensor:
@@ -67,7 +66,7 @@ class StreamingEngine:
     def __init__(self, config: ModelConfig, state: HostState, optimizer: HostAdamW, device: torch.device,
                  mlp_chunk: int = 16384, loss_chunk: int | None = None, device_update_layers: int = 0,
                  compile_layers: bool = False, device_update_sets: int = 2, device_resident_layers: int = 0,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, attention_chunk: int = fn.ATTENTION_CHUNK) -> None:
         self.cfg, self.state, self.opt, self.device = config, state, optimizer, device
         self.deterministic = deterministic and device.type == "cuda"  # the CPU kernels are deterministic already
         if self.deterministic:
@@ -77,7 +76,7 @@ class StreamingEngine:
         self.dtype = state.work_dtype
         self.layer_layout = state.units[1].layout if config.num_layers else None
         self.extras_layout = state.units[EXTRAS].layout
-        self.mlp_chunk = mlp_chunk
+        self.mlp_chunk, self.attention_chunk = mlp_chunk, attention_chunk
         self.blocks = fn.compiled_blocks() if compile_layers else fn.EAGER
         self.loss_chunk = loss_chunk or max(256, (512 << 20) // (4 * config.vocab_size))
         self.head_name = head_weight_name(config)
@@ -110,10 +109,11 @@ class StreamingEngine:
         self._sync()  # nothing in flight may still use the buffers being replaced
         self._shape = (bsz, seq)
         act = (bsz, seq, self.cfg.hidden_size)
-        tail = max(0, self.cfg.num_layers - RESIDENT_TAIL)
-        self.ckpt_host = [host_buffer(act, self.dtype, self.lanes.cuda) for _ in range(tail)]
+        self.tail = resident_tail(self.cfg.num_layers, bsz * seq, self.attention_chunk)
+        saved = self.cfg.num_layers - self.tail
+        self.ckpt_host = [host_buffer(act, self.dtype, self.lanes.cuda) for _ in range(saved)]
         self.act_slots = [torch.empty(act, dtype=self.dtype, device=self.device) for _ in range(2)]
-        self.act_free, self.ckpt_saved = [None, None], [None] * tail
+        self.act_free, self.ckpt_saved = [None, None], [None] * saved
         self._rope = fn.rope_tables(self.cfg, seq, self.device)
         self._sync()  # made on the default stream; the lanes use them from now on
 
@@ -212,7 +212,7 @@ class StreamingEngine:
                 # forward, layer i then computes during layer i+1's copy instead of before it.
                 if i + 1 < L:
                     self._load_layer(i + 1, version)
-                if i < L - RESIDENT_TAIL:
+                if i < L - self.tail:
                     self._save_checkpoint(i, x)
                 else:
                     resident[i] = x
@@ -220,7 +220,7 @@ class StreamingEngine:
                 lanes.wait("compute", ready)
                 with tl.op("compute", i, "fwd"):
                     x = fn.layer_forward(self.layer_layout.views(weights), x, cos, sin, cfg, self.mlp_chunk,
-                                         self.blocks, mask)
+                                         self.blocks, mask, self.attention_chunk)
                 if slot is not None:
                     self.slot_free[slot] = lanes.record("compute")
 
@@ -232,11 +232,13 @@ class StreamingEngine:
                 leaves = self._leaves(self.extras_w, self.extras_g, self.extras_layout)
                 loss, grad = fn.head_loss_backward(leaves, self.head_name, x, tgt, num_targets, cfg, self.loss_chunk)
             del x
+            if L and L - 1 not in resident:  # no resident tail: the top layer's input is a checkpoint too
+                self._pending[L - 1] = self._load_checkpoint(L - 1)
             for i in reversed(range(L)):
                 x_in, x_ready = (resident.pop(i), None) if i in resident else self._pending.pop(i)
                 if i - 1 >= 0:
                     self._load_layer(i - 1, version)
-                    if i - 1 < L - RESIDENT_TAIL:
+                    if i - 1 < L - self.tail:
                         self._pending[i - 1] = self._load_checkpoint(i - 1)
                 grad = self._layer_backward(i, x_in, x_ready, grad, cos, sin, mask)
             with tl.op("compute", -1, "bwd"):
@@ -283,7 +285,8 @@ class StreamingEngine:
         with self.trace.op("compute", i, "bwd"):
             grads.zero_()
             leaves = self._leaves(weights, grads, self.layer_layout)
-            grad = fn.layer_backward(leaves, x_in, grad, cos, sin, self.cfg, self.mlp_chunk, self.blocks, mask)
+            grad = fn.layer_backward(leaves, x_in, grad, cos, sin, self.cfg, self.mlp_chunk, self.blocks, mask,
+                                     self.attention_chunk)
             self.sumsq[i + 1] = _sumsq(grads)
         done = lanes.record("compute")
         self.act_free[half] = done

@@ -5,7 +5,9 @@ SiLU-gated MLP), but over a padded-free ``[B, S]`` batch with causal SDPA instea
 cache. The functions take a parameter dict (views into whichever buffer holds the layer), so one
 stateless template serves every layer. Memory stays bounded at long sequence lengths: the MLP runs
 over token chunks (forward and backward), and the LM head + cross-entropy run chunked with their
-backward fused in, so full ``[tokens, vocab]`` logits never exist. On CUDA the two blocks can be
+backward fused in, so full ``[tokens, vocab]`` logits never exist; past :data:`ATTENTION_CHUNK` tokens
+the attention half runs staged (:func:`layer_backward`), so what it holds across the layer is
+q, k, v and SDPA's own tensors, not the norm's and projections' graph. On CUDA the two blocks can be
 ``torch.compile``d (:func:`compiled_blocks`): the norms, RoPE and SiLU-gating fuse into a few kernels,
 about a fifth off a 3B step's GPU compute (README); the math and parameter names stay the same.
 
@@ -85,12 +87,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return flat.view(bsz, seq, heads, dim)
 
 
-def attention_block(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
-                    mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``x + o_proj(causal_attention(input_layernorm(x)))`` for ``x`` of shape ``[B, S, hidden]``.
-
-    ``mask`` None: each row is one causal sequence (``is_causal``: flash attention on CUDA). Else
-    the additive :func:`segment_mask` of packed rows, with ``cos``/``sin`` per row."""
+def _project_qkv(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``input_layernorm`` and the q, k, v projections of ``x`` ``[B, S, hidden]``, RoPE applied to q and
+    k: ``[B, S, heads, head_dim]`` each (``kv_heads`` for k and v)."""
     bsz, seq, _ = x.shape
     h = rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps)
     q = F.linear(h, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias")).view(bsz, seq, cfg.num_heads,
@@ -102,8 +102,14 @@ def attention_block(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     if cfg.qk_norm:
         q = rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps)
-    q, k = _rope(q, cos, sin).transpose(1, 2), _rope(k, cos, sin).transpose(1, 2)
-    v = v.transpose(1, 2)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig,
+            mask: torch.Tensor | None) -> torch.Tensor:
+    """SDPA of ``[B, S, heads, head_dim]`` q, k, v (causal, or under the additive ``mask``): ``[B, S, q]``."""
+    bsz, seq = q.shape[:2]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     group = cfg.num_heads // cfg.num_kv_heads
     if group > 1:  # explicit GQA expansion: every SDPA backend (flash included) takes it
         k = k[:, :, None].expand(bsz, cfg.num_kv_heads, group, seq, cfg.head_dim).reshape(bsz, cfg.num_heads, seq, -1)
@@ -112,8 +118,21 @@ def attention_block(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.head_dim**-0.5)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.head_dim**-0.5)
-    out = out.transpose(1, 2).reshape(bsz, seq, cfg.num_heads * cfg.head_dim)
-    return x + F.linear(out, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
+    return out.transpose(1, 2).reshape(bsz, seq, cfg.num_heads * cfg.head_dim)
+
+
+def _o_proj(p: Params, out: torch.Tensor) -> torch.Tensor:
+    return F.linear(out, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
+
+
+def attention_block(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``x + o_proj(causal_attention(input_layernorm(x)))`` for ``x`` of shape ``[B, S, hidden]``.
+
+    ``mask`` None: each row is one causal sequence (``is_causal``: flash attention on CUDA). Else
+    the additive :func:`segment_mask` of packed rows, with ``cos``/``sin`` per row."""
+    q, k, v = _project_qkv(p, x, cos, sin, cfg)
+    return x + _o_proj(p, _attend(q, k, v, cfg, mask))
 
 
 def mlp_block(p: Params, a: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -141,17 +160,35 @@ def compiled_blocks() -> LayerBlocks:
     return LayerBlocks(torch.compile(attention_block, dynamic=False), torch.compile(mlp_block, dynamic=False))
 
 
+ATTENTION_CHUNK = 65536  # tokens past which a layer's attention half runs staged (layer_backward)
+
+
 def _chunks(num_tokens: int, chunk: int) -> list[slice]:
     chunk = max(1, chunk)
     return [slice(s, min(s + chunk, num_tokens)) for s in range(0, num_tokens, chunk)]
 
 
+def _table_rows(table: torch.Tensor, rows: slice) -> torch.Tensor:
+    """The RoPE table of the positions ``rows``: shared (``[S, D/2]``) or per row (``[B, S, D/2]``)."""
+    return table[rows] if table.dim() == 2 else table[:, rows]
+
+
 @torch.no_grad()
-def layer_forward(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
-                  mlp_chunk: int, blocks: LayerBlocks = EAGER, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """One decoder layer without autograd state (the backward recomputes it); ``mask`` as in
-    :func:`attention_block`."""
-    a = blocks.attention(p, x, cos, sin, cfg, mask)
+def _staged_qkv(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
+                chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_project_qkv` of the whole sequence, computed ``chunk`` tokens at a time: the fp32 norm
+    and the unrotated projections exist for one chunk only."""
+    bsz, seq, _ = x.shape
+    q = x.new_empty(bsz, seq, cfg.num_heads, cfg.head_dim)
+    k = x.new_empty(bsz, seq, cfg.num_kv_heads, cfg.head_dim)
+    v = torch.empty_like(k)
+    for rows in _chunks(seq, chunk // bsz):
+        q[:, rows], k[:, rows], v[:, rows] = _project_qkv(p, x[:, rows], _table_rows(cos, rows),
+                                                          _table_rows(sin, rows), cfg)
+    return q, k, v
+
+
+def _mlp_forward(p: Params, a: torch.Tensor, cfg: ModelConfig, mlp_chunk: int, blocks: LayerBlocks) -> torch.Tensor:
     flat = a.view(-1, a.shape[-1])
     if flat.shape[0] <= mlp_chunk:
         return blocks.mlp(p, a, cfg)
@@ -161,27 +198,93 @@ def layer_forward(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return out.view_as(a)
 
 
+def _mlp_backward(p: Params, a: torch.Tensor, grad_out: torch.Tensor, cfg: ModelConfig, mlp_chunk: int,
+                  blocks: LayerBlocks, out: torch.Tensor | None = None) -> torch.Tensor:
+    """dL/da of the MLP half (its residual included) for ``grad_out``, chunk by chunk over tokens,
+    each chunk's graph freed before the next; into ``out`` when given (it may be ``grad_out`` itself:
+    each chunk's gradient is read before its rows are written)."""
+    a_flat = a.detach().view(-1, a.shape[-1])
+    g_flat = grad_out.reshape(-1, a.shape[-1])
+    grad_a = torch.empty_like(a_flat) if out is None else out.view(-1, a.shape[-1])
+    for c in _chunks(a_flat.shape[0], mlp_chunk):
+        a_c = a_flat[c].detach().requires_grad_(True)
+        torch.autograd.backward(blocks.mlp(p, a_c, cfg), g_flat[c])
+        grad_a[c] = a_c.grad
+        del a_c
+    return grad_a.view_as(a)
+
+
+def staged(x: torch.Tensor, attention_chunk: int) -> bool:
+    """Whether a layer over ``x`` runs its attention half staged (:func:`layer_backward`)."""
+    return x.shape[0] * x.shape[1] > attention_chunk
+
+
+@torch.no_grad()
+def layer_forward(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
+                  mlp_chunk: int, blocks: LayerBlocks = EAGER, mask: torch.Tensor | None = None,
+                  attention_chunk: int = ATTENTION_CHUNK) -> torch.Tensor:
+    """One decoder layer without autograd state (the backward recomputes it); ``mask`` as in
+    :func:`attention_block`; past ``attention_chunk`` tokens the projections run chunked, as in
+    :func:`layer_backward`."""
+    if staged(x, attention_chunk):
+        out = _attend(*_staged_qkv(p, x, cos, sin, cfg, attention_chunk), cfg, mask)
+        a = x + _o_proj(p, out)
+        del out
+    else:
+        a = blocks.attention(p, x, cos, sin, cfg, mask)
+    return _mlp_forward(p, a, cfg, mlp_chunk, blocks)
+
+
 def layer_backward(p: Params, x: torch.Tensor, grad_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    cfg: ModelConfig, mlp_chunk: int, blocks: LayerBlocks = EAGER,
-                   mask: torch.Tensor | None = None) -> torch.Tensor:
+                   mask: torch.Tensor | None = None, attention_chunk: int = ATTENTION_CHUNK) -> torch.Tensor:
     """Recompute the layer from its input ``x`` and backpropagate ``grad_out``; returns dL/dx.
 
     ``p`` holds leaf tensors whose ``.grad`` are preset views of a gradient buffer: autograd adds
     into them in place. The MLP half runs chunk by chunk over tokens, each chunk's graph freed
-    before the next, so only the attention half's graph is held across the layer."""
+    before the next, so only the attention half's graph is held across the layer.
+
+    Past ``attention_chunk`` tokens (long sequences) even that graph is too large (the fp32 norm
+    input, the normalised input, the unrotated projections: about 37 KB a token at 1B), so the
+    attention half runs staged: q, k and v are computed chunk by chunk without a graph, only SDPA
+    and ``o_proj`` keep theirs (their inputs, which exist anyway), and after SDPA's backward the
+    norm and projections are recomputed chunk by chunk to take dq, dk, dv back to dL/dx. That
+    computes the q, k, v projections once more (about 3% of a 1B layer's matmul FLOPs) and
+    consumes ``grad_out``: its buffer holds dL/dx on return."""
+    if staged(x, attention_chunk):
+        return _staged_layer_backward(p, x, grad_out, cos, sin, cfg, mlp_chunk, blocks, mask, attention_chunk)
     with torch.enable_grad():
         x_leaf = x.detach().requires_grad_(True)
         a = blocks.attention(p, x_leaf, cos, sin, cfg, mask)
-        a_flat = a.detach().view(-1, a.shape[-1])
-        g_flat = grad_out.reshape(-1, a.shape[-1])
-        grad_a = torch.empty_like(a_flat)
-        for c in _chunks(a_flat.shape[0], mlp_chunk):
-            a_c = a_flat[c].detach().requires_grad_(True)
-            torch.autograd.backward(blocks.mlp(p, a_c, cfg), g_flat[c])
-            grad_a[c] = a_c.grad
-            del a_c
-        torch.autograd.backward(a, grad_a.view_as(a))
+        grad_a = _mlp_backward(p, a, grad_out, cfg, mlp_chunk, blocks)
+        torch.autograd.backward(a, grad_a)
     return x_leaf.grad
+
+
+def _staged_layer_backward(p: Params, x: torch.Tensor, grad_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           cfg: ModelConfig, mlp_chunk: int, blocks: LayerBlocks, mask: torch.Tensor | None,
+                           attention_chunk: int) -> torch.Tensor:
+    q, k, v = (t.requires_grad_(True) for t in _staged_qkv(p, x, cos, sin, cfg, attention_chunk))
+    with torch.enable_grad():
+        out = _attend(q, k, v, cfg, mask)
+        out_leaf = out.detach().requires_grad_(True)
+        a = x.detach() + _o_proj(p, out_leaf)
+    reuse = grad_out if grad_out.is_contiguous() else None  # grad_out is consumed
+    grad_a = _mlp_backward(p, a, grad_out, cfg, mlp_chunk, blocks, out=reuse)
+    torch.autograd.backward(a, grad_a)
+    del a
+    torch.autograd.backward(out, out_leaf.grad)
+    del out, out_leaf
+    dq, dk, dv = q.grad, k.grad, v.grad
+    del q, k, v
+    with torch.enable_grad():
+        for rows in _chunks(x.shape[1], attention_chunk // x.shape[0]):
+            x_c = x[:, rows].detach().requires_grad_(True)
+            torch.autograd.backward(_project_qkv(p, x_c, _table_rows(cos, rows), _table_rows(sin, rows), cfg),
+                                    (dq[:, rows], dk[:, rows], dv[:, rows]))
+            grad_a[:, rows] += x_c.grad  # the residual's gradient plus the projections'
+            del x_c
+    return grad_a
 
 
 def embed_forward(p: Params, input_ids: torch.Tensor) -> torch.Tensor:

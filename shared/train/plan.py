@@ -44,14 +44,23 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tandem.shared.model.config import ModelConfig
+from tandem.shared.train.functional import ATTENTION_CHUNK
 from tandem.shared.train.layout import extras_layout, layer_layout
 
 GiB = 2**30
-RESIDENT_TAIL = 2  # as engine.py: the top layers' inputs stay on the GPU between forward and backward
+RESIDENT_TAIL = 2  # the top layers whose inputs stay on the GPU between forward and backward (resident_tail)
 CUDA_CONTEXT = int(1.5 * GiB)  # host RAM the CUDA context and torch's libraries take in this process
 PROCESS_BASE = int(0.75 * GiB)  # host RAM of the interpreter, torch and the data on a CPU run
 HEADROOM_FRACTION, HEADROOM_MIN = 0.04, int(0.5 * GiB)  # GPU: allocator rounding, fragmentation
 CUBLAS_WORKSPACE = 64 << 20  # GPU: cuBLAS/cuBLASLt workspaces, from the caching allocator (32 MiB a handle on Hopper)
+
+
+def resident_tail(num_layers: int, tokens: int, attention_chunk: int = ATTENTION_CHUNK) -> int:
+    """How many top layers keep their inputs on the GPU from the forward to the backward (engine.py):
+    RESIDENT_TAIL, so the backward starts without waiting for checkpoints, except for long sequences
+    (past ``attention_chunk`` tokens, where attention runs staged): there two layer inputs are GiBs
+    of the cap, and reloading them costs nothing next to the step."""
+    return 0 if tokens > attention_chunk else min(num_layers, RESIDENT_TAIL)
 
 
 class PlanError(ValueError):
@@ -123,6 +132,7 @@ class MemoryPlan:
     workspace: int = 0  # cuBLAS workspaces (CUDA only)
     host_available: int | None = None  # bytes of host RAM free for it
     headroom: int = 0
+    deterministic_extra: int = 0  # GPU bytes the deterministic kernels add to the peak (flash_splits)
 
     @property
     def host_total(self) -> int:
@@ -169,6 +179,9 @@ class MemoryPlan:
             state = (f", or fewer GPU-resident/updated layers (now {p.resident}/{p.device_update}: "
                      f"{(self.gpu['resident'] + self.gpu['device_grads'] + self.gpu['update_sets']) / GiB:.1f} GiB)"
                      if p.device_update else "")
+            if self.deterministic_extra:
+                state += (f", or --no-deterministic (the deterministic flash backward needs "
+                          f"{self.deterministic_extra / GiB:.1f} GiB more)")
             raise PlanError(
                 f"GPU memory: the job needs {need / GiB:.1f} GiB (buffers {self.gpu_persistent / GiB:.1f}, "
                 f"activations {self.gpu_working / GiB:.1f} at {shape}, headroom {self.headroom / GiB:.1f}) over the "
@@ -203,7 +216,8 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def activation_bytes(cfg: ModelConfig, batch: int, seq: int, e: int, mlp_chunk: int, loss_chunk: int) -> dict[str, int]:
+def activation_bytes(cfg: ModelConfig, batch: int, seq: int, e: int, mlp_chunk: int, loss_chunk: int,
+                     attention_chunk: int = ATTENTION_CHUNK, flash_splits: int = 1) -> dict[str, int]:
     """Peak bytes of the activations that live on the device beyond the engine's buffers, by phase.
 
     Per token, with ``d`` hidden, ``q`` = heads x head_dim, ``I`` intermediate, ``e`` bytes per element:
@@ -214,7 +228,16 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, e: int, mlp_chunk: 
     normalised copies ((4 + 3e)d), the gate, SiLU, up and product (4eI) and their gradients (3eI);
     the attention backward adds the gradients of q, k, v, SDPA's output (4eq) and the norm's (8d).
     The loss head holds the final hidden state and its gradient (2ed per token) and, per chunk, the
-    logits in the compute dtype and fp32, the log-softmax and its gradient ((2e + 12) per vocab entry)."""
+    logits in the compute dtype and fp32, the log-softmax and its gradient ((2e + 12) per vocab entry).
+
+    Past ``attention_chunk`` tokens the attention half runs staged (functional.layer_backward): held
+    across the layer are q, k, v (e(q + 2kv), with ``kv`` = kv_heads x head_dim), their GQA-expanded
+    copies in SDPA's graph (2eq when heads are grouped), SDPA's output (eq) and log-sum-exp; the MLP
+    phase adds the incoming gradient (reused for the outgoing one) and the attention half's output
+    (2ed) and a chunk; SDPA's backward adds the gradient of its output, dq, the expanded dk and dv,
+    dk and dv, and the kernel's fp32 dq accumulator (2eq + expanded + 2e·kv + 4q·``flash_splits``: the
+    deterministic flash backward keeps one accumulator per split, :func:`flash_splits`) to the incoming
+    gradient (ed). Both phases also hold the top layers' inputs kept from the forward, if any (resident_tail)."""
     tokens = batch * seq
     d, q, inter, heads = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size, cfg.num_heads
     chunk = min(mlp_chunk, tokens)
@@ -224,11 +247,30 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, e: int, mlp_chunk: 
     attn_bwd = tokens * (4 * e * q + 8 * d)
     head_chunk = min(loss_chunk, tokens)
     head = tokens * 2 * e * d + head_chunk * ((2 * e + 12) * cfg.vocab_size + (12 + 3 * e) * d)
-    tail = RESIDENT_TAIL * tokens * d * e if cfg.num_layers >= RESIDENT_TAIL else cfg.num_layers * tokens * d * e
+    tail = resident_tail(cfg.num_layers, tokens, attention_chunk) * tokens * d * e
     ids = 2 * tokens * 8
+    if tokens > attention_chunk:
+        kv = cfg.num_kv_heads * cfg.head_dim
+        expanded = 2 * e * q if cfg.num_heads > cfg.num_kv_heads else 0
+        held = tokens * (e * (q + 2 * kv) + expanded + e * q + 4 * heads)
+        return {"layer backward (mlp)": held + tokens * 2 * e * d + mlp + tail + ids,
+                "layer backward (attention)": held + tokens * (e * d + 2 * e * q + expanded + 2 * e * kv
+                                                               + 4 * q * flash_splits) + tail + ids,
+                "loss head": head + tail + ids}
     return {"layer backward (mlp)": attn_graph + flowing + mlp + ids,
             "layer backward (attention)": attn_graph + flowing + attn_bwd + ids,
             "loss head": head + tail + ids}
+
+
+H200_SMS = 132  # streaming multiprocessors of the lent GPU: plans made without one assume it
+
+
+def flash_splits(batch: int, heads: int, deterministic: bool, sm_count: int = H200_SMS) -> int:
+    """How many fp32 dq accumulators flash attention's backward keeps: one, or in deterministic mode
+    one per split of the keys, enough splits to give every SM a (row, head, split) of its own
+    (FlashAttention-2's rule: ceil(SMs / (batch x heads))); measured on the H200 at 1B x 524,288
+    tokens: 5 accumulators, 20 GiB, and the backward twice as long."""
+    return -(-sm_count // (batch * heads)) if deterministic else 1
 
 
 def default_loss_chunk(cfg: ModelConfig) -> int:
@@ -239,11 +281,13 @@ def default_loss_chunk(cfg: ModelConfig) -> int:
 def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int, placement: Placement,
                 device: str = "cuda", split: bool = True, gpu_cap: int | None = None,
                 host_available: int | None = None, mlp_chunk: int = 16384, loss_chunk: int | None = None,
-                data_bytes: int = 0, packed: bool = False) -> MemoryPlan:
+                data_bytes: int = 0, packed: bool = False, attention_chunk: int = ATTENTION_CHUNK,
+                deterministic: bool = False, sm_count: int = H200_SMS) -> MemoryPlan:
     """The bytes a job needs, from the same shapes the allocating code uses (module docstring).
     ``packed``: batches pack several examples a row, so each step also holds the attention mask
     (``functional.segment_mask``: ``[B, 1, S, S]`` of the work dtype, the last dim padded to 16) and
-    RoPE tables gathered per row."""
+    RoPE tables gathered per row. ``deterministic`` (CUDA): the step runs deterministic kernels, whose
+    flash backward needs more room on long sequences (:func:`flash_splits`, ``sm_count`` SMs)."""
     e = torch.empty((), dtype=work_dtype).element_size()
     L = cfg.num_layers
     n, ne = layer_layout(cfg).numel, extras_layout(cfg).numel
@@ -256,7 +300,7 @@ def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int,
         "fp32 masters + moments": sum(12 * u + 4 for u in units),
         "working copies": sum(e * u for u in units),
         "gradient buffers": grads_per_unit * sum(e * u for u in units),
-        "checkpoints": max(0, L - RESIDENT_TAIL) * act,
+        "checkpoints": (L - resident_tail(L, batch * seq, attention_chunk)) * act,
         "engine": 8 * len(units) + 4,
         "process": (CUDA_CONTEXT if device == "cuda" else PROCESS_BASE) + data_bytes,
     }
@@ -277,9 +321,14 @@ def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int,
     if packed:
         gpu["packed attention mask"] = batch * seq * (-(-seq // 16) * 16) * e
         gpu["packed rope"] = 2 * batch * seq * (cfg.head_dim // 2) * 4
-    plan = MemoryPlan(cfg, device, batch, seq, e, placement, split, host, gpu,
-                      activation_bytes(cfg, batch, seq, e, mlp_chunk, loss_chunk or default_loss_chunk(cfg)),
-                      gpu_cap=gpu_cap, host_available=host_available)
+    splits = flash_splits(batch, cfg.num_heads, deterministic and device == "cuda", sm_count)
+    working = activation_bytes(cfg, batch, seq, e, mlp_chunk, loss_chunk or default_loss_chunk(cfg), attention_chunk,
+                               splits)
+    plan = MemoryPlan(cfg, device, batch, seq, e, placement, split, host, gpu, working, gpu_cap=gpu_cap,
+                      host_available=host_available)
+    if splits > 1:
+        plain = activation_bytes(cfg, batch, seq, e, mlp_chunk, loss_chunk or default_loss_chunk(cfg), attention_chunk)
+        plan.deterministic_extra = max(working.values()) - max(plain.values())
     if device == "cuda":
         plan.workspace = CUBLAS_WORKSPACE
     if gpu_cap is not None:
@@ -329,7 +378,8 @@ class StepBytes:
 def step_bytes(cfg: ModelConfig, batch: int, seq: int, placement: Placement, e: int = 2,
                split: bool = True) -> StepBytes:
     """Per step: weights in (every non-resident layer in the forward, and in the backward all but
-    the top two, which stay in the slots), activation checkpoints out and back, host-updated
+    the top two, which stay in the slots), activation checkpoints out and back (all but
+    :func:`resident_tail`'s), host-updated
     gradients out, streamed layers' fp32 state in and state + working copy out; on the host the
     optimizer's passes over masters, moments, gradient and working copy (preview: reads 12 + e,
     writes e per parameter; commit: reads 12 + e, writes 12; a whole update: reads 12 + e, writes 12 + e)."""
@@ -337,8 +387,8 @@ def step_bytes(cfg: ModelConfig, batch: int, seq: int, placement: Placement, e: 
     r, k = placement.resident, placement.device_update
     s, h = k - r, L - k
     act = batch * seq * cfg.hidden_size * e
-    ckpts = max(0, L - RESIDENT_TAIL)
-    reloads = sum(1 for i in range(ckpts) if i >= r)
+    ckpts = L - resident_tail(L, batch * seq)
+    reloads = sum(1 for i in range(L - RESIDENT_TAIL) if i >= r)  # the top two layers' weights stay in the slots
     h2d = (L - r + reloads) * n * e + ne * e + ckpts * act + s * 12 * n
     d2h = (h * n + ne) * e + ckpts * act + s * (12 + e) * n
     params = h * n + ne
@@ -403,23 +453,27 @@ def step_bound(cfg: ModelConfig, batch: int, seq: int, placement: Placement, rat
 
 def choose_placement(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int, gpu_cap: int,
                      rates: Rates = H200, split: bool = True, sets: int | None = None, mlp_chunk: int = 16384,
-                     loss_chunk: int | None = None, packed: bool = False) -> tuple[Placement, dict[str, float]]:
+                     loss_chunk: int | None = None, packed: bool = False, deterministic: bool = False,
+                     sm_count: int = H200_SMS) -> tuple[Placement, dict[str, float]]:
     """The ``(resident, device_update, sets)`` that fits ``gpu_cap`` with the lowest
     :func:`step_bound` (ties: more resident, fewer streamed, fewer sets); ``sets`` None tries 1 and
-    2 buffer sets for the streamed updates; ``packed`` as in :func:`memory_plan`. The reason names
+    2 buffer sets for the streamed updates; ``packed``, ``deterministic`` and ``sm_count`` as in
+    :func:`memory_plan`. The reason names
     the bound and the memory."""
     L = cfg.num_layers
     e = torch.empty((), dtype=work_dtype).element_size()
     best, best_key = None, None
     for r in range(L + 1):
         if not memory_plan(cfg, work_dtype, batch, seq, Placement(r, r), split=split, gpu_cap=gpu_cap,
-                           mlp_chunk=mlp_chunk, loss_chunk=loss_chunk, packed=packed).fits_gpu():
+                           mlp_chunk=mlp_chunk, loss_chunk=loss_chunk, packed=packed, deterministic=deterministic,
+                           sm_count=sm_count).fits_gpu():
             break
         for count in ((sets,) if sets else (1, 2)):
             for k in range(r, L + 1):
                 placement = Placement(r, k, count)
                 plan = memory_plan(cfg, work_dtype, batch, seq, placement, split=split, gpu_cap=gpu_cap,
-                                   mlp_chunk=mlp_chunk, loss_chunk=loss_chunk, packed=packed)
+                                   mlp_chunk=mlp_chunk, loss_chunk=loss_chunk, packed=packed,
+                                   deterministic=deterministic, sm_count=sm_count)
                 if not plan.fits_gpu():
                     break
                 terms = step_bound(cfg, batch, seq, placement, rates, e, split)

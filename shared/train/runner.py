@@ -42,6 +42,7 @@ from tandem.shared.train.layout import count_parameters
 from tandem.shared.train.optimizer import HostAdamW, lr_schedule
 from tandem.shared.train.plan import (
     H200,
+    H200_SMS,
     GiB,
     MemoryPlan,
     Placement,
@@ -130,11 +131,12 @@ def plan_job(job: TrainJob, output_dir: Path, device_resident_layers: int | None
     data_bytes = data.nbytes
     cap, host_free = gpu_cap_bytes(device, job.gpu_memory_gib), host_ram_available()
     sets = job.device_update_sets
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H200_SMS
 
     def plan_for(placement: Placement, split: bool) -> MemoryPlan:
         return memory_plan(config, dtype, job.batch_size, job.seq_len, placement, device=device.type, split=split,
                            gpu_cap=cap, host_available=host_free, mlp_chunk=mlp_chunk, data_bytes=data_bytes,
-                           packed=data.packed)
+                           packed=data.packed, deterministic=job.deterministic, sm_count=sms)
 
     split = job.split_update if job.split_update is not None else device.type == "cuda"
     if split and job.split_update is None and not plan_for(Placement(), True).fits_host():
@@ -152,7 +154,8 @@ def plan_job(job: TrainJob, output_dir: Path, device_resident_layers: int | None
     elif device.type == "cuda":
         rates = rates or measure_rates(device)
         placement, bound = choose_placement(config, dtype, job.batch_size, job.seq_len, cap, rates, split, sets,
-                                            mlp_chunk, packed=data.packed)
+                                            mlp_chunk, packed=data.packed, deterministic=job.deterministic,
+                                            sm_count=sms)
     else:
         placement = Placement(0, 0, sets, "CPU: the host updates every layer")
         bound = {}

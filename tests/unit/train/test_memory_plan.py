@@ -21,6 +21,7 @@ from tandem.shared.protocol.base import ProtocolError
 from tandem.shared.protocol.training import TrainJob
 from tandem.shared.train import runner as runner_mod
 from tandem.shared.train.engine import StreamingEngine
+from tandem.shared.train.functional import ATTENTION_CHUNK
 from tandem.shared.train.host_state import HostState
 from tandem.shared.train.layout import extras_layout, layer_layout
 from tandem.shared.train.optimizer import HostAdamW
@@ -66,14 +67,15 @@ def engine_tensors(engine: StreamingEngine) -> tuple[int, int]:
     return sum(t.untyped_storage().nbytes() for t in device.values()), sum(t.nbytes for t in host.values())
 
 
-@pytest.mark.parametrize("cfg,placement,split", [
-    (TINY, Placement(0, 0), False),
-    (TINY, Placement(0, 0), True),
-    (UNTIED, Placement(2, 4, sets=3), True),  # 2 resident, 2 streamed (both of the 3 sets can't be used)
-    (UNTIED, Placement(1, 5, sets=2), False),
-    (UNTIED, Placement(5, 5), False),
-], ids=["tiny", "tiny-split", "resident2-streamed2", "resident1-streamed4", "all-resident"])
-def test_plan_counts_exactly_the_buffers_a_cpu_run_allocates(cfg, placement, split):
+@pytest.mark.parametrize("cfg,placement,split,attention_chunk", [
+    (TINY, Placement(0, 0), False, ATTENTION_CHUNK),
+    (TINY, Placement(0, 0), True, ATTENTION_CHUNK),
+    (UNTIED, Placement(2, 4, sets=3), True, ATTENTION_CHUNK),  # 2 resident, 2 streamed (3 sets: 2 usable)
+    (UNTIED, Placement(1, 5, sets=2), False, ATTENTION_CHUNK),
+    (UNTIED, Placement(5, 5), False, ATTENTION_CHUNK),
+    (UNTIED, Placement(1, 2), True, 16),  # long-sequence mode: staged attention, every layer's input a checkpoint
+], ids=["tiny", "tiny-split", "resident2-streamed2", "resident1-streamed4", "all-resident", "staged"])
+def test_plan_counts_exactly_the_buffers_a_cpu_run_allocates(cfg, placement, split, attention_chunk):
     batch, seq = 2, 24
     state = HostState.random(cfg, seed=0, work_dtype=torch.float32, pin=False)
     opt = HostAdamW(state, lambda step: 1e-3, 0.1, 1.0, split=split)
@@ -81,7 +83,8 @@ def test_plan_counts_exactly_the_buffers_a_cpu_run_allocates(cfg, placement, spl
         pytest.fail("the host AdamW kernel did not build (is a C compiler installed?)")
     opt.start()
     engine = StreamingEngine(cfg, state, opt, torch.device("cpu"), device_update_layers=placement.device_update,
-                             device_update_sets=placement.sets, device_resident_layers=placement.resident)
+                             device_update_sets=placement.sets, device_resident_layers=placement.resident,
+                             attention_chunk=attention_chunk)
     try:
         (ids, targets), = batches(1, batch, seq, cfg.vocab_size)
         engine.step(ids, targets).loss()
@@ -89,7 +92,8 @@ def test_plan_counts_exactly_the_buffers_a_cpu_run_allocates(cfg, placement, spl
         engine.synchronize()
     finally:
         opt.close()
-    plan = memory_plan(cfg, torch.float32, batch, seq, placement, device="cpu", split=split)
+    plan = memory_plan(cfg, torch.float32, batch, seq, placement, device="cpu", split=split,
+                       attention_chunk=attention_chunk)
     unit_bytes = sum(t.nbytes for u in state.units
                      for t in (u.master, u.exp_avg, u.exp_avg_sq, u.step, u.work, u.grad, u.grad_spare)
                      if t is not None)
@@ -102,7 +106,8 @@ def test_plan_counts_exactly_the_buffers_a_cpu_run_allocates(cfg, placement, spl
     assert engine.host_buffers_nbytes() == host_bytes
 
 
-def cpu_step_peak(cfg: ModelConfig, batch: int, seq: int, mlp_chunk: int, loss_chunk: int | None) -> tuple[int, int]:
+def cpu_step_peak(cfg: ModelConfig, batch: int, seq: int, mlp_chunk: int, loss_chunk: int | None,
+                  attention_chunk: int = ATTENTION_CHUNK) -> tuple[int, int]:
     """Peak bytes the CPU allocator holds above the engine's buffers during one step, and the
     engine's loss chunk."""
     from torch.profiler import ProfilerActivity, profile
@@ -110,7 +115,8 @@ def cpu_step_peak(cfg: ModelConfig, batch: int, seq: int, mlp_chunk: int, loss_c
     state = HostState.random(cfg, seed=0, work_dtype=torch.float32, pin=False)
     opt = HostAdamW(state, lambda step: 1e-3, 0.0, 1.0)
     opt.start()
-    engine = StreamingEngine(cfg, state, opt, torch.device("cpu"), mlp_chunk=mlp_chunk, loss_chunk=loss_chunk)
+    engine = StreamingEngine(cfg, state, opt, torch.device("cpu"), mlp_chunk=mlp_chunk, loss_chunk=loss_chunk,
+                             attention_chunk=attention_chunk)
     (ids, targets), = batches(1, batch, seq, cfg.vocab_size)
     try:
         engine.step(ids, targets).loss()  # buffers of this shape exist from here on
@@ -129,29 +135,36 @@ def cpu_step_peak(cfg: ModelConfig, batch: int, seq: int, mlp_chunk: int, loss_c
     return peak, engine.loss_chunk
 
 
-@pytest.mark.parametrize("cfg,batch,seq,mlp_chunk,loss_chunk", [
-    (TINY.replace(num_layers=3), 2, 512, 256, None),  # chunked MLP
-    (TINY.replace(num_layers=3), 1, 2048, 1 << 20, None),  # one MLP chunk
-    (TINY.replace(num_layers=3, hidden_size=512, intermediate_size=1408, num_heads=8, num_kv_heads=2, head_dim=64,
-                  vocab_size=4096, tie_word_embeddings=False), 2, 512, 300, 128),
-])
-def test_activation_estimate_bounds_what_a_cpu_step_allocates(cfg, batch, seq, mlp_chunk, loss_chunk):
-    measured, chunk = cpu_step_peak(cfg, batch, seq, mlp_chunk, loss_chunk)
+WIDE = TINY.replace(num_layers=3, hidden_size=512, intermediate_size=1408, num_heads=8, num_kv_heads=2, head_dim=64,
+                    vocab_size=4096, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("cfg,batch,seq,mlp_chunk,loss_chunk,attention_chunk", [
+    (TINY.replace(num_layers=3), 2, 512, 256, None, ATTENTION_CHUNK),  # chunked MLP
+    (TINY.replace(num_layers=3), 1, 2048, 1 << 20, None, ATTENTION_CHUNK),  # one MLP chunk
+    (WIDE, 2, 512, 300, 128, ATTENTION_CHUNK),
+    (WIDE, 1, 4096, 1024, 256, 512),  # the long-sequence path: attention staged
+], ids=["chunked-mlp", "one-mlp-chunk", "gqa-untied", "staged-attention"])
+def test_activation_estimate_bounds_what_a_cpu_step_allocates(cfg, batch, seq, mlp_chunk, loss_chunk, attention_chunk):
+    measured, chunk = cpu_step_peak(cfg, batch, seq, mlp_chunk, loss_chunk, attention_chunk)
     plan = memory_plan(cfg, torch.float32, batch, seq, Placement(), device="cpu", split=False, mlp_chunk=mlp_chunk,
-                       loss_chunk=chunk)
+                       loss_chunk=chunk, attention_chunk=attention_chunk)
     assert measured > 0
     assert measured <= plan.gpu_working <= 1.4 * measured, (measured, plan.working)
 
 
 def test_gpu_refusal_is_one_line_naming_what_to_change():
     cfg = preset_config("1b")
-    plan = memory_plan(cfg, torch.bfloat16, 1, 524288, Placement(), device="cuda", gpu_cap=32 * GiB)
+    plan = memory_plan(cfg, torch.bfloat16, 1, 524288, Placement(), device="cuda", gpu_cap=32 * GiB,
+                       deterministic=True)
     assert not plan.fits_gpu()
     with pytest.raises(PlanError) as info:
         plan.check()
     message = str(info.value)
     assert "\n" not in message and "GPU memory" in message
     assert "--gpu-memory-gib" in message and "--seq-len" in message and "32.0 GiB cap" in message
+    # the H200's 132 SMs over 32 heads: 5 fp32 dq accumulators of 4 GiB where the atomics kernel keeps one
+    assert "--no-deterministic (the deterministic flash backward needs 16.0 GiB more)" in message
     # with GPU-updated layers the message names them too
     state = memory_plan(preset_config("3b"), torch.bfloat16, 8, 2048, Placement(10, 12), device="cuda",
                         gpu_cap=16 * GiB)
