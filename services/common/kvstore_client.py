@@ -15,6 +15,7 @@ from __future__ import annotations
 import uuid
 
 from tandem.shared.infra.bulklinks import BulkLinks
+from tandem.shared.infra.config import BusSettings
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorReply, ProtocolError
 from tandem.shared.protocol.codec import decode, encode
@@ -35,7 +36,7 @@ MIB = 1024 * 1024
 class KVStoreClient:
     """One KV-store instance, over an existing NATS connection."""
 
-    def __init__(self, nc, store_id: str, timeout_s: float = 30.0, window: int = 4,
+    def __init__(self, nc, store_id: str, timeout_s: float = 30.0, window: int = BusSettings().kv_window,
                  links: BulkLinks | None = None) -> None:
         self.nc, self.store_id, self.timeout_s, self.window = nc, store_id, timeout_s, window
         self.links = links  # a BulkLinks: frames sent and landed on its threads

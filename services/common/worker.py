@@ -244,8 +244,8 @@ class EngineWorker(ServiceRuntime):
         start = time.time()
         try:
             blob = await asyncio.to_thread(lambda: tensor_bytes(to_host(blocks)))  # device copy: off the loop
-            reply = await KVStoreClient(self.nc, store, links=self.links).put(self.kv_namespace, hashes, blob,
-                                                                          len(blob) // len(hashes))
+            client = KVStoreClient(self.nc, store, window=self.settings.bus.kv_window, links=self.links)
+            reply = await client.put(self.kv_namespace, hashes, blob, len(blob) // len(hashes))
         except Exception as exc:
             self.log.warning("offering %s's blocks to kvstore %s failed: %s", request_id, store, exc)
             return

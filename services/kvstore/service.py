@@ -128,10 +128,11 @@ class KVStoreService(ServiceRuntime):
         finally:
             self._gets.release()
 
-    async def _get(self, msg: KVGetRequest) -> KVGetReply:
-        blocks = await self._call(self.store.get, msg.namespace, msg.hashes)
+    def _gather(self, msg: KVGetRequest) -> tuple[list[int], bytes, int]:
+        """``(hashes found, their blocks joined, block bytes)`` for a get, at most GET_MAX_BYTES; on the
+        store's thread, so joining up to 512 MiB never holds the event loop."""
         found, parts, total = [], [], 0
-        for h, data in zip(msg.hashes, blocks):
+        for h, data in zip(msg.hashes, self.store.get(msg.namespace, msg.hashes)):
             if data is None:
                 if msg.prefix_only:
                     break
@@ -143,10 +144,12 @@ class KVStoreService(ServiceRuntime):
             found.append(h)
             parts.append(data)
             total += len(data)
+        return found, b"".join(parts), len(parts[0]) if parts else 0
+
+    async def _get(self, msg: KVGetRequest) -> KVGetReply:
+        found, blob, block_bytes = await self._call(self._gather, msg)
         if not found:
             return KVGetReply(request_id=msg.request_id, found=[])
-        blob = b"".join(parts)
-        block_bytes = len(parts[0])
         transfer_id = f"{self.instance_id}-{uuid.uuid4().hex[:12]}"
         try:
             checksums = await send_kv(self.nc, msg.inbox, transfer_id, blob, window=self.settings.bus.kv_window,

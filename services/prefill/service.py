@@ -114,8 +114,8 @@ class PrefillService(EngineWorker):
         hashes = prefix_hashes(spec.prompt_token_ids, bs)[:want]
         start = time.time()
         try:
-            found, blob, block_bytes = await KVStoreClient(self.nc, msg.kvstore, links=self.links).get(
-                self.kv_namespace, hashes, prefix_only=True)
+            client = KVStoreClient(self.nc, msg.kvstore, window=self.settings.bus.kv_window, links=self.links)
+            found, blob, block_bytes = await client.get(self.kv_namespace, hashes, prefix_only=True)
         except Exception as exc:
             self.log.warning("kvstore %s fetch for %s failed (%s); computing the prefix", msg.kvstore, spec.request_id,
                              exc)

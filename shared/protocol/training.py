@@ -84,9 +84,10 @@ class TrainStepMetrics(WireMessage):
     loss: float
     grad_norm: float
     lr: float
-    tokens_per_s: float
-    model_tflops: float  # (6N + 6 L d seq) * tokens / step time, as in DESIGN.md
+    tokens_per_s: float  # the batch's tokens that are not padding, per second
+    model_tflops: float  # (6N + 6 L d seq) * those tokens / step time, as in DESIGN.md
     step_time_s: float
+    padding_fraction: float = 0.0  # of the batch's positions, those that hold padding (fine-tuning rows)
     gpu_memory_bytes: int = 0  # allocated now
     gpu_memory_peak_bytes: int = 0
 

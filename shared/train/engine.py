@@ -12,10 +12,11 @@ chunks. Backward, top layer down: layer i-1's weights and checkpoint load while 
 recomputed and backpropagated; layer i's gradients go to the host as soon as they exist, with their
 squared norm. The last two layers' weights stay on the GPU from the forward, and so do their
 inputs except on long sequences (plan.resident_tail). The host optimizer then updates unit by
-unit, and the next step's forward of layer i waits only for layer i's update. With ``device_update_layers=k`` the GPU computes the first k layers' updates instead,
-and with ``device_resident_layers=r`` the first r of them keep their fp32 state and working copy on
-the GPU, so their forward and backward read the resident copy and load nothing (device_update.py;
-plan.py chooses k and r from the GPU memory cap). Every hand-off between lanes is an event; on CPU
+unit, and the next step's forward of layer i waits only for layer i's update. With
+``device_update_layers=k`` the GPU computes the first k layers' updates instead, and with
+``device_resident_layers=r`` the first r of them keep their fp32 state and working copy on the GPU,
+so their forward and backward read the resident copy and load nothing (device_update.py; plan.py
+chooses k and r from the GPU memory cap). Every hand-off between lanes is an event; on CPU
 the lanes are no-ops (lanes.py).
 
 Packed batches (``segments`` given, several examples in a row) run every layer's attention with a
@@ -118,17 +119,21 @@ class StreamingEngine:
         self._sync()  # made on the default stream; the lanes use them from now on
 
     def _attention_inputs(self, segments: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                          torch.Tensor | None]:
+                                                                          fn.AttentionMask]:
         """``(cos, sin, mask)`` for this step's attention: the shared tables and no mask unless some
         row packs two examples or more; then tables gathered at per-example positions and the
-        block-diagonal mask. Padding (segment -1) after a row's only example needs no mask: causal
-        attention never lets the example see what follows it."""
+        block-diagonal mask (a FlexAttention block mask on CUDA with the atomics kernels, else a
+        dense one: functional.py).
+        Padding (segment -1) after a row's only example needs no mask: causal attention never lets
+        the example see what follows it."""
         cos, sin = self._rope
         if segments is None or not bool((segments.amax(dim=1) > 0).any()):
             return cos, sin, None
         seg = segments.to(self.device, non_blocking=True)
         cos, sin = fn.packed_rope(cos, sin, fn.packed_positions(seg))
-        return cos, sin, fn.segment_mask(seg, self.dtype)
+        flex = self.lanes.cuda and not self.deterministic  # deterministic flex: 54 GiB at 2 x 8,192 (README)
+        mask = fn.segment_block_mask(seg) if flex else fn.segment_mask(seg, self.dtype)
+        return cos, sin, mask
 
     def _sync(self) -> None:
         if self.lanes.cuda:
@@ -275,7 +280,7 @@ class StreamingEngine:
         self._sync()
 
     def _layer_backward(self, i: int, x_in: torch.Tensor, x_ready, grad: torch.Tensor, cos, sin,  # noqa: ANN001
-                        mask: torch.Tensor | None) -> torch.Tensor:
+                        mask: fn.AttentionMask) -> torch.Tensor:
         lanes, half, on_device = self.lanes, i % 2, self.updater.owns(i)
         weights, ready, slot = self._weights(i)
         grads = self.updater.grads[i] if on_device else self.g_slots[half]

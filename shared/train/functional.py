@@ -13,12 +13,15 @@ about a fifth off a 3B step's GPU compute (README); the math and parameter names
 
 Packed rows (several fine-tuning examples in one row, ``data.Batch.segments``) take two extra inputs:
 RoPE tables gathered per position (``[B, S, head_dim/2]``, positions restarting at 0 with each
-example, so an example sees the rotations it would see alone) and an additive block-diagonal causal
-mask (:func:`segment_mask`) that keeps every query inside its own example. Unpacked rows keep
-``is_causal`` SDPA, which is flash attention on CUDA. With a mask, SDPA cannot use the flash kernel:
-CUDA runs the memory-efficient kernel with the mask as a bias (it computes every block of the
-``S x S`` scores, masked or not, so about twice the causal FLOPs, and the mask costs ``B·S²`` elements
-of the work dtype for the step); CPU runs its SDPA with the mask. The math is the same either way.
+example, so an example sees the rotations it would see alone) and a block-diagonal causal mask that
+keeps every query inside its own example. Unpacked rows keep ``is_causal`` SDPA, which is flash
+attention on CUDA. On CUDA with the atomics kernels the mask is a FlexAttention block mask
+(:func:`segment_block_mask`): the compiled flex kernel skips every 128 x 128 tile outside the
+examples, so a packed row costs the attention its examples would cost alone, and the mask is a few
+KiB. Elsewhere (CPU, and CUDA's deterministic steps, where compiled flex took 54 GiB and 5.8x the
+step at 2 x 8,192 tokens on the H200) it is the additive ``[B, 1, S, S]`` mask of :func:`segment_mask`
+under SDPA: on CUDA the memory-efficient kernel, over every tile, masked or not. The math is the
+same either way.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from tandem.shared.model.config import ModelConfig
 from tandem.shared.model.llama import apply_rope, rope_inv_freq
 
 Params = dict[str, torch.Tensor]
+AttentionMask = torch.Tensor | BlockMask | None  # None: causal rows; else packed rows' mask (attend)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -76,6 +81,25 @@ def segment_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~allowed[:, None], float("-inf"))
 
 
+def segment_block_mask(segments: torch.Tensor) -> BlockMask:
+    """:func:`segment_mask`'s rule (query i sees key j of its own segment, j <= i) as a FlexAttention
+    block mask over ``segments`` ``[B, S]`` (on their device): which 128 x 128 tiles hold any allowed
+    pair, which hold only such pairs. Made once per step; building it evaluates the rule on every
+    (i, j) once, as booleans."""
+    bsz, seq = segments.shape
+
+    def same_example(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - FlexAttention's mask_mod signature
+        return (segments[b, q_idx] == segments[b, kv_idx]) & (kv_idx <= q_idx)
+
+    return create_block_mask(same_example, bsz, None, seq, seq, device=segments.device)
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., torch.Tensor]:
+    """FlexAttention through ``torch.compile`` (its fused kernel; uncompiled it materialises the scores)."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on ``x`` ``[B, S, H, D]`` with tables shared by every row (``[S, D/2]``) or per row
     (``[B, S, D/2]``, packed rows): the serving path's :func:`apply_rope`, over ``B·S`` tokens in the
@@ -105,19 +129,27 @@ def _project_qkv(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return _rope(q, cos, sin), _rope(k, cos, sin), v
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig,
-            mask: torch.Tensor | None) -> torch.Tensor:
-    """SDPA of ``[B, S, heads, head_dim]`` q, k, v (causal, or under the additive ``mask``): ``[B, S, q]``."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig, mask: AttentionMask) -> torch.Tensor:
+    """Attention of ``[B, S, heads, head_dim]`` q, k, v: ``[B, S, q]``. ``mask`` None: causal SDPA; a
+    :class:`BlockMask` (packed rows on CUDA): FlexAttention, GQA native, compiled on CUDA (eager on
+    CPU: its reference implementation, for tests); a tensor: SDPA under that additive mask."""
     bsz, seq = q.shape[:2]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     group = cfg.num_heads // cfg.num_kv_heads
-    if group > 1:  # explicit GQA expansion: every SDPA backend (flash included) takes it
-        k = k[:, :, None].expand(bsz, cfg.num_kv_heads, group, seq, cfg.head_dim).reshape(bsz, cfg.num_heads, seq, -1)
-        v = v[:, :, None].expand(bsz, cfg.num_kv_heads, group, seq, cfg.head_dim).reshape(bsz, cfg.num_heads, seq, -1)
-    if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.head_dim**-0.5)
+    scale = cfg.head_dim**-0.5
+    if isinstance(mask, BlockMask):
+        flex = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
+        out = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=group > 1)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.head_dim**-0.5)
+        if group > 1:  # explicit GQA expansion: every SDPA backend (flash included) takes it
+            k = k[:, :, None].expand(bsz, cfg.num_kv_heads, group, seq, cfg.head_dim).reshape(bsz, cfg.num_heads,
+                                                                                               seq, -1)
+            v = v[:, :, None].expand(bsz, cfg.num_kv_heads, group, seq, cfg.head_dim).reshape(bsz, cfg.num_heads,
+                                                                                               seq, -1)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.transpose(1, 2).reshape(bsz, seq, cfg.num_heads * cfg.head_dim)
 
 
@@ -126,13 +158,14 @@ def _o_proj(p: Params, out: torch.Tensor) -> torch.Tensor:
 
 
 def attention_block(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
-                    mask: torch.Tensor | None = None) -> torch.Tensor:
+                    mask: AttentionMask = None) -> torch.Tensor:
     """``x + o_proj(causal_attention(input_layernorm(x)))`` for ``x`` of shape ``[B, S, hidden]``.
 
     ``mask`` None: each row is one causal sequence (``is_causal``: flash attention on CUDA). Else
-    the additive :func:`segment_mask` of packed rows, with ``cos``/``sin`` per row."""
+    packed rows' mask (:func:`segment_block_mask` on CUDA, :func:`segment_mask` on CPU), with
+    ``cos``/``sin`` per row."""
     q, k, v = _project_qkv(p, x, cos, sin, cfg)
-    return x + _o_proj(p, _attend(q, k, v, cfg, mask))
+    return x + _o_proj(p, attend(q, k, v, cfg, mask))
 
 
 def mlp_block(p: Params, a: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -221,13 +254,13 @@ def staged(x: torch.Tensor, attention_chunk: int) -> bool:
 
 @torch.no_grad()
 def layer_forward(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
-                  mlp_chunk: int, blocks: LayerBlocks = EAGER, mask: torch.Tensor | None = None,
+                  mlp_chunk: int, blocks: LayerBlocks = EAGER, mask: AttentionMask = None,
                   attention_chunk: int = ATTENTION_CHUNK) -> torch.Tensor:
     """One decoder layer without autograd state (the backward recomputes it); ``mask`` as in
     :func:`attention_block`; past ``attention_chunk`` tokens the projections run chunked, as in
     :func:`layer_backward`."""
     if staged(x, attention_chunk):
-        out = _attend(*_staged_qkv(p, x, cos, sin, cfg, attention_chunk), cfg, mask)
+        out = attend(*_staged_qkv(p, x, cos, sin, cfg, attention_chunk), cfg, mask)
         a = x + _o_proj(p, out)
         del out
     else:
@@ -237,7 +270,7 @@ def layer_forward(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 def layer_backward(p: Params, x: torch.Tensor, grad_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    cfg: ModelConfig, mlp_chunk: int, blocks: LayerBlocks = EAGER,
-                   mask: torch.Tensor | None = None, attention_chunk: int = ATTENTION_CHUNK) -> torch.Tensor:
+                   mask: AttentionMask = None, attention_chunk: int = ATTENTION_CHUNK) -> torch.Tensor:
     """Recompute the layer from its input ``x`` and backpropagate ``grad_out``; returns dL/dx.
 
     ``p`` holds leaf tensors whose ``.grad`` are preset views of a gradient buffer: autograd adds
@@ -262,11 +295,11 @@ def layer_backward(p: Params, x: torch.Tensor, grad_out: torch.Tensor, cos: torc
 
 
 def _staged_layer_backward(p: Params, x: torch.Tensor, grad_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                           cfg: ModelConfig, mlp_chunk: int, blocks: LayerBlocks, mask: torch.Tensor | None,
+                           cfg: ModelConfig, mlp_chunk: int, blocks: LayerBlocks, mask: AttentionMask,
                            attention_chunk: int) -> torch.Tensor:
     q, k, v = (t.requires_grad_(True) for t in _staged_qkv(p, x, cos, sin, cfg, attention_chunk))
     with torch.enable_grad():
-        out = _attend(q, k, v, cfg, mask)
+        out = attend(q, k, v, cfg, mask)
         out_leaf = out.detach().requires_grad_(True)
         a = x.detach() + _o_proj(p, out_leaf)
     reuse = grad_out if grad_out.is_contiguous() else None  # grad_out is consumed

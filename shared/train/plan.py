@@ -284,9 +284,12 @@ def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int,
                 data_bytes: int = 0, packed: bool = False, attention_chunk: int = ATTENTION_CHUNK,
                 deterministic: bool = False, sm_count: int = H200_SMS) -> MemoryPlan:
     """The bytes a job needs, from the same shapes the allocating code uses (module docstring).
-    ``packed``: batches pack several examples a row, so each step also holds the attention mask
-    (``functional.segment_mask``: ``[B, 1, S, S]`` of the work dtype, the last dim padded to 16) and
-    RoPE tables gathered per row. ``deterministic`` (CUDA): the step runs deterministic kernels, whose
+    ``packed``: batches pack several examples a row, so each step also holds the attention mask and
+    RoPE tables gathered per row: on CUDA without ``deterministic`` a FlexAttention block mask
+    (``functional.segment_block_mask``:
+    eight int32 tensors over the 128 x 128 tiles, made from a ``[B, S, S]`` boolean evaluation of the
+    rule at the step's start), else ``functional.segment_mask`` (``[B, 1, S, S]`` of the work dtype,
+    the last dim padded to 16). ``deterministic`` (CUDA): the step runs deterministic kernels, whose
     flash backward needs more room on long sequences (:func:`flash_splits`, ``sm_count`` SMs)."""
     e = torch.empty((), dtype=work_dtype).element_size()
     L = cfg.num_layers
@@ -318,12 +321,19 @@ def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int,
         "update_sets": sets * (16 + e) * n,
         "steps": 4 * k,
     }
-    if packed:
+    tiles = -(-seq // 128)
+    flex = packed and device == "cuda" and not deterministic  # as engine.py's _attention_inputs
+    if flex:
+        gpu["packed attention mask"] = 4 * batch * tiles * (tiles + 1) * 4  # int32 counts + indices: 2 kinds x 2 sides
+    elif packed:
         gpu["packed attention mask"] = batch * seq * (-(-seq // 16) * 16) * e
+    if packed:
         gpu["packed rope"] = 2 * batch * seq * (cfg.head_dim // 2) * 4
     splits = flash_splits(batch, cfg.num_heads, deterministic and device == "cuda", sm_count)
     working = activation_bytes(cfg, batch, seq, e, mlp_chunk, loss_chunk or default_loss_chunk(cfg), attention_chunk,
                                splits)
+    if flex:
+        working["packed mask build"] = batch * seq * seq + 2 * batch * seq * 8
     plan = MemoryPlan(cfg, device, batch, seq, e, placement, split, host, gpu, working, gpu_cap=gpu_cap,
                       host_available=host_available)
     if splits > 1:

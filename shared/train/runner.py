@@ -291,7 +291,7 @@ class TrainRunner:
                     last_trace = now
                     traces.append(handle)
                 if on_step is not None:
-                    on_step(self._metrics(step, loss, grad_norm, dt))
+                    on_step(self._metrics(step, loss, grad_norm, dt, batch.segments))
                 traces = self._emit_traces(traces, on_trace, wait=False)
                 if job.checkpoint_every and step % job.checkpoint_every == 0 and step < job.steps:
                     path = self._save(step, on_checkpoint)
@@ -315,12 +315,16 @@ class TrainRunner:
             on_checkpoint(path, step)
         return path
 
-    def _metrics(self, step: int, loss: float, grad_norm: float, dt: float) -> TrainStepMetrics:
-        tokens = self.job.batch_size * self.job.seq_len
+    def _metrics(self, step: int, loss: float, grad_norm: float, dt: float,
+                 segments: torch.Tensor | None) -> TrainStepMetrics:
+        """A step's metrics; its rates count only the tokens that are not padding (segment -1)."""
+        positions = self.job.batch_size * self.job.seq_len
+        tokens = positions if segments is None else int((segments >= 0).sum())
         cuda = self.device.type == "cuda"
         return TrainStepMetrics(
             job_id=self.job_id, step=step, loss=loss, grad_norm=grad_norm, lr=self.lr_at(step),
             tokens_per_s=tokens / dt, model_tflops=self.flops_per_token * tokens / dt / 1e12, step_time_s=dt,
+            padding_fraction=1 - tokens / positions,
             gpu_memory_bytes=torch.cuda.memory_allocated(self.device) if cuda else 0,
             gpu_memory_peak_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else 0,
         )

@@ -104,22 +104,23 @@ def test_long_sequence_uses_memory_efficient_attention():
 
 
 def _attention_and_embedding_grads(packed: bool) -> list[torch.Tensor]:
-    """dQ, dK, dV of the trainer's attention call and the embedding gradient, at the 3B preset's
-    shapes (24 heads of 128, two rows of 2,048 tokens; ids from a 128-token alphabet, so they repeat)."""
+    """dQ, dK, dV of the trainer's attention call (functional.attend) and the embedding gradient, at
+    the 3B preset's shapes (24 heads of 128 over 8 KV heads, two rows of 2,048 tokens; ids from a
+    128-token alphabet, so they repeat)."""
     from tandem.shared.train import functional as fn
+    from tandem.shared.train.presets import preset_config
 
+    cfg = preset_config("3b")
     gen = torch.Generator(device="cuda").manual_seed(7)
-    shape = (2, 24, 2048, 128)
-    q, k, v = (torch.randn(shape, device=CUDA, dtype=torch.bfloat16, generator=gen).requires_grad_(True)
-               for _ in range(3))
-    grad_out = torch.randn(shape, device=CUDA, dtype=torch.bfloat16, generator=gen)
-    if packed:  # four examples of 512 tokens a row
+    q = torch.randn((2, 2048, 24, 128), device=CUDA, dtype=torch.bfloat16, generator=gen).requires_grad_(True)
+    k, v = (torch.randn((2, 2048, 8, 128), device=CUDA, dtype=torch.bfloat16, generator=gen).requires_grad_(True)
+            for _ in range(2))
+    grad_out = torch.randn((2, 2048, 24 * 128), device=CUDA, dtype=torch.bfloat16, generator=gen)
+    mask = None
+    if packed:  # four examples of 512 tokens a row, the dense mask (deterministic steps keep SDPA: functional.py)
         segments = torch.arange(2048, device=CUDA).div(512, rounding_mode="floor").expand(2, -1)
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=fn.segment_mask(segments,
-                                                                                                 torch.bfloat16))
-    else:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    out.backward(grad_out)
+        mask = fn.segment_mask(segments, torch.bfloat16)
+    fn.attend(q, k, v, cfg, mask).backward(grad_out)
     ids = torch.randint(0, 128, (2, 2048), device=CUDA, generator=gen)
     grad_embed = torch.zeros(512, 3072, device=CUDA)
     fn.embed_backward(grad_embed, ids, torch.randn(2, 2048, 3072, device=CUDA, dtype=torch.bfloat16, generator=gen))

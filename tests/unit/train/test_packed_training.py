@@ -113,6 +113,24 @@ def test_packing_never_attends_across_examples(name):
     assert unmasked.abs().max() > 1e-3, "without the mask A's tokens should reach B: the check above proves nothing"
 
 
+@pytest.mark.parametrize("name", CONFIGS)
+def test_the_cuda_block_mask_attends_as_the_dense_mask(name):
+    """FlexAttention under :func:`segment_block_mask` (what CUDA runs; eager here, forward only: its CPU
+    kernel has no backward) gives SDPA's output under :func:`segment_mask`, padding included."""
+    import warnings
+
+    cfg, seq = CONFIGS[name], 200
+    segments = torch.tensor([[0] * 50 + [1] * 100 + [2] * 30 + [-1] * 20, [0] * 130 + [1] * 70])
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, seq, cfg.num_heads, cfg.head_dim, generator=gen)
+    k, v = (torch.randn(2, seq, cfg.num_kv_heads, cfg.head_dim, generator=gen) for _ in range(2))
+    dense = fn.attend(q, k, v, cfg, fn.segment_mask(segments, torch.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
+        flex = fn.attend(q, k, v, cfg, fn.segment_block_mask(segments))
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5, msg="block mask and dense mask disagree")
+
+
 # --- the job path -----------------------------------------------------------------------------------
 
 
@@ -133,6 +151,20 @@ def test_runner_fine_tunes_on_jsonl_and_the_checkpoint_serves_its_template(tmp_p
     assert (checkpoint / "chat_template.jinja").read_text() == TINY_TEMPLATE
     # The front end's rule for a checkpoint of another name: its own template file, the one trained with.
     assert chat_template_for(checkpoint, "ft-out").source == TINY_TEMPLATE
+
+
+def test_step_rates_count_the_tokens_that_are_not_padding(tmp_path):
+    """Rows of one example each (no packing) are mostly padding here: the rates count what was not."""
+    dataset = write_jsonl(tmp_path / "chat.jsonl", finetune_records(6))
+    runner = TrainRunner(small_job(tmp_path, dataset, pack=False, steps=1), "pad", tmp_path)
+    batch = runner.data.batch(0, 2, 128, runner.job.seed)
+    real = int((batch.segments >= 0).sum())
+    assert 0 < real < 2 * 128, "the test's rows should hold some padding"
+    metrics = []
+    runner.run(on_step=metrics.append, final_checkpoint=False)
+    (m,) = metrics
+    assert m.padding_fraction == pytest.approx(1 - real / 256), m
+    assert m.tokens_per_s * m.step_time_s == pytest.approx(real, rel=1e-6), "tok/s should count the real tokens only"
 
 
 def test_runner_copies_a_hugging_face_models_template(tmp_path):
@@ -196,10 +228,16 @@ def test_cli_flags_reach_the_job(flags, expected, tmp_path):
     assert {k: getattr(job, k) for k in expected} == expected
 
 
-def test_memory_plan_counts_the_packed_mask():
-    cfg, batch, seq = ModelConfig.tiny(), 4, 100
-    plain = memory_plan(cfg, torch.bfloat16, batch, seq, Placement(), device="cuda")
-    packed = memory_plan(cfg, torch.bfloat16, batch, seq, Placement(), device="cuda", packed=True)
-    mask = batch * seq * 112 * 2  # the last dim padded to 16, bf16
+@pytest.mark.parametrize("device,deterministic", [("cpu", False), ("cuda", True), ("cuda", False)])
+def test_memory_plan_counts_the_packed_mask(device, deterministic):
+    cfg, batch, seq = ModelConfig.tiny(), 4, 300
+    plain = memory_plan(cfg, torch.bfloat16, batch, seq, Placement(), device=device, deterministic=deterministic)
+    packed = memory_plan(cfg, torch.bfloat16, batch, seq, Placement(), device=device, packed=True,
+                         deterministic=deterministic)
+    if device == "cpu" or deterministic:  # the dense additive mask, its last dim padded to 16, bf16
+        mask = batch * seq * 304 * 2
+    else:  # FlexAttention's block mask over 3 x 3 tiles: counts and indices, partial and full, both sides
+        mask = 4 * (batch * 3 + batch * 3 * 3) * 4
+        assert packed.working["packed mask build"] >= batch * seq * seq, "the boolean evaluation of the rule"
     assert packed.gpu["packed attention mask"] == mask
     assert packed.gpu_persistent - plain.gpu_persistent == mask + 2 * batch * seq * (cfg.head_dim // 2) * 4
