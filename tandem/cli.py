@@ -8,7 +8,7 @@
                            [--stop S ...] [--n N] [--best-of N] [--beam-width K] [--length-penalty F]
                            [--early-stopping true|false|never] [--presence-penalty X] [--frequency-penalty X]
                            [--repetition-penalty X] [--min-tokens N] [--logit-bias ID=BIAS ...]
-                           [--logprobs N] [--prompt-logprobs N] [--json] [--nats-url URL]
+                           [--logprobs N] [--prompt-logprobs N] [--priority P] [--json] [--nats-url URL]
     tandem bench serve [--dataset-name random|prefix] [--request-rate R] [--goodput ttft:MS tpot:MS]
                        [--base-url http://HOST:PORT] ...
     tandem bench compare [--concurrency 1 8 32 64] [--requests N] [--json-out FILE]   (also: plain `tandem bench`)
@@ -127,6 +127,9 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="go on past the model's end-of-sequence token")
     gen.add_argument("--timeout", metavar="SECONDS", type=float, default=60.0,
                      help="seconds without output before giving up")
+    gen.add_argument("--priority", metavar="P", type=int, default=0,
+                     help="place before requests of a higher P while the decode workers are full (-100..100; "
+                          "equal priorities first come, first served)")
     gen.add_argument("--n", metavar="N", type=int, default=1,
                      help="outputs to return (1..64); more than one are printed whole at the end, best first")
     gen.add_argument("--best-of", metavar="N", type=int,
@@ -303,7 +306,7 @@ def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
     out of bounds is :class:`UsageError` naming the flag and the bound the model declares."""
     from pydantic import ValidationError
 
-    from tandem.shared.protocol.serving import SamplingParams
+    from tandem.shared.protocol.serving import MAX_PRIORITY, MIN_PRIORITY, SamplingParams
 
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
@@ -318,6 +321,8 @@ def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(invalid_value(exc, SamplingParams, SAMPLING_FLAGS)) from None
     if not args.timeout > 0:
         raise UsageError("--timeout must be > 0")
+    if not MIN_PRIORITY <= args.priority <= MAX_PRIORITY:
+        raise UsageError(f"--priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
     for name in ("logprobs", "prompt_logprobs"):
         if getattr(args, name) is not None and not args.json:
             flag = SAMPLING_FLAGS[name]
@@ -396,14 +401,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         nonlocal streamed
         async with connect(url, request_timeout_s=args.timeout, **command_auth(settings)) as client:
             if args.json:
-                print(json.dumps(completion_json(await client.complete(prompt, model=args.model, **params))))
+                result = await client.complete(prompt, model=args.model, priority=args.priority, **params)
+                print(json.dumps(completion_json(result)))
                 return
             if args.n > 1:  # interleaved outputs cannot share one terminal line: each whole, labelled
-                sys.stdout.write(labelled_outputs(await client.complete(prompt, model=args.model, **params)))
+                result = await client.complete(prompt, model=args.model, priority=args.priority, **params)
+                sys.stdout.write(labelled_outputs(result))
                 return
             # Closed on every way out (Ctrl-C cancels this task, a closed stdout raises): closing a
             # stream that has not finished sends its cancel, so the workers free the request at once.
-            stream = client.generate(prompt, model=args.model, **params)
+            stream = client.generate(prompt, model=args.model, priority=args.priority, **params)
             async with aclosing(stream):
                 async for chunk in stream:
                     sys.stdout.write(chunk.text)

@@ -160,6 +160,8 @@ def test_version(capsys):
     (["--prompt-logprobs", "21", "--json"], "--prompt-logprobs must be in [0, 20]"),
     (["--prompt-logprobs", "2"], "--prompt-logprobs needs --json"),
     (["--logprobs", "2"], "--logprobs needs --json"),
+    (["--priority", "101"], "--priority must be in [-100, 100]"),
+    (["--priority", "-101"], "--priority must be in [-100, 100]"),
 ])
 def test_generate_names_the_flag_and_its_bound(flags, message, capsys):
     code, out, err = run_main(["generate", "hello", *flags], capsys)

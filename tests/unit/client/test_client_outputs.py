@@ -66,6 +66,24 @@ async def test_priority_goes_with_the_request_and_is_bounded(scripted):
     assert caught.value.param == "priority", caught.value
 
 
+async def test_tandem_generate_sends_its_priority(nats_server, tmp_path):
+    """``tandem generate --priority`` (a real process) puts the value on the request the router takes."""
+    import asyncio
+
+    from cli_support import TANDEM, tandem_env
+
+    router = await ScriptedRouter.start(nats_server.url, lambda r: [chunk(r, 0, 0, [97], finish_reason="stop")])
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *TANDEM, "generate", "abc", "--max-tokens", "1", "--priority", "-7", "--nats-url", nats_server.url,
+            env=tandem_env(tmp_path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        await router.close()
+    assert proc.returncode == 0, err.decode()
+    assert out.decode() == "a\n" and [r.priority for r in router.requests] == [-7]
+
+
 async def test_complete_returns_every_output_best_first(scripted):
     client, _ = await scripted(three_samples)
     result = await client.complete("abc", n=3, max_tokens=3)
