@@ -254,6 +254,8 @@ async def test_the_console_follows_the_up_as_its_operator(up):
         await source.stop()
 
 
+# slow: a whole up without identities (11 s on 2 cores)
+@pytest.mark.slow
 async def test_insecure_turns_identities_off(tmp_path):
     env = {**tandem_env(tmp_path), "TANDEM_DEVICE": "cpu"}
     out = open(tmp_path / "up.out", "w")

@@ -142,6 +142,8 @@ def nsc_creds(user) -> str:
             f"-----BEGIN USER NKEY SEED-----\n{user.seed}\n------END USER NKEY SEED------\n")
 
 
+# slow: a TLS-enabled up and a service started by hand (11 s on 2 cores)
+@pytest.mark.slow
 def test_a_service_by_hand_joins_over_tls_with_a_creds_file(tmp_path, data_dir):
     ring = Keyring.generate()
     pem = tls_files(tmp_path)

@@ -179,6 +179,8 @@ async def test_a_killed_frontend_comes_back_on_its_ports(up):
     assert f"frontend {old_id}" in up.stderr and "restarting" in up.stderr, up.stderr[-2000:]
 
 
+# slow: two whole ups, one killed with kill -9 (16 s on 2 cores)
+@pytest.mark.slow
 def test_a_killed_up_leaves_what_the_next_up_removes(up):
     """Last in the module: it replaces the module's up with a new one on the same data dir and ports."""
     old_pid = up.proc.pid
