@@ -139,7 +139,8 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
                 elif variant is None:
                     placement, _ = choose_placement(runner.config, runner.state.work_dtype, job.batch_size, job.seq_len,
                                                     gpu_cap_bytes(runner.device, job.gpu_memory_gib), rates,
-                                                    runner.optimizer.split, job.device_update_sets)
+                                                    runner.optimizer.split, job.device_update_sets,
+                                                    deterministic=deterministic)
                 else:
                     placement = Placement(variant[1], variant[0], variant[2], "given")
                 runner.placement = placement

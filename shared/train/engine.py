@@ -123,9 +123,8 @@ class StreamingEngine:
         """``(cos, sin, mask)`` for this step's attention: the shared tables and no mask unless some
         row packs two examples or more; then tables gathered at per-example positions and the
         block-diagonal mask (a FlexAttention block mask on CUDA with the atomics kernels, else a
-        dense one: functional.py).
-        Padding (segment -1) after a row's only example needs no mask: causal attention never lets
-        the example see what follows it."""
+        dense one: functional.py). Padding (segment -1) after a row's only example needs no mask:
+        causal attention never lets the example see what follows it."""
         cos, sin = self._rope
         if segments is None or not bool((segments.amax(dim=1) > 0).any()):
             return cos, sin, None
