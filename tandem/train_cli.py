@@ -95,12 +95,15 @@ def build_job(args: argparse.Namespace, data_dir: Path):  # noqa: ANN201 - Train
     return TrainJob(**fields)
 
 
-def progress(step: int, steps: int, loss: float, tokens_per_s: float, tflops: float, elapsed: float) -> str:
+def progress(step: int, steps: int, loss: float, tokens_per_s: float, tflops: float, elapsed: float,
+             padding: float = 0.0) -> str:
+    """One progress line; ``padding`` (the fraction of positions that were padding) shows when any were."""
     width = 24
     done = int(width * step / steps)
     eta = elapsed / max(1, step) * (steps - step)
-    return (f"[{'#' * done}{'.' * (width - done)}] step {step}/{steps}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
-            f"{tflops:.2f} TFLOP/s  {elapsed:.0f}s elapsed, eta {eta:.0f}s")
+    pad = f" ({padding:.0%} padding)" if padding > 0 else ""
+    return (f"[{'#' * done}{'.' * (width - done)}] step {step}/{steps}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s"
+            f"{pad}  {tflops:.2f} TFLOP/s  {elapsed:.0f}s elapsed, eta {eta:.0f}s")
 
 
 def cmd_train(args: argparse.Namespace, settings) -> int:  # noqa: ANN001 - tandem.shared.infra.config.Settings
@@ -144,7 +147,8 @@ def cmd_train(args: argparse.Namespace, settings) -> int:  # noqa: ANN001 - tand
             window = recent[-args.log_every:]
             tps = sum(x.tokens_per_s * x.step_time_s for x in window) / sum(x.step_time_s for x in window)
             tflops = sum(x.model_tflops * x.step_time_s for x in window) / sum(x.step_time_s for x in window)
-            print(progress(m.step, job.steps, m.loss, tps, tflops, time.perf_counter() - started), flush=True)
+            padding = sum(x.padding_fraction for x in window) / len(window)
+            print(progress(m.step, job.steps, m.loss, tps, tflops, time.perf_counter() - started, padding), flush=True)
 
     summary = runner.run(on_step=on_step, on_checkpoint=publisher.publish if publisher else None)
     if publisher:

@@ -165,6 +165,11 @@ def test_step_rates_count_the_tokens_that_are_not_padding(tmp_path):
     (m,) = metrics
     assert m.padding_fraction == pytest.approx(1 - real / 256), m
     assert m.tokens_per_s * m.step_time_s == pytest.approx(real, rel=1e-6), "tok/s should count the real tokens only"
+    from tandem.train_cli import progress
+
+    line = progress(1, 1, m.loss, m.tokens_per_s, m.model_tflops, 1.0, m.padding_fraction)
+    assert f"tok/s ({m.padding_fraction:.0%} padding)" in line, line
+    assert "padding" not in progress(1, 1, m.loss, m.tokens_per_s, m.model_tflops, 1.0), "no padding, no note"
 
 
 def test_runner_copies_a_hugging_face_models_template(tmp_path):
