@@ -130,7 +130,7 @@ class StreamingEngine:
             return cos, sin, None
         seg = segments.to(self.device, non_blocking=True)
         cos, sin = fn.packed_rope(cos, sin, fn.packed_positions(seg))
-        flex = self.lanes.cuda and not self.deterministic  # deterministic flex: 54 GiB at 2 x 8,192 (README)
+        flex = fn.flex_packing(self.lanes.cuda, self.deterministic)
         mask = fn.segment_block_mask(seg) if flex else fn.segment_mask(seg, self.dtype)
         return cos, sin, mask
 

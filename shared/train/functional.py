@@ -247,9 +247,16 @@ def _mlp_backward(p: Params, a: torch.Tensor, grad_out: torch.Tensor, cfg: Model
     return grad_a.view_as(a)
 
 
-def staged(x: torch.Tensor, attention_chunk: int) -> bool:
-    """Whether a layer over ``x`` runs its attention half staged (:func:`layer_backward`)."""
-    return x.shape[0] * x.shape[1] > attention_chunk
+def staged(tokens: int, attention_chunk: int) -> bool:
+    """Whether a layer over ``tokens`` (batch x sequence) runs its attention half staged
+    (:func:`layer_backward`); the memory plan asks the same."""
+    return tokens > attention_chunk
+
+
+def flex_packing(cuda: bool, deterministic: bool) -> bool:
+    """Whether packed rows take FlexAttention's block mask (:func:`segment_block_mask`) rather than
+    the dense one: on CUDA with the atomics kernels only (module docstring); the plan asks the same."""
+    return cuda and not deterministic
 
 
 @torch.no_grad()
@@ -259,7 +266,7 @@ def layer_forward(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     """One decoder layer without autograd state (the backward recomputes it); ``mask`` as in
     :func:`attention_block`; past ``attention_chunk`` tokens the projections run chunked, as in
     :func:`layer_backward`."""
-    if staged(x, attention_chunk):
+    if staged(x.shape[0] * x.shape[1], attention_chunk):
         out = attend(*_staged_qkv(p, x, cos, sin, cfg, attention_chunk), cfg, mask)
         a = x + _o_proj(p, out)
         del out
@@ -284,7 +291,7 @@ def layer_backward(p: Params, x: torch.Tensor, grad_out: torch.Tensor, cos: torc
     norm and projections are recomputed chunk by chunk to take dq, dk, dv back to dL/dx. That
     computes the q, k, v projections once more (about 3% of a 1B layer's matmul FLOPs) and
     consumes ``grad_out``: its buffer holds dL/dx on return."""
-    if staged(x, attention_chunk):
+    if staged(x.shape[0] * x.shape[1], attention_chunk):
         return _staged_layer_backward(p, x, grad_out, cos, sin, cfg, mlp_chunk, blocks, mask, attention_chunk)
     with torch.enable_grad():
         x_leaf = x.detach().requires_grad_(True)

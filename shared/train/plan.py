@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tandem.shared.model.config import ModelConfig
-from tandem.shared.train.functional import ATTENTION_CHUNK
+from tandem.shared.train.functional import ATTENTION_CHUNK, flex_packing, staged
 from tandem.shared.train.layout import extras_layout, layer_layout
 
 GiB = 2**30
@@ -60,7 +60,7 @@ def resident_tail(num_layers: int, tokens: int, attention_chunk: int = ATTENTION
     RESIDENT_TAIL, so the backward starts without waiting for checkpoints, except for long sequences
     (past ``attention_chunk`` tokens, where attention runs staged): there two layer inputs are GiBs
     of the cap, and reloading them costs nothing next to the step."""
-    return 0 if tokens > attention_chunk else min(num_layers, RESIDENT_TAIL)
+    return 0 if staged(tokens, attention_chunk) else min(num_layers, RESIDENT_TAIL)
 
 
 class PlanError(ValueError):
@@ -249,7 +249,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, e: int, mlp_chunk: 
     head = tokens * 2 * e * d + head_chunk * ((2 * e + 12) * cfg.vocab_size + (12 + 3 * e) * d)
     tail = resident_tail(cfg.num_layers, tokens, attention_chunk) * tokens * d * e
     ids = 2 * tokens * 8
-    if tokens > attention_chunk:
+    if staged(tokens, attention_chunk):
         kv = cfg.num_kv_heads * cfg.head_dim
         expanded = 2 * e * q if cfg.num_heads > cfg.num_kv_heads else 0
         held = tokens * (e * (q + 2 * kv) + expanded + e * q + 4 * heads)
@@ -286,11 +286,11 @@ def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int,
     """The bytes a job needs, from the same shapes the allocating code uses (module docstring).
     ``packed``: batches pack several examples a row, so each step also holds the attention mask and
     RoPE tables gathered per row: on CUDA without ``deterministic`` a FlexAttention block mask
-    (``functional.segment_block_mask``:
-    eight int32 tensors over the 128 x 128 tiles, made from a ``[B, S, S]`` boolean evaluation of the
-    rule at the step's start), else ``functional.segment_mask`` (``[B, 1, S, S]`` of the work dtype,
-    the last dim padded to 16). ``deterministic`` (CUDA): the step runs deterministic kernels, whose
-    flash backward needs more room on long sequences (:func:`flash_splits`, ``sm_count`` SMs)."""
+    (``functional.segment_block_mask``: eight int32 tensors over the 128 x 128 tiles, made from a
+    ``[B, S, S]`` boolean evaluation of the rule at the step's start), else ``functional.segment_mask``
+    (``[B, 1, S, S]`` of the work dtype, the last dim padded to 16). ``deterministic`` (CUDA): the step
+    runs deterministic kernels, whose flash backward needs more room on long sequences (:func:`flash_splits`,
+    ``sm_count`` SMs)."""
     e = torch.empty((), dtype=work_dtype).element_size()
     L = cfg.num_layers
     n, ne = layer_layout(cfg).numel, extras_layout(cfg).numel
@@ -322,7 +322,7 @@ def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int,
         "steps": 4 * k,
     }
     tiles = -(-seq // 128)
-    flex = packed and device == "cuda" and not deterministic  # as engine.py's _attention_inputs
+    flex = packed and flex_packing(device == "cuda", deterministic)
     if flex:
         gpu["packed attention mask"] = 4 * batch * tiles * (tiles + 1) * 4  # int32 counts + indices: 2 kinds x 2 sides
     elif packed:
@@ -387,12 +387,12 @@ class StepBytes:
 
 def step_bytes(cfg: ModelConfig, batch: int, seq: int, placement: Placement, e: int = 2,
                split: bool = True) -> StepBytes:
-    """Per step: weights in (every non-resident layer in the forward, and in the backward all but
-    the top two, which stay in the slots), activation checkpoints out and back (all but
-    :func:`resident_tail`'s), host-updated
-    gradients out, streamed layers' fp32 state in and state + working copy out; on the host the
-    optimizer's passes over masters, moments, gradient and working copy (preview: reads 12 + e,
-    writes e per parameter; commit: reads 12 + e, writes 12; a whole update: reads 12 + e, writes 12 + e)."""
+    """Per step: weights in (every non-resident layer in the forward, and in the backward all but the
+    top two, which stay in the slots), activation checkpoints out and back (all but
+    :func:`resident_tail`'s), host-updated gradients out, streamed layers' fp32 state in and state +
+    working copy out; on the host the optimizer's passes over masters, moments, gradient and working
+    copy (preview: reads 12 + e, writes e per parameter; commit: reads 12 + e, writes 12; a whole
+    update: reads 12 + e, writes 12 + e)."""
     L, n, ne = cfg.num_layers, layer_layout(cfg).numel, extras_layout(cfg).numel
     r, k = placement.resident, placement.device_update
     s, h = k - r, L - k
@@ -468,8 +468,7 @@ def choose_placement(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq:
     """The ``(resident, device_update, sets)`` that fits ``gpu_cap`` with the lowest
     :func:`step_bound` (ties: more resident, fewer streamed, fewer sets); ``sets`` None tries 1 and
     2 buffer sets for the streamed updates; ``packed``, ``deterministic`` and ``sm_count`` as in
-    :func:`memory_plan`. The reason names
-    the bound and the memory."""
+    :func:`memory_plan`. The reason names the bound and the memory."""
     L = cfg.num_layers
     e = torch.empty((), dtype=work_dtype).element_size()
     best, best_key = None, None

@@ -65,7 +65,7 @@ def test_staged_layer_matches_the_whole_sequence_layer(name, packed, attention_c
         segments = torch.tensor([[0] * 20 + [1] * 44, [0] * 10 + [1] * 30 + [2] * 24])
         cos, sin = fn.packed_rope(cos, sin, fn.packed_positions(segments))
         mask = fn.segment_mask(segments, torch.float32)
-    assert fn.staged(x, attention_chunk) and not fn.staged(x, WHOLE)
+    assert fn.staged(bsz * seq, attention_chunk) and not fn.staged(bsz * seq, WHOLE)
     whole = layer_run(cfg, state.units[1], x, grad_out, cos, sin, mask, WHOLE)
     staged = layer_run(cfg, state.units[1], x, grad_out, cos, sin, mask, attention_chunk)
     for what, a, b in zip(("layer output", "dL/dx", "parameter gradients"), staged, whole):
