@@ -81,33 +81,54 @@ static void *adamw_range(void *arg) {
     return NULL;
 }
 
+/* The pass is dealt out in CHUNK-element pieces from a shared counter, not split into one fixed
+ * range per thread: in a training step the engine's own thread and the CUDA driver's share the
+ * cores with this pool, and with fixed ranges the one thread that loses its core sets the pass's
+ * time. Elements are independent, so the split does not change a bit of the result. */
+enum { CHUNK = 1 << 16 };
+
+typedef struct {
+    range_t base;  /* everything but lo/hi */
+    int64_t n, next;
+} job_t;
+
+static void *adamw_worker(void *arg) {
+    job_t *job = (job_t *)arg;
+    range_t r = job->base;
+    for (;;) {
+        int64_t lo = __atomic_fetch_add(&job->next, (int64_t)CHUNK, __ATOMIC_RELAXED);
+        if (lo >= job->n) break;
+        r.lo = lo;
+        r.hi = lo + CHUNK < job->n ? lo + CHUNK : job->n;
+        adamw_range(&r);
+    }
+    return NULL;
+}
+
 /* hyper: scale, 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, eps, lr / bias_correction1,
- * sqrt(bias_correction2). A range whose thread could not start runs on the calling thread. */
+ * sqrt(bias_correction2). The calling thread works too, so a pass finishes even if no thread starts. */
 void tandem_adamw(float *p, float *m, float *v, const void *g, void *w, int64_t n, const float *hyper,
                  int flags, int threads) {
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    int64_t per = (n + threads - 1) / threads;
-    per = (per + ALIGN - 1) / ALIGN * ALIGN;
-    range_t ranges[MAX_THREADS];
+    int64_t chunks = (n + CHUNK - 1) / CHUNK;
+    if (threads > chunks) threads = chunks > 0 ? (int)chunks : 1;
+    job_t job;
+    range_t *r = &job.base;
+    r->p = p; r->m = m; r->v = v; r->g = g; r->w = w;
+    r->lo = r->hi = 0;
+    r->scale = hyper[0]; r->decay = hyper[1]; r->beta1c = hyper[2]; r->beta2 = hyper[3];
+    r->beta2c = hyper[4]; r->eps = hyper[5]; r->step_size = hyper[6]; r->bc2_sqrt = hyper[7];
+    r->flags = flags;
+    job.n = n;
+    job.next = 0;
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS];
-    int count = 0;
-    for (int64_t lo = 0; lo < n; lo += per, count++) {
-        range_t *r = &ranges[count];
-        r->p = p; r->m = m; r->v = v; r->g = g; r->w = w;
-        r->lo = lo; r->hi = lo + per < n ? lo + per : n;
-        r->scale = hyper[0]; r->decay = hyper[1]; r->beta1c = hyper[2]; r->beta2 = hyper[3];
-        r->beta2c = hyper[4]; r->eps = hyper[5]; r->step_size = hyper[6]; r->bc2_sqrt = hyper[7];
-        r->flags = flags;
-    }
-    for (int t = 1; t < count; t++)
-        started[t] = pthread_create(&ids[t], NULL, adamw_range, &ranges[t]) == 0;
-    if (count) adamw_range(&ranges[0]);
-    for (int t = 1; t < count; t++) {
+    for (int t = 1; t < threads; t++)
+        started[t] = pthread_create(&ids[t], NULL, adamw_worker, &job) == 0;
+    adamw_worker(&job);
+    for (int t = 1; t < threads; t++)
         if (started[t]) pthread_join(ids[t], NULL);
-        else adamw_range(&ranges[t]);
-    }
 }
 
 /* Host memory bandwidth on the same pool of threads: op 0 reads n floats (an XOR of their bits, so

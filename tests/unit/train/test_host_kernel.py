@@ -98,3 +98,25 @@ def test_mismatched_lengths_are_refused(kernel):
     master, m, v = state(8, 0)
     with pytest.raises(ValueError, match="one length"):
         kernel.adamw(master, m, v, torch.zeros(7), torch.empty(8), hyper(1, 1e-3, 0.0, 1.0), True, True)
+
+
+@pytest.mark.parametrize("threads", [2, 5, 16])
+def test_a_pass_dealt_out_in_chunks_gives_the_bits_of_one_thread(kernel, monkeypatch, threads):
+    n = 3 * 65536 + 12_345  # several of the kernel's pieces and a partial one; more threads than pieces at 16
+    grad = (torch.randn(n, generator=torch.Generator().manual_seed(3)) * 1e-2).bfloat16()
+    results = {}
+    for count in (1, threads):
+        monkeypatch.setattr(kernel, "threads", count)
+        master, m, v = state(n, 4)
+        work = torch.empty(n, dtype=torch.bfloat16)
+        for step in (1, 2):
+            kernel.adamw(master, m, v, grad, work, hyper(step, 1e-3, 0.1, 0.5), write_state=True, write_work=True)
+        results[count] = (master, m, v, work)
+    for name, one, many in zip(("master", "exp_avg", "exp_avg_sq", "work"), results[1], results[threads]):
+        assert torch.equal(one, many), f"{name} differs between 1 and {threads} threads"
+    ref = state(n, 4)[0].requires_grad_(True)  # and every piece was updated, the partial one included
+    opt = torch.optim.AdamW([ref], lr=1e-3, betas=BETAS, eps=EPS, weight_decay=0.1)
+    for _ in (1, 2):
+        ref.grad = grad.float() * 0.5
+        opt.step()
+    torch.testing.assert_close(results[threads][0], ref.detach(), rtol=1e-6, atol=1e-7)
