@@ -114,6 +114,7 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
                  "host_copy_GBps": round(rates.host_copy / 1e9, 1), "host_threads": rates.source,
                  "h2d_GBps": round(rates.h2d / 1e9, 1), "d2h_GBps": round(rates.d2h / 1e9, 1),
                  "both_GBps": round(rates.duplex / 1e9, 1), "host_with_dma_GBps": round(rates.dram / 1e9, 1),
+                 "preview_with_dma_GBps": rates.preview_dram and round(rates.preview_dram / 1e9, 1),
                  "preview_Gparams_per_s": round(rates.preview / 1e9, 2),
                  "commit_Gparams_per_s": round(rates.commit / 1e9, 2),
                  "whole_Gparams_per_s": round(rates.whole / 1e9, 2)}
@@ -313,7 +314,8 @@ def main() -> int:
             print(f" rates: host read {q['host_read_GBps']} GB/s, write {q['host_write_GBps']}, copy "
                   f"{q['host_copy_GBps']} ({q['host_threads']}); PCIe h2d {q['h2d_GBps']} GB/s, d2h {q['d2h_GBps']}, "
                   f"both at once {q['both_GBps']}; host memory with the CPU and both copy directions at it "
-                  f"{q['host_with_dma_GBps']} GB/s; host AdamW preview {q['preview_Gparams_per_s']}, commit "
+                  f"{q['host_with_dma_GBps']} GB/s (reads), {q.get('preview_with_dma_GBps') or '-'} GB/s (the "
+                  f"preview pass); host AdamW preview {q['preview_Gparams_per_s']}, commit "
                   f"{q['commit_Gparams_per_s']}, whole {q['whole_Gparams_per_s']} G parameters/s")
         if "tokens_per_s" in r and "anchor" not in r:
             print(f"{r['run']:>6}: {r['model']} ({r['params_B']}B) batch {r['batch']} x {r['seq']}: "

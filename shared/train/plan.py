@@ -28,7 +28,9 @@ PCIe at each direction's rate and both together at the duplex rate; and the exac
 no update starts before the backward ends (the global norm needs every gradient), so between one
 backward's end and the next one's, the CPU's preview of every host unit, the last layer's forward,
 the head and the whole backward run one after another (and likewise the streamed updates over PCIe
-ahead of the forward that needs them).
+ahead of the forward that needs them); and the same window counted in host memory bytes: the
+previews share that memory with the copy engines moving the forward's weights, checkpoints and the
+streamed layers' state, at the rate both get together while the preview runs.
 
     plan = memory_plan(config, work_dtype=torch.bfloat16, batch=8, seq=2048, gpu_cap=16 * GiB,
                        placement=Placement(resident=10, device_update=10))
@@ -84,6 +86,9 @@ class Rates:
     source: str = "known"
     host_read: float | None = None
     host_write: float | None = None
+    # host memory bytes per second while the preview pass and both copy directions run at once: the
+    # mix of the clip window (step_bound); None where not measured (then ``dram``)
+    preview_dram: float | None = None
 
 
 # The lent H200 machine (DESIGN.md, issue 20; 2026-11-30/12-01): host copy 100.6 GB/s on 15 threads, PCIe
@@ -383,6 +388,7 @@ class StepBytes:
     first_read: int  # of the optimizer's, what must be read before the next forward's last host layer
     first_write: int  # (the preview passes, or whole updates without preview + commit)
     flops: float  # the GPU's, recompute included
+    window: int = 0  # host memory bytes between the backward's end and the last host layer's forward
 
 
 def step_bytes(cfg: ModelConfig, batch: int, seq: int, placement: Placement, e: int = 2,
@@ -392,7 +398,12 @@ def step_bytes(cfg: ModelConfig, batch: int, seq: int, placement: Placement, e: 
     :func:`resident_tail`'s), host-updated gradients out, streamed layers' fp32 state in and state +
     working copy out; on the host the optimizer's passes over masters, moments, gradient and working
     copy (preview: reads 12 + e, writes e per parameter; commit: reads 12 + e, writes 12; a whole
-    update: reads 12 + e, writes 12 + e)."""
+    update: reads 12 + e, writes 12 + e).
+
+    ``window``: what host memory must serve between one backward's end and the end of the next
+    forward (whose last layers are the host-updated ones): the previews (or whole updates) of every
+    host unit, the forward's weights going up (each after its update), the streamed layers' state
+    going up for their GPU update, and the forward's checkpoints going down."""
     L, n, ne = cfg.num_layers, layer_layout(cfg).numel, extras_layout(cfg).numel
     r, k = placement.resident, placement.device_update
     s, h = k - r, L - k
@@ -407,7 +418,8 @@ def step_bytes(cfg: ModelConfig, batch: int, seq: int, placement: Placement, e: 
     opt_write = params * (12 + e)
     tokens = batch * seq
     flops = (8 * (L * n + ne) + 8 * L * cfg.hidden_size * seq) * tokens  # fwd + recompute + bwd (2+2+4)
-    return StepBytes(h2d, d2h, opt_read + h2d, opt_write + d2h, first_read, first_write, flops)
+    window = first_read + first_write + ((L - r) * n + ne) * e + s * 12 * n + ckpts * act
+    return StepBytes(h2d, d2h, opt_read + h2d, opt_write + d2h, first_read, first_write, flops, window)
 
 
 def host_seconds(read: int, write: int, rates: Rates) -> float:
@@ -431,7 +443,11 @@ def step_bound(cfg: ModelConfig, batch: int, seq: int, placement: Placement, rat
     ``cpu optimizer``: the host units' preview and commit passes (or whole updates) at the passes'
     measured rates, one after the other on the optimizer's threads; ``host memory``: every byte
     the optimizer and the copy engines move in host RAM at the rate both together get from it;
-    ``pcie *``: each direction alone and both together; ``clip chain``: see the module docstring."""
+    ``pcie *``: each direction alone and both together; ``clip chain``: see the module docstring;
+    ``clip window (host memory)``: with host layers, the bytes of the window from the backward's
+    end to the forward's last layer (:class:`StepBytes` ``window``) at the rate the preview pass
+    and the copy engines get together (``rates.preview_dram``), then the next backward: the
+    previews draw on the memory the copy engines use, so in a step they run slower than alone."""
     b = step_bytes(cfg, batch, seq, placement, e, split)
     L, n, ne = cfg.num_layers, layer_layout(cfg).numel, extras_layout(cfg).numel
     if compute_s is None:
@@ -456,6 +472,7 @@ def step_bound(cfg: ModelConfig, batch: int, seq: int, placement: Placement, rat
         "pcie both": (b.h2d + b.d2h) / rates.duplex,
         "clip chain (cpu)": chain_host,
         "clip chain (streamed)": chain_stream,
+        "clip window (host memory)": b.window / (rates.preview_dram or rates.dram) + bwd if h else 0.0,
     }
     terms["bound"] = max(terms.values())
     return terms
@@ -504,8 +521,9 @@ def measure_rates(device: torch.device, host_bytes: int = 1 << 30, pcie_bytes: i
     AdamW's threads (its C kernel's loads and stores; torch's ops where the kernel is missing); the
     kernel's preview, commit and whole-update passes over ``update_params`` parameters (bf16
     gradient and working copy, as on CUDA); on CUDA, pinned host<->device copies each way alone and
-    both at once, and host reads while both copy directions run (what the CPU and the copy engines
-    get from host memory together). ``host_copy`` counts read + written bytes (a copy of n bytes
+    both at once, host reads while both copy directions run (what the CPU and the copy engines
+    get from host memory together) and the preview pass while they run (``preview_dram``, the clip
+    window's mix). ``host_copy`` counts read + written bytes (a copy of n bytes
     moves 2n). About three seconds."""
     import threading
     import time
@@ -565,6 +583,7 @@ def measure_rates(device: torch.device, host_bytes: int = 1 << 30, pcie_bytes: i
         preview = commit = whole = m / best(lambda: adamw(True, True))
     dram = max(read, write, copy, preview * 16, commit * 26, whole * 28)
     h2d = d2h = duplex = float("inf")
+    preview_dram = None
     if device.type == "cuda":
         half = pcie_bytes // 2
         up_host, down_host = host_buffer(half, torch.bfloat16, True), host_buffer(half, torch.bfloat16, True)
@@ -606,6 +625,39 @@ def measure_rates(device: torch.device, host_bytes: int = 1 << 30, pcie_bytes: i
         worker.join()
         elapsed = time.perf_counter() - t
         dram = max(dram, (reps * host_bytes + moved) / elapsed)
+        if kernel is not None:
+            preview_dram = _with_duplex(lambda: adamw(False, True), 4 * reps, m * 16, lambda: run(True, True),
+                                        2 * pcie_bytes)
     return Rates(host_copy=copy, h2d=h2d, d2h=d2h, duplex=duplex, gpu_flops=gpu_flops or H200.gpu_flops,
                  preview=preview, commit=commit, whole=whole, dram=dram, source=how, host_read=read,
-                 host_write=write)
+                 host_write=write, preview_dram=preview_dram)
+
+
+def _with_duplex(work, passes: int, pass_bytes: int, copy_both, copy_bytes: int) -> float:  # noqa: ANN001
+    """Host memory bytes per second while ``passes`` runs of ``work`` (a host pass moving
+    ``pass_bytes``, GIL released) share the memory with back-to-back ``copy_both`` calls (both copy
+    directions, ``copy_bytes`` a call): what both moved within the passes' span, over that span."""
+    import threading
+    import time
+
+    span: list[float] = []
+
+    def passes_thread() -> None:
+        start = time.perf_counter()
+        for _ in range(passes):
+            work()
+        span.extend((start, time.perf_counter()))
+
+    copy_both()  # the first call pays for the streams' setup
+    calls: list[tuple[float, float]] = []
+    worker = threading.Thread(target=passes_thread)
+    worker.start()
+    while worker.is_alive():
+        t = time.perf_counter()
+        copy_both()
+        calls.append((t, time.perf_counter()))
+    worker.join()
+    lo, hi = span
+    # a call straddling either end of the span counts for its share inside it
+    copied = sum(copy_bytes * max(0.0, min(end, hi) - max(start, lo)) / (end - start) for start, end in calls)
+    return (passes * pass_bytes + copied) / (hi - lo)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -252,3 +253,22 @@ def test_step_bytes_by_hand():
     assert (b.first_read, b.first_write) == (host * (12 + e), host * e)
     whole = step_bytes(UNTIED, 2, 8, Placement(1, 2), e=e, split=False)
     assert whole.host_read == host * (12 + e) + whole.h2d and whole.host_write == host * (12 + e) + whole.d2h
+    # the clip window: the previews, the forward's 4 layers + extras up, the streamed layer's state up,
+    # the forward's 3 checkpoints down
+    assert b.window == host * (12 + e) + host * e + (4 * n + ne) * e + 12 * n + 3 * act
+
+
+def test_the_clip_window_binds_when_the_previews_share_host_memory_with_the_copies():
+    cfg, placement, compute = preset_config("3b"), Placement(3, 8), (0.17, 0.52)
+    alone = step_bound(cfg, 8, 2048, placement, H200, compute_s=compute)
+    assert alone["clip window (host memory)"] == pytest.approx(
+        step_bytes(cfg, 8, 2048, placement).window / H200.dram + 0.52)
+    shared = replace(H200, preview_dram=H200.dram / 2)
+    slow = step_bound(cfg, 8, 2048, placement, shared, compute_s=compute)
+    assert slow["bound"] == slow["clip window (host memory)"] > alone["clip window (host memory)"], slow
+    # every other term is the same: only the window knows the rate the previews get beside the copies
+    assert {k: v for k, v in slow.items() if "window" not in k and k != "bound"} == {
+        k: v for k, v in alone.items() if "window" not in k and k != "bound"}
+    # with no host layer the window is the streamed chain's: no term of its own
+    every = Placement(0, cfg.num_layers)
+    assert step_bound(cfg, 8, 2048, every, shared, compute_s=compute)["clip window (host memory)"] == 0.0
