@@ -9,7 +9,8 @@ functions by own time. On CUDA the time spent in ``synchronize`` (``SampledToken
 ``tolist`` is the host waiting for the device; the rest is host work, which overlapped steps
 (``engine/overlap.py``) run while the device computes. Without CUDA it profiles ``random:llama-test`` on the CPU.
 
-``--device-kernels`` instead times the same steps with CUDA graphs (the served figure), then runs
+``--device-kernels`` instead times the same steps with CUDA graphs (the served figure) and splits
+them into the host's wait for the device's tokens and its own work (``decode_host_split``), then runs
 them eagerly under the torch profiler and prints the device time per step of each kernel family
 (the weight matmuls, decode attention, the K/V write, norms and RoPE, sampling, the rest) as one
 JSON line, then the top kernels: the graph's kernels are the eager ones, launched at once.
@@ -27,6 +28,7 @@ import time
 import torch
 from serving_gpu import make_engine, random_prompts, sync
 
+from tandem.shared.engine.model_runner import SampledTokens
 from tandem.shared.engine.sequence import EngineRequest
 from tandem.shared.model.loader import load_model
 from tandem.shared.protocol.serving import SamplingParams
@@ -48,6 +50,8 @@ def main() -> None:
     if args.device_kernels:
         graphed = decoding_engine(loaded, device, args.batch, args.steps, False, kv_gib)
         step_ms = timed_steps(graphed, device, args.steps)
+        print(json.dumps({"figure": "decode_host_split", "model": model, "batch": args.batch,
+                          **host_split(graphed, device, args.steps)}), flush=True)
         del graphed
         gc.collect()  # the engine's parts refer to each other: its pool is freed only by the collector
         if device.type == "cuda":
@@ -91,6 +95,30 @@ def timed_steps(engine, device: torch.device, steps: int) -> float:
         engine.step()
     sync(device)
     return (time.perf_counter() - start) / steps * 1e3
+
+
+def host_split(engine, device: torch.device, steps: int) -> dict[str, float]:
+    """Per step with graphs: the host's time waiting for the device's tokens (``SampledTokens.wait``)
+    and the rest of the step, the host's own work. With overlapped steps a step whose wait is near
+    zero was paced by the host: the device finished before the host asked."""
+    waited = [0.0]
+    plain_wait = SampledTokens.wait
+
+    def timed_wait(tokens: SampledTokens) -> list[int]:
+        start = time.perf_counter()
+        try:
+            return plain_wait(tokens)
+        finally:
+            waited[0] += time.perf_counter() - start
+
+    SampledTokens.wait = timed_wait
+    try:
+        step_ms = timed_steps(engine, device, steps)
+    finally:
+        SampledTokens.wait = plain_wait
+    wait_ms = waited[0] / steps * 1e3
+    return {"step_ms": round(step_ms, 3), "host_wait_ms": round(wait_ms, 3),
+            "host_work_ms": round(step_ms - wait_ms, 3)}
 
 
 # Kernel families by name (cuBLAS/CUTLASS names vary by version: gemm, nvjet, sm90_xmma, cutlass).
