@@ -77,7 +77,9 @@ def decoding_engine(loaded, device: torch.device, batch: int, steps: int, eager:
     """An engine with ``batch`` 1024-token prompts prefilled and a few decode steps behind it, room
     left for ``steps`` more profiled (and as many timed) steps."""
     engine = make_engine(loaded, device, batch, 2048, eager, kv_gib)
-    params = SamplingParams(max_tokens=3 * steps + 10, temperature=0.0, ignore_eos=True)
+    # Prompts are prefilled a few per step, so the first have tens of tokens before the last has one:
+    # no sequence may finish inside a measured window, or the batch shrinks under it.
+    params = SamplingParams(max_tokens=2048 - 1024 - 1, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(batch, 1024, loaded.config.vocab_size, 5)):
         engine.add_request(EngineRequest(f"r{i}", prompt, params))
     while any(seq.num_output_tokens == 0 for seq in engine.scheduler.requests.values()):
@@ -89,11 +91,14 @@ def decoding_engine(loaded, device: torch.device, batch: int, steps: int, eager:
 
 
 def timed_steps(engine, device: torch.device, steps: int) -> float:
+    rows = len(engine.scheduler.running)
     sync(device)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     sync(device)
+    if len(engine.scheduler.running) != rows:
+        raise RuntimeError(f"the batch changed from {rows} to {len(engine.scheduler.running)} rows while measured")
     return (time.perf_counter() - start) / steps * 1e3
 
 
