@@ -12,8 +12,9 @@ functions by own time. On CUDA the time spent in ``synchronize`` (``SampledToken
 ``--device-kernels`` instead times the same steps with CUDA graphs (the served figure) and splits
 them into the host's wait for the device's tokens and its own work (``decode_host_split``), then runs
 them eagerly under the torch profiler and prints the device time per step of each kernel family
-(the weight matmuls, decode attention, the K/V write, norms and RoPE, sampling, the rest) as one
-JSON line, then the top kernels: the graph's kernels are the eager ones, launched at once.
+(the weight matmuls, decode attention, the K/V write, norms and RoPE, sampling, the rest) and the
+kernels a step launches (an eager step's host time grows with that count) as one JSON line, then
+the top kernels: the graph's kernels are the eager ones, launched at once.
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ def print_kernel_families(engine, device: torch.device, steps: int, model: str, 
             engine.step()
         sync(device)
     kernels: dict[str, float] = {}
+    launches = 0
     for event in prof.key_averages():
         # torch 2.11 and later name it device time; earlier ones cuda time.
         us = getattr(event, "self_device_time_total", None)
@@ -165,12 +167,14 @@ def print_kernel_families(engine, device: torch.device, steps: int, model: str, 
             us = event.self_cpu_time_total
         if us > 0 and (device.type != "cuda" or event.device_type.name == "CUDA"):
             kernels[event.key] = kernels.get(event.key, 0.0) + us
+            launches += event.count
     families: dict[str, float] = {}
     for name, us in kernels.items():
         families[family_of(name)] = families.get(family_of(name), 0.0) + us / steps / 1e3
     device_ms = sum(families.values())
     print(json.dumps({"figure": "decode_kernels", "model": model, "batch": batch, "step_ms_graphs": round(step_ms, 3),
                       "step_ms_eager": round(eager_ms, 3), "device_ms_per_step": round(device_ms, 3),
+                      "kernels_per_step": round(launches / steps, 1),
                       "families_ms": {k: round(v, 3) for k, v in sorted(families.items(), key=lambda kv: -kv[1])}}),
           flush=True)
     for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]:

@@ -14,6 +14,10 @@ Prints one JSON line per figure, all from one process and one run:
   matmuls, attention over the cached K/V, the LM head) at the larger of its HBM time and its
   compute time at the bf16 matmul peak measured in the same run, both printed; the old figure
   (every byte at the HBM rate, the embedding table read whole) stays beside it;
+- ``prefill`` (``--parts prefill``): ``--prefill-prompts`` prompts of 1024 random tokens, one
+  output token each, submitted at once, for each ``--prefill-chunks`` step budget: prompt tokens/s
+  and the FLOPs achieved (:func:`prefill_flops`: projections, MLP and causal attention, the LM head
+  for the last tokens) over the bf16 matmul peak measured in the same run;
 - ``memory`` (CUDA): what an engine holds on the device beyond its weights and KV pool (the CUDA
   context, graphs, the allocator's cache, an 8192-token prefill step's peak): what workers sharing
   one GPU must leave free between their ``--gpu-memory-utilization`` shares;
@@ -109,6 +113,19 @@ def step_floor(cfg, batch: int, context: int, gbps: float, tflops: float, dtype_
     return out
 
 
+def prefill_flops(cfg, prompts: int, length: int) -> dict:
+    """FLOPs of prefilling ``prompts`` prompts of ``length`` tokens: the layers' projections and MLP
+    (2 per weight per token), causal attention (QK^T and PV, 4 per query head, dim and attended
+    position: token i attends to i + 1 positions) and the LM head for each prompt's last token only
+    (the one that is sampled)."""
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer_weights = cfg.hidden_size * (2 * q_dim + 2 * kv_dim) + 3 * cfg.hidden_size * cfg.intermediate_size
+    linear = 2 * cfg.num_layers * layer_weights * length * prompts
+    attention = 4 * cfg.num_layers * q_dim * (length * (length + 1) // 2) * prompts
+    head = 2 * cfg.vocab_size * cfg.hidden_size * prompts
+    return {"linear": linear, "attention": attention, "lm_head": head, "total": linear + attention + head}
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -131,13 +148,14 @@ def hbm_read_gbps(device: torch.device) -> float:
 
 
 def make_engine(loaded, device: torch.device, max_num_seqs: int, max_model_len: int, eager: bool,
-                kv_gib: float) -> LLMEngine:
+                kv_gib: float, max_num_batched_tokens: int = 8192) -> LLMEngine:
     cfg = loaded.config
     per_block = kv_cache_bytes_per_block(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16
                                          if device.type == "cuda" else torch.float32)
     num_blocks = max(64, int(kv_gib * 2**30) // per_block) if kv_gib else 4096
     config = EngineConfig(block_size=16, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=8192, max_model_len=max_model_len, enable_prefix_caching=False,
+                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                          enable_prefix_caching=False,
                           enforce_eager=eager)
     return LLMEngine(loaded.model, loaded.tokenizer, config, device)
 
@@ -339,6 +357,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=0,
                         help="the throughput and closed engine's batch limit (0: the largest batch or concurrency)")
     parser.add_argument("--kv-gib", type=float, default=60.0)
+    parser.add_argument("--prefill-prompts", type=int, default=256, help="the prefill part's 1024-token prompts")
+    parser.add_argument("--prefill-chunks", type=int, nargs="+", default=[8192, 16384],
+                        help="the prefill part's step token budgets (max_num_batched_tokens), one run each")
     parser.add_argument("--json-out")
     parser.add_argument("--hf-anchor", help="path of the HF generate peer script to run after the parts, same run")
     args = parser.parse_args()
@@ -348,7 +369,7 @@ def main() -> None:
     kv_gib = args.kv_gib if device.type == "cuda" else 0.25
     records: list[dict] = []
     weight_bytes, gbps, tflops = 0, None, None
-    if parts & {"roofline", "fp8"} and device.type == "cuda":
+    if parts & {"roofline", "fp8", "prefill"} and device.type == "cuda":
         gbps = hbm_read_gbps(device)
         tflops = matmul_tflops(device)
         emit({"figure": "hbm", "hbm_read_GBps": round(gbps, 1), "bf16_matmul_tflops": round(tflops, 1)}, records)
@@ -402,6 +423,24 @@ def main() -> None:
                 record["step_floor"] = floor
                 record["decode_of_step_floor"] = round(floor["floor_ms"] / result["itl_ms"], 3)
             emit(record, records)
+    if "prefill" in parts:
+        engine = None
+        prompts, length = (args.prefill_prompts, 1024) if device.type == "cuda" else (8, 128)
+        flops = prefill_flops(loaded.config, prompts, length)
+        for chunk in args.prefill_chunks:
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+            runner = make_engine(loaded, device, prompts, 2048, False, kv_gib, max_num_batched_tokens=chunk)
+            run_requests(runner, random_prompts(min(prompts, 8), length, vocab, 7), 1, device)  # warm-up
+            result = run_requests(runner, random_prompts(prompts, length, vocab, 8 + chunk), 1, device)
+            record = {"figure": "prefill", "prompts": prompts, "prompt_len": length, "chunk_tokens": chunk,
+                      "total_s": result["total_s"],
+                      "prompt_tok_s": round(prompts * length / result["total_s"], 1),
+                      "achieved_tflops": round(flops["total"] / result["total_s"] / 1e12, 1),
+                      "attention_share": round(flops["attention"] / flops["total"], 4)}
+            if tflops:
+                record["of_matmul_peak"] = round(flops["total"] / result["total_s"] / 1e12 / tflops, 3)
+            emit(record, records)
+            del runner
     if "closed" in parts:
         for concurrency in closed:
             n = max(16, 2 * concurrency)

@@ -75,3 +75,26 @@ def test_the_closed_loop_keeps_its_concurrency_and_serves_every_request(bench, c
     assert result["output_tokens"] == 5 * 4 and result["requests"] == 5, result
     assert max(seen) == concurrency, f"requests in the engine at each step: {seen}"
     assert result["ttft_p50_ms"] > 0 and result["tpot_p50_ms"] > 0
+
+
+def test_prefill_flops_count_causal_attention_and_one_head_row_per_prompt(bench, llama3_8b) -> None:
+    """The 8B preset, 256 prompts of 1,024 tokens (issue 19's prefill row): 7.0e9 weights in the
+    layers at 2 FLOPs a token, causal attention over 1,024 x 1,025 / 2 positions a prompt, the LM head
+    once a prompt."""
+    cfg = llama3_8b
+    flops = bench.prefill_flops(cfg, 256, 1024)
+    layer_weights = sum(p.numel() for name, p in _layer_shapes(cfg))
+    assert flops["linear"] == 2 * cfg.num_layers * layer_weights * 1024 * 256
+    assert flops["attention"] == 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * (1024 * 1025 // 2) * 256
+    assert flops["lm_head"] == 2 * cfg.vocab_size * cfg.hidden_size * 256
+    assert flops["total"] == pytest.approx(3.73e15, rel=0.01), flops  # 14.2 GFLOP a prompt token
+    assert 0.015 < flops["attention"] / flops["total"] < 0.025, "attention is ~1.9% of an 8B 1K-token prefill"
+
+
+def _layer_shapes(cfg):
+    """One decoder layer's weights as the model builds them (meta tensors: no memory)."""
+    from tandem.shared.model.llama import LlamaDecoderLayer
+
+    with torch.device("meta"):
+        layer = LlamaDecoderLayer(cfg, 0)
+    return [(name, p) for name, p in layer.named_parameters() if p.dim() == 2]
