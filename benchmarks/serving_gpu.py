@@ -45,6 +45,7 @@ On CPU it runs the same code on ``random:llama-test`` so the script itself is te
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -428,6 +429,7 @@ def main() -> None:
         prompts, length = (args.prefill_prompts, 1024) if device.type == "cuda" else (8, 128)
         flops = prefill_flops(loaded.config, prompts, length)
         for chunk in args.prefill_chunks:
+            gc.collect()  # an engine's parts refer to each other: its pool is freed only by the collector
             torch.cuda.empty_cache() if device.type == "cuda" else None
             runner = make_engine(loaded, device, prompts, 2048, False, kv_gib, max_num_batched_tokens=chunk)
             run_requests(runner, random_prompts(min(prompts, 8), length, vocab, 7), 1, device)  # warm-up
