@@ -41,6 +41,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(parts[0])
 
 
+@pytest.fixture(autouse=True)
+def free_gpu_memory_after_gpu_tests(request):
+    """After each ``gpu`` test, collect its engines (their parts refer to each other, so only the
+    collector frees their pools) and return the cached blocks: in one process the next GPU test
+    (a training step near the cap, a 60 GiB KV pool) starts on an empty device, not on the last
+    one's leftovers."""
+    yield
+    if request.node.get_closest_marker("gpu") is None:
+        return
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture(scope="session")
 def tiny() -> LoadedModel:
     """The ``tiny`` spec as ``tandem serve`` loads it from an empty data dir (the checkpoint shipped
