@@ -126,6 +126,12 @@ def plan_job(job: TrainJob, output_dir: Path, device_resident_layers: int | None
     resume = job.resume and has_checkpoint(output_dir)
     if resume:
         config = read_hf_config(output_dir)
+    if job.seq_len > config.max_position_embeddings:
+        # trained at this length, the checkpoint must say so, or a server loading it caps requests
+        # at the old length (RoPE's frequencies, llama3 scaling included, do not depend on it)
+        log.info("max_position_embeddings %d -> %d: the job trains at that length",
+                 config.max_position_embeddings, job.seq_len)
+        config = config.replace(max_position_embeddings=job.seq_len)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     data = load_data(job, config, init_from, model_name)
     data_bytes = data.nbytes

@@ -111,3 +111,22 @@ def test_the_issue_long_contexts_fit_a_32_gib_cap(model, seq):
     assert not whole.fits_gpu(), "the whole-sequence attention should not fit: the plan lost its long-sequence term"
     assert staged.gpu_peak < whole.gpu_peak
     assert staged.host["checkpoints"] == cfg.num_layers * seq * cfg.hidden_size * 2
+
+
+@pytest.mark.parametrize(("seq_len", "recorded"), [(2048, 4096), (6144, 6144)], ids=["within", "past"])
+def test_a_job_past_the_models_positions_records_its_length(tmp_path, seq_len, recorded):
+    """A checkpoint trained at more tokens than its config's ``max_position_embeddings`` says so, or a
+    server loading it caps requests at the old length (engine.py takes the smaller of the two)."""
+    from tandem.shared.model.meta import read_hf_config
+    from tandem.shared.protocol.training import TrainJob
+    from tandem.shared.train.runner import TrainRunner
+
+    assert ModelConfig.tiny().max_position_embeddings == 4096
+    job = TrainJob(model="tiny", dataset="random", device="cpu", batch_size=1, seq_len=seq_len, steps=1,
+                   output_dir=str(tmp_path / "out"))
+    runner = TrainRunner(job, "positions", tmp_path)
+    assert runner.setup.config.max_position_embeddings == recorded
+    summary = runner.run()
+    assert summary.state == "finished", summary
+    saved = read_hf_config(next(p.parent for p in (tmp_path / "out").rglob("config.json")))
+    assert saved.max_position_embeddings == recorded, "the checkpoint records the positions it trained at"
