@@ -424,8 +424,14 @@ def main() -> None:
                 record["step_floor"] = floor
                 record["decode_of_step_floor"] = round(floor["floor_ms"] / result["itl_ms"], 3)
             emit(record, records)
+    if "closed" in parts:
+        for concurrency in closed:
+            n = max(16, 2 * concurrency)
+            result = run_closed_loop(engine, random_prompts(n, 1024, vocab, 1000 + concurrency), concurrency, 128,
+                                     device)
+            emit({"figure": "closed", "prompt_len": 1024, **result}, records)
     if "prefill" in parts:
-        engine = None
+        engine = None  # the parts before used it; each budget gets an engine of its own
         prompts, length = (args.prefill_prompts, 1024) if device.type == "cuda" else (8, 128)
         flops = prefill_flops(loaded.config, prompts, length)
         for chunk in args.prefill_chunks:
@@ -443,12 +449,6 @@ def main() -> None:
                 record["of_matmul_peak"] = round(flops["total"] / result["total_s"] / 1e12 / tflops, 3)
             emit(record, records)
             del runner
-    if "closed" in parts:
-        for concurrency in closed:
-            n = max(16, 2 * concurrency)
-            result = run_closed_loop(engine, random_prompts(n, 1024, vocab, 1000 + concurrency), concurrency, 128,
-                                     device)
-            emit({"figure": "closed", "prompt_len": 1024, **result}, records)
     if args.hf_anchor:
         loaded = engine = None  # the peer needs the memory: drop the model, pool and graphs first
         torch.cuda.empty_cache() if device.type == "cuda" else None

@@ -40,6 +40,21 @@ def test_in_process_benchmark_prints_batch1_throughput_and_the_peer(tmp_path: Pa
 
 
 @pytest.mark.slow  # a whole benchmark script run
+def test_prefill_part_prints_a_row_per_step_budget_after_the_closed_loop() -> None:
+    """``--parts throughput,closed,prefill``: the prefill part makes its own engines, after the parts
+    that share one, and counts the FLOPs it achieved."""
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "serving_gpu.py"), "--parts", "throughput,closed,prefill",
+                          "--closed", "2", "--prefill-chunks", "256", "512"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"serving_gpu.py failed:\n{out.stderr[-2000:]}"
+    got = figures(out.stdout)
+    assert [g["figure"] for g in got][-3:] == ["closed", "prefill", "prefill"], got
+    for row, chunk in zip(got[-2:], (256, 512)):
+        assert row["chunk_tokens"] == chunk and row["prompt_tok_s"] > 0 and row["achieved_tflops"] >= 0, row
+        assert 0 < row["attention_share"] < 0.1, row
+
+
+@pytest.mark.slow  # a whole benchmark script run
 def test_system_benchmark_runs_bench_serve_against_tandem_up(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(BENCHMARKS / "serving_system.py"), "--concurrency", "2",
                           "--prompts-per-level", "4", "--input-len", "48", "--output-len", "6",
