@@ -74,6 +74,7 @@ class ServiceRuntime:
         self.links: BulkLinks | None = None  # bulk connections for KV frames, when moves_kv
         self.started_at = time.time()
         self._service = None
+        self._endpoints: list[EndpointConfig] = []  # added by setup, served once the service is announced
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
         self._hurry = asyncio.Event()  # the drain's time is up: abandon what is left now
@@ -144,9 +145,11 @@ class ServiceRuntime:
             await self.nc.subscribe(subject, queue=queue_group or "", cb=guarded,
                                     pending_bytes_limit=BULK_PENDING_BYTES)
             return
-        await self._service.add_endpoint(
-            EndpointConfig(name=name, subject=subject, handler=guarded, queue_group=queue_group)
-        )
+        config = EndpointConfig(name=name, subject=subject, handler=guarded, queue_group=queue_group)
+        if self._service is None:
+            self._endpoints.append(config)
+        else:
+            await self._service.add_endpoint(config)
 
     async def add_kv_endpoint(self, name: str, subject: str, receiver: KVReceiver) -> None:
         """Land the KV frames sent to ``subject`` in ``receiver``: from the bulk connections' reader
@@ -316,6 +319,9 @@ class ServiceRuntime:
                                          timeout_s=bus.request_timeout_s).start()
         if self.settings.metrics.port >= 0:  # before registering: the URL goes into the micro metadata
             self.log.info("metrics at %s", self.prom.serve(self.settings.metrics.port, self.settings.metrics.host))
+        # Setup first: an instance that answers $SRV.PING has every subscription in place (a router
+        # hears the heartbeats it needs to place work), so a ping is a readiness check.
+        await self.setup()
         self._service = await add_service(
             self.nc,
             ServiceConfig(
@@ -326,10 +332,11 @@ class ServiceRuntime:
                 stats_handler=lambda _endpoint: self.metrics(),
             ),
         )
+        for config in self._endpoints:
+            await self._service.add_endpoint(config)
         # Not a micro endpoint: those leave at the start of a drain, while this instance still
         # finishes what it took, and whoever waits on it must not take it for dead meanwhile.
         await self.nc.subscribe(subjects.alive(self.name, self.instance_id), cb=self._on_alive)
-        await self.setup()
         beat = self.spawn(self._heartbeat_loop(), "heartbeat")
         self.metrics_publisher = MetricsPublisher(self.nc, self.prom, self.name, self.instance_id, self.host,
                                                   self.settings.metrics.interval_s)
@@ -352,7 +359,8 @@ class ServiceRuntime:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         try:
             if self.nc.is_connected:
-                await asyncio.wait_for(self._service.stop(), SHUTDOWN_TIMEOUT_S)
+                if self._service is not None:
+                    await asyncio.wait_for(self._service.stop(), SHUTDOWN_TIMEOUT_S)
                 await asyncio.wait_for(self.nc.drain(), SHUTDOWN_TIMEOUT_S)
         except Exception as exc:  # the server went away mid-drain: closing is all that is left
             self.log.warning("could not drain from NATS (%s); closing", type(exc).__name__)
