@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -29,8 +30,12 @@ from tandem.shared.engine.engine import EngineConfig, LLMEngine
 from tandem.shared.engine.sequence import EngineRequest, RequestOutput
 from tandem.shared.infra.config import Settings
 from tandem.shared.infra.devcopy import tensor_bytes, to_host
-from tandem.shared.kvcache.cache import kv_cache_bytes_per_block, kv_namespace
+from tandem.shared.kvcache.cache import kv_namespace, size_kv_pool
 from tandem.shared.model.loader import LoadedModel, load_model, resolve_dtype
+from tandem.shared.model.meta import load_model_meta
+from tandem.shared.parallel.group import TensorParallelError, TensorParallelGroup
+from tandem.shared.parallel.ranks import Followers, RankJob, lead, rank_devices
+from tandem.shared.parallel.sharding import shard_config
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError, shortened
 from tandem.shared.protocol.codec import decode, encode
@@ -53,34 +58,8 @@ def device_id(device: torch.device) -> str:
     return uuid if not uuid or uuid.startswith("GPU-") else f"GPU-{uuid}"
 
 
+EXIT_RANK_LOST = 3  # a tensor-parallel rank of this worker died (the supervisor restarts the worker)
 MAX_OFFERS_IN_FLIGHT = 2  # KV-store offers a worker has under way at once; more are skipped
-ACTIVATION_HEADROOM = 1 << 30  # GPU bytes left free for activations and the allocator's slack
-
-
-def size_kv_pool(settings: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> int:
-    """Blocks for the KV pool (``settings`` is the engine section): as configured, else from a memory budget.
-
-    On CUDA ``gpu_memory_utilization`` is this worker's share of the device's total memory, weights
-    included (as in vLLM), so workers sharing a GPU each take their own share and never race for
-    "free" memory; on CPU the budget is ``kv_cache_mib``."""
-    if settings.num_blocks:
-        return settings.num_blocks
-    cfg = loaded.config
-    per_block = kv_cache_bytes_per_block(
-        cfg.num_layers, settings.block_size, cfg.num_kv_heads, cfg.head_dim, dtype
-    )
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        share = int(total * settings.gpu_memory_utilization) - torch.cuda.memory_allocated(device)
-        budget = min(share, free - ACTIVATION_HEADROOM)
-    else:
-        budget = settings.kv_cache_mib * 1024 * 1024
-    if budget < per_block:
-        raise RuntimeError(
-            f"no memory left for a KV cache on {device} (budget {budget / 2**30:.2f} GiB, one block "
-            f"{per_block / 2**20:.2f} MiB): raise --gpu-memory-utilization or set --num-blocks"
-        )
-    return budget // per_block
 
 
 def engine_config(settings: Settings, loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> EngineConfig:
@@ -88,7 +67,7 @@ def engine_config(settings: Settings, loaded: LoadedModel, device: torch.device,
     start set explicitly (the KV pool's size, the context capped by the model, device and dtype)."""
     engine = settings.engine
     return dataclasses.replace(
-        engine, num_blocks=size_kv_pool(engine, loaded, device, dtype),
+        engine, num_blocks=size_kv_pool(engine, loaded.model.config, device, dtype),
         max_model_len=min(engine.max_model_len, loaded.config.max_position_embeddings),
         device=str(device), dtype=str(dtype).removeprefix("torch."),
     )
@@ -147,11 +126,15 @@ class EngineWorker(ServiceRuntime):
         quantization = settings.engine.quantization
         self.log.info("loading model %s on %s (%s%s)", settings.model, self.device, self.dtype,
                       "" if quantization == "none" else f", {quantization} weights")
+        self.tensor_parallel, self.followers = self.start_ranks(settings)
         # Quantized here, not by the engine: the KV pool is then sized with the smaller weights.
         self.loaded = load_model(settings.model, device=self.device, dtype=self.dtype, data_dir=settings.data_dir,
-                                 quantization=quantization)
+                                 quantization=quantization, tensor_parallel=self.tensor_parallel)
         self.model_name = self.loaded.name
         self.engine_config = engine_config(settings, self.loaded, self.device, self.dtype)
+        if self.tensor_parallel is not None:  # the pool every rank can hold
+            blocks = self.tensor_parallel.min_over_ranks(self.engine_config.num_blocks)
+            self.engine_config = dataclasses.replace(self.engine_config, num_blocks=blocks)
         self.max_model_len = self.engine_config.max_model_len
         self.engine = LLMEngine(self.loaded.model, self.loaded.tokenizer, self.engine_config, self.device, self.dtype)
         self.streams: dict[str, Stream] = {}
@@ -173,7 +156,33 @@ class EngineWorker(ServiceRuntime):
         )
 
     def metadata(self) -> dict[str, str]:
-        return {**super().metadata(), "model": self.model_name, "device": str(self.device)}
+        return {**super().metadata(), "model": self.model_name, "device": str(self.device),
+                "tensor_parallel_size": str(self.settings.engine.tensor_parallel_size)}
+
+    def start_ranks(self, settings: Settings) -> tuple[TensorParallelGroup | None, Followers | None]:
+        """With ``--tensor-parallel-size`` k > 1: ranks 1..k-1 as processes, and this one as rank 0."""
+        size = settings.engine.tensor_parallel_size
+        if size == 1:
+            return None, None
+        try:  # refused here, in one line, before any process starts
+            shard_config(load_model_meta(settings.model, settings.data_dir).config, size)
+            rank_devices(self.device, size)
+        except TensorParallelError as exc:
+            raise SystemExit(f"tandem serve {self.name}: {exc}") from None
+        job = RankJob(model=str(settings.model), data_dir=None if settings.data_dir is None else str(settings.data_dir),
+                      dtype=str(self.dtype).removeprefix("torch."), quantization=settings.engine.quantization,
+                      torch_threads=settings.engine.torch_threads, engine=dataclasses.asdict(settings.engine))
+        group, followers = lead(job, size, self.device)
+        self.log.info("tensor parallel: rank 0 of %d on %s, ranks 1..%d started", size, self.device, size - 1)
+
+        def on_death(rank: int, code: int) -> None:
+            # Every collective would now wait for it: the worker cannot go on, and says why.
+            self.log.error("tensor-parallel rank %d exited (code %d); this worker stops", rank, code)
+            logging.shutdown()
+            os._exit(EXIT_RANK_LOST)
+
+        followers.watch(on_death)
+        return group, followers
 
     async def setup(self) -> None:
         loop = asyncio.get_running_loop()
@@ -190,6 +199,10 @@ class EngineWorker(ServiceRuntime):
     async def teardown(self) -> None:
         if self.thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.thread.stop)
+        if self.followers is not None:
+            self.followers.leaving = True
+            self.engine.runner.close()  # the engine thread has stopped: nothing else talks to the ranks
+            await asyncio.get_running_loop().run_in_executor(None, self.followers.stop)
 
     async def drain(self) -> None:
         """A stop drains as a scale-down does (:mod:`tandem.services.common.drain`)."""

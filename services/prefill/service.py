@@ -13,6 +13,7 @@ request (EOS, a stop string, ``max_tokens=1``) nothing is handed off.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections import Counter
@@ -123,8 +124,8 @@ class PrefillService(EngineWorker):
         if found:
             await publish_transfer(self.nc, spec.request_id, msg.kvstore, self.instance_id, "store", len(found),
                                    len(blob), start, time.time())
-        layout = self.engine.runner.kv_cache.shape[1:]
-        if not found or block_bytes != layout.numel() * self.dtype.itemsize:
+        layout = self.engine.runner.kv_layout
+        if not found or block_bytes != math.prod(layout) * self.dtype.itemsize:
             return None  # nothing cached, or blocks of another layout under this namespace: compute
         return torch.frombuffer(blob, dtype=torch.uint8).view(self.dtype).view(len(found), *layout)
 

@@ -45,6 +45,7 @@ from tandem.shared.infra.config import EngineSettings
 from tandem.shared.kvcache.block_manager import BlockManager
 from tandem.shared.kvcache.cache import kv_cache_bytes_per_block
 from tandem.shared.kvcache.swap_space import SwapSpace
+from tandem.shared.parallel.runner import TensorParallelRunner
 from tandem.shared.protocol.block_hashes import prefix_hashes
 from tandem.shared.protocol.serving import SamplingParams, TokenLogprobs
 from tandem.shared.text.tokenizer import Tokenizer
@@ -103,10 +104,15 @@ class LLMEngine:
             swapper=None if self.swap_space is None else Swapper(self.block_manager, self.swap_space),
             preemption_mode=config.preemption_mode,
         )
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size, device, dtype,
-                                  cuda_graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
-                                  max_model_len=self.max_model_len, eos_token_ids=tokenizer.eos_token_ids,
-                                  swap_space=self.swap_space, quantization=config.quantization)
+        runner_kwargs = dict(cuda_graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
+                             max_model_len=self.max_model_len, eos_token_ids=tokenizer.eos_token_ids,
+                             swap_space=self.swap_space, quantization=config.quantization)
+        group = getattr(model, "tensor_parallel", None)  # a shard of a model (shared/parallel/sharding.py)
+        if group is None:
+            self.runner = ModelRunner(model, config.num_blocks, config.block_size, device, dtype, **runner_kwargs)
+        else:
+            self.runner = TensorParallelRunner(model, config.num_blocks, config.block_size, device, dtype, group,
+                                               **runner_kwargs)
         # "auto" preemption prices recompute against swap at the runner's rates for its device type.
         block_bytes = kv_cache_bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
         self.preemption_costs = PreemptionCosts.for_model(cfg, block_bytes, self.runner.compute_flops_per_s,
@@ -528,6 +534,9 @@ class LLMEngine:
         cached prefix (its K/V came from the old weights). Only while no request is unfinished."""
         if self.has_unfinished():
             raise RuntimeError("weights can only change while no request is in flight")
+        if getattr(self.runner.model, "tensor_parallel", None) is not None:
+            raise RuntimeError("a tensor-parallel worker cannot reload weights in place yet: restart it on the new "
+                               "checkpoint")
         with torch.no_grad():
             self.runner.model.load_state_dict(state_dict, strict=False)
         self.block_manager.reset_prefix_cache()
@@ -589,7 +598,7 @@ class LLMEngine:
         one; without a sampled token (a prefix fetched from a KV-store, or a group's prompt handed
         off to sample its candidates here) it covers at most the whole prompt, and the last prompt
         token is computed here anyway so that there are logits to sample from."""
-        layout = tuple(self.runner.kv_cache.shape[1:])
+        layout = self.runner.kv_layout
         if kv.dim() != 1 + len(layout) or tuple(kv.shape[1:]) != layout:
             raise ValueError(f"kv has shape {tuple(kv.shape)}, expected (n, {', '.join(map(str, layout))})")
         whole = -(-num_prompt_tokens // self.config.block_size)

@@ -120,6 +120,18 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.kv_cache, num_blocks, cuda_graph_max_batch, max_model_len)
             self.graphs.capture()
 
+    @property
+    def kv_layout(self) -> tuple[int, ...]:
+        """One exported block's shape ``(L, 2, bs, Hkv, D)``: what hand-offs and KV-stores carry."""
+        return tuple(self.kv_cache.shape[1:])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model over one flattened batch (outside the decode graphs): final hidden rows ``[T, hidden]``."""
+        return self.model(input_ids, positions, self.kv_cache, meta)
+
+    def close(self) -> None:
+        """Release what the runner holds beyond its tensors (a tensor-parallel runner's ranks)."""
+
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flattened ``input_ids``/``positions`` ``[T]`` and the metadata for one batch."""
         input_ids: list[int] = []
@@ -171,7 +183,7 @@ class ModelRunner:
                 logits = logits[host_values_to(self.device, rows, torch.long)]
         else:
             input_ids, positions, meta = self.prepare(batch)
-            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            hidden = self.forward(input_ids, positions, meta)
             if prompt_rows:
                 self._prompt_logprobs(hidden, prompt_rows)
             if not rows:
@@ -205,7 +217,7 @@ class ModelRunner:
             input_ids = host_values_to(self.device, known, torch.long)
             if fed:
                 input_ids[:fed] = prev_tokens.index_select(0, host_values_to(self.device, source_rows, torch.long))
-            hidden = self.model(input_ids, host_values_to(self.device, positions, torch.long), self.kv_cache, meta)
+            hidden = self.forward(input_ids, host_values_to(self.device, positions, torch.long), meta)
             logits = self.model.compute_logits(hidden)
         indices = [seq.num_output_tokens + (i < fed) for i, seq in enumerate(seqs)]
         return PendingStep(logits, [seq.params for seq in seqs], indices, list(seqs))

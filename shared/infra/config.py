@@ -137,6 +137,9 @@ class EngineSettings:
                             "float32 scale per output channel, half of bf16's bytes; torch._scaled_mm with "
                             "per-token activation scales on CUDA compute capability 8.9+, dequantized elsewhere; "
                             "the embeddings and LM head stay in --dtype)")
+    tensor_parallel_size: int = Field(1, ge=1, description="devices this worker spans (Megatron-style: attention heads "
+                                                        "and MLP columns split, one all-reduce after each; ranks "
+                                                        "use --device's GPU and the next ones, gloo processes on CPU)")
     torch_threads: int = Field(0, ge=0, description="CPU threads for model math (0: torch's default; tandem up "
                                                      "shares the cores out between its workers)")
     block_size: int = Field(16, ge=1, description="tokens per KV block")

@@ -9,10 +9,17 @@ contiguous chunk: handing a prompt's KV from a prefill worker to a decode worker
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.shared.infra.devcopy import host_values_to
+
+if TYPE_CHECKING:
+    from tandem.shared.infra.config import EngineSettings
+    from tandem.shared.model.config import ModelConfig
+
+ACTIVATION_HEADROOM = 1 << 30  # GPU bytes left free for activations and the allocator's slack
 
 
 def allocate_kv_cache(
@@ -49,6 +56,32 @@ def num_blocks_for_memory(
     """How many whole blocks fit in ``bytes_budget`` bytes."""
     per_block = kv_cache_bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
     return max(0, int(bytes_budget) // per_block)
+
+
+def size_kv_pool(settings: EngineSettings, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
+    """Blocks for the KV pool (``settings`` is the engine section; ``cfg`` the shape this process holds,
+    one rank's share under tensor parallelism): as configured, else from a memory budget.
+
+    On CUDA ``gpu_memory_utilization`` is this worker's share of the device's total memory, weights
+    included (as in vLLM), so workers sharing a GPU each take their own share and never race for
+    "free" memory; on CPU the budget is ``kv_cache_mib``."""
+    if settings.num_blocks:
+        return settings.num_blocks
+    per_block = kv_cache_bytes_per_block(
+        cfg.num_layers, settings.block_size, cfg.num_kv_heads, cfg.head_dim, dtype
+    )
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        share = int(total * settings.gpu_memory_utilization) - torch.cuda.memory_allocated(device)
+        budget = min(share, free - ACTIVATION_HEADROOM)
+    else:
+        budget = settings.kv_cache_mib * 1024 * 1024
+    if budget < per_block:
+        raise RuntimeError(
+            f"no memory left for a KV cache on {device} (budget {budget / 2**30:.2f} GiB, one block "
+            f"{per_block / 2**20:.2f} MiB): raise --gpu-memory-utilization or set --num-blocks"
+        )
+    return budget // per_block
 
 
 def _block_index(block_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:

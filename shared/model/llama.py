@@ -105,7 +105,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def reduce_across_ranks(module: nn.Module, partial: torch.Tensor) -> torch.Tensor:
+    """A row-parallel projection's output summed over the tensor-parallel ranks (as is with one rank):
+    each rank holds some heads' (or MLP columns') share of the product (see shared/parallel/sharding.py)."""
+    group = module.tensor_parallel
+    return partial if group is None else group.all_reduce(partial)
+
+
 class LlamaAttention(nn.Module):
+    tensor_parallel = None  # a TensorParallelGroup once sharded: this module holds its heads only
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -161,7 +170,7 @@ class LlamaAttention(nn.Module):
         q = rope_and_cache(self.qkv_proj(hidden), positions, rotary.cos_cached, rotary.sin_cached,
                            self.num_heads, self.num_kv_heads, kv_cache, self.layer_idx, meta.slot_mapping)
         out = triton_attend(q, kv_cache, self.layer_idx, meta, self.scaling)
-        return self.o_proj(out.view(hidden.shape[0], self.num_heads * self.head_dim))
+        return reduce_across_ranks(self, self.o_proj(out.view(hidden.shape[0], self.num_heads * self.head_dim)))
 
     def forward(
         self,
@@ -173,10 +182,12 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.project_qkv(hidden, cos, sin)
         out = _paged_attention()(q, k, v, kv_cache, self.layer_idx, meta, self.scaling)
-        return self.o_proj(out.reshape(hidden.shape[0], self.num_heads * self.head_dim))
+        return reduce_across_ranks(self, self.o_proj(out.reshape(hidden.shape[0], self.num_heads * self.head_dim)))
 
 
 class LlamaMLP(nn.Module):
+    tensor_parallel = None  # a TensorParallelGroup once sharded: this module holds some columns only
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
@@ -191,8 +202,8 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(self, "gate_up_proj", None) is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return reduce_across_ranks(self, self.down_proj(F.silu(gate) * up))
+        return reduce_across_ranks(self, self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 def _fuse_linears(*linears: nn.Linear) -> nn.Linear:
@@ -299,7 +310,7 @@ class LlamaForCausalLM(nn.Module):
             h = layer.self_attn.forward_fused(h, positions, rotary, kv_cache, meta)
             norm = layer.post_attention_layernorm
             h, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
-            x = layer.mlp.down_proj(silu_and_mul(layer.mlp.gate_up_proj(h)))
+            x = reduce_across_ranks(layer.mlp, layer.mlp.down_proj(silu_and_mul(layer.mlp.gate_up_proj(h))))
         out, _ = add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)
         return out
 

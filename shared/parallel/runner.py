@@ -1,0 +1,168 @@
+"""The model runner of a tensor-parallel worker: rank 0 leads, the other ranks follow.
+
+Rank 0 runs the whole engine (scheduler, block manager, sampling) over a
+:class:`TensorParallelRunner`. Each of its operations on the model or the KV cache first sends a
+command over the control group; ranks 1.. wait in :func:`follow` and perform the same operation
+on their shard, so every rank enters the same collectives in the same order. A step's inputs
+(token ids, positions, attention metadata) go as one int64 tensor over the device group: on CUDA
+the ids of an overlapped step exist only on rank 0's device, and a broadcast moves them without
+a host round trip.
+
+KV blocks leave and enter in the model's whole layout (every KV head): an export gathers each
+rank's heads to rank 0, an import scatters the heads to their ranks. A worker of any size therefore
+hands off to a worker of any other size, and to a KV-store, in the format single-device workers use.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+
+import torch
+
+from tandem.shared.engine.model_runner import ModelRunner
+from tandem.shared.kvcache.attention import AttentionMetadata
+from tandem.shared.kvcache.cache import gather_blocks, scatter_blocks
+from tandem.shared.kvcache.swap_space import SwapSpace
+from tandem.shared.parallel.group import TensorParallelGroup
+
+log = logging.getLogger("tandem.parallel")
+
+HEAD_DIM_OF_BLOCKS = 4  # [n, L, 2, bs, Hkv, D]: the KV heads of a block of exported KV
+
+# The int fields of a step's header, in order (the tensors' lengths and the metadata's scalars).
+_HEADER = ("num_tokens", "num_seqs", "max_blocks", "max_query_len", "max_context_len", "num_decode_seqs")
+
+
+def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> tuple[tuple, torch.Tensor]:
+    """A step's inputs as (header ints, one int64 tensor on their device)."""
+    tables = meta.block_tables
+    header = (input_ids.shape[0], tables.shape[0], tables.shape[1], meta.max_query_len, meta.max_context_len,
+              meta.num_decode_seqs)
+    flat = torch.cat([input_ids.long(), positions.long(), meta.slot_mapping.long(), meta.query_start_loc.long(),
+                      meta.context_lens.long(), tables.long().flatten()])
+    return header, flat
+
+
+def unpack_step(header: tuple, flat: torch.Tensor, block_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    fields = dict(zip(_HEADER, header))
+    t, b, m = fields["num_tokens"], fields["num_seqs"], fields["max_blocks"]
+    ids, positions, slots, starts, context, tables = flat.split([t, t, t, b + 1, b, b * m])
+    meta = AttentionMetadata(slot_mapping=slots, query_start_loc=starts.int(), context_lens=context.int(),
+                             block_tables=tables.view(b, m).int(), max_query_len=fields["max_query_len"],
+                             max_context_len=fields["max_context_len"], block_size=block_size,
+                             num_decode_seqs=fields["num_decode_seqs"])
+    return ids, positions, meta
+
+
+def step_length(header: tuple) -> int:
+    fields = dict(zip(_HEADER, header))
+    t, b, m = fields["num_tokens"], fields["num_seqs"], fields["max_blocks"]
+    return 3 * t + (b + 1) + b + b * m
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: every operation that touches the model or the cache is done by all ranks."""
+
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device | str,
+                 dtype: torch.dtype, group: TensorParallelGroup, **kwargs) -> None:
+        self.group = group
+        swap_space: SwapSpace | None = kwargs.get("swap_space")
+        # Graphs would have to capture every rank's collectives in step: not yet (README says so).
+        kwargs["cuda_graph_max_batch"] = 0
+        group.send_command(("build", {"num_blocks": num_blocks, "block_size": block_size,
+                                      "max_model_len": kwargs.get("max_model_len", 4096),
+                                      "swap_blocks": 0 if swap_space is None else swap_space.num_blocks,
+                                      "quantization": kwargs.get("quantization", "none")}))
+        super().__init__(model, num_blocks, block_size, device, dtype, **kwargs)
+        self._closed = False
+
+    @property
+    def kv_layout(self) -> tuple[int, ...]:
+        layers, two, block_size, heads, head_dim = self.kv_cache.shape[1:]
+        return (layers, two, block_size, heads * self.group.size, head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        header, flat = pack_step(input_ids, positions, meta)
+        self.group.send_command(("forward", header))
+        self.group.broadcast(flat)
+        return super().forward(input_ids, positions, meta)
+
+    @torch.inference_mode()
+    def export_kv(self, block_table: Seq[int], num_tokens: int) -> torch.Tensor:
+        block_ids = list(block_table[: -(-num_tokens // self.block_size)])
+        self.group.send_command(("export", block_ids))
+        return self.group.gather_heads(gather_blocks(self.kv_cache, block_ids), HEAD_DIM_OF_BLOCKS)
+
+    @torch.inference_mode()
+    def import_kv(self, block_table: Seq[int], kv: torch.Tensor) -> None:
+        block_ids = list(block_table[: kv.shape[0]])
+        local_shape = (len(block_ids), *self.kv_cache.shape[1:])
+        self.group.send_command(("import", block_ids, local_shape))
+        local = self.group.scatter_heads(kv, local_shape, self.kv_cache.dtype, HEAD_DIM_OF_BLOCKS)
+        scatter_blocks(self.kv_cache, block_ids, local)
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: Seq[tuple[int, int]]) -> None:
+        if pairs:
+            self.group.send_command(("copy", list(pairs)))
+            super().copy_blocks(pairs)
+
+    @torch.inference_mode()
+    def swap_out(self, pairs: Seq[tuple[int, int]]) -> None:
+        self.group.send_command(("swap_out", list(pairs)))
+        super().swap_out(pairs)
+
+    @torch.inference_mode()
+    def swap_in(self, pairs: Seq[tuple[int, int]]) -> None:
+        self.group.send_command(("swap_in", list(pairs)))
+        super().swap_in(pairs)
+
+    def close(self) -> None:
+        """Tell the other ranks to leave, then leave the group."""
+        if not self._closed:
+            self._closed = True
+            self.group.send_command(("stop",))
+            self.group.close()
+
+
+@torch.inference_mode()
+def follow(model: torch.nn.Module, group: TensorParallelGroup, device: torch.device, dtype: torch.dtype) -> None:
+    """Ranks 1..: build this rank's runner when rank 0 builds its own, then do what rank 0 does,
+    until it says stop."""
+    runner: ModelRunner | None = None
+    while True:
+        op, *args = group.next_command()
+        if op == "stop":
+            return
+        if op == "build":
+            spec = args[0]
+            cfg = model.config
+            swap = None
+            if spec["swap_blocks"]:
+                swap = SwapSpace(spec["swap_blocks"], (cfg.num_layers, 2, spec["block_size"], cfg.num_kv_heads,
+                                                       cfg.head_dim), dtype, pin_memory=device.type == "cuda")
+            runner = ModelRunner(model, spec["num_blocks"], spec["block_size"], device, dtype,
+                                 max_model_len=spec["max_model_len"], swap_space=swap,
+                                 quantization=spec["quantization"])
+            log.info("rank %d of %d: %d KV blocks of %d KV heads", group.rank, group.size, spec["num_blocks"],
+                     cfg.num_kv_heads)
+        elif op == "forward":
+            header = args[0]
+            flat = group.broadcast(torch.empty(step_length(header), dtype=torch.long, device=device))
+            runner.forward(*unpack_step(header, flat, runner.block_size))
+        elif op == "export":
+            group.gather_heads(gather_blocks(runner.kv_cache, args[0]), HEAD_DIM_OF_BLOCKS)
+        elif op == "import":
+            block_ids, local_shape = args
+            scatter_blocks(runner.kv_cache, block_ids,
+                           group.scatter_heads(None, local_shape, runner.kv_cache.dtype, HEAD_DIM_OF_BLOCKS))
+        elif op == "copy":
+            runner.copy_blocks(args[0])
+        elif op == "swap_out":
+            runner.swap_out(args[0])
+        elif op == "swap_in":
+            runner.swap_in(args[0])
+        else:
+            raise RuntimeError(f"unknown tensor-parallel command {op!r}")
