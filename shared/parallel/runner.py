@@ -8,8 +8,9 @@ on their shard, so every rank enters the same collectives in the same order. A s
 the ids of an overlapped step exist only on rank 0's device, and a broadcast moves them without
 a host round trip.
 
-KV blocks leave and enter in the model's whole layout (every KV head): an export gathers each
-rank's heads to rank 0, an import scatters the heads to their ranks. A worker of any size therefore
+KV blocks leave and enter in the model's whole layout (every KV head once): an export gathers
+each rank's heads to rank 0 (a head several ranks keep is taken from the first of them), an import
+scatters the heads to their ranks. A worker of any size therefore
 hands off to a worker of any other size, and to a KV-store, in the format single-device workers use.
 """
 
@@ -25,6 +26,7 @@ from tandem.shared.kvcache.attention import AttentionMetadata
 from tandem.shared.kvcache.cache import gather_blocks, scatter_blocks
 from tandem.shared.kvcache.swap_space import SwapSpace
 from tandem.shared.parallel.group import TensorParallelGroup
+from tandem.shared.parallel.sharding import kv_replicas
 
 log = logging.getLogger("tandem.parallel")
 
@@ -68,6 +70,7 @@ class TensorParallelRunner(ModelRunner):
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device | str,
                  dtype: torch.dtype, group: TensorParallelGroup, **kwargs) -> None:
         self.group = group
+        self.replicas = kv_replicas(model.whole_config, group.size)
         swap_space: SwapSpace | None = kwargs.get("swap_space")
         # Graphs would have to capture every rank's collectives in step: not yet (README says so).
         kwargs["cuda_graph_max_batch"] = 0
@@ -81,7 +84,7 @@ class TensorParallelRunner(ModelRunner):
     @property
     def kv_layout(self) -> tuple[int, ...]:
         layers, two, block_size, heads, head_dim = self.kv_cache.shape[1:]
-        return (layers, two, block_size, heads * self.group.size, head_dim)
+        return (layers, two, block_size, heads * self.group.size // self.replicas, head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         header, flat = pack_step(input_ids, positions, meta)
@@ -93,13 +96,16 @@ class TensorParallelRunner(ModelRunner):
     def export_kv(self, block_table: Seq[int], num_tokens: int) -> torch.Tensor:
         block_ids = list(block_table[: -(-num_tokens // self.block_size)])
         self.group.send_command(("export", block_ids))
-        return self.group.gather_heads(gather_blocks(self.kv_cache, block_ids), HEAD_DIM_OF_BLOCKS)
+        heads = self.group.gather_heads(gather_blocks(self.kv_cache, block_ids), HEAD_DIM_OF_BLOCKS)
+        return heads if self.replicas == 1 else heads[:, :, :, :, :: self.replicas].contiguous()
 
     @torch.inference_mode()
     def import_kv(self, block_table: Seq[int], kv: torch.Tensor) -> None:
         block_ids = list(block_table[: kv.shape[0]])
         local_shape = (len(block_ids), *self.kv_cache.shape[1:])
         self.group.send_command(("import", block_ids, local_shape))
+        if self.replicas > 1:  # each head once per rank keeping it
+            kv = kv.repeat_interleave(self.replicas, dim=HEAD_DIM_OF_BLOCKS)
         local = self.group.scatter_heads(kv, local_shape, self.kv_cache.dtype, HEAD_DIM_OF_BLOCKS)
         scatter_blocks(self.kv_cache, block_ids, local)
 

@@ -1,7 +1,8 @@
 """Megatron-style sharding of a loaded Llama model across a tensor-parallel worker's ranks.
 
 Rank ``r`` of ``k`` keeps query heads ``[r*Hq/k, (r+1)*Hq/k)`` and the KV heads they read (GQA
-groups stay whole, so each rank's KV cache holds its own heads only), and MLP columns
+groups stay whole, so each rank's KV cache holds its own heads only; with fewer KV heads than
+ranks, as vLLM does, each KV head is kept by ``k/Hkv`` ranks, one per rank), and MLP columns
 ``[r*I/k, (r+1)*I/k)``. q/k/v and gate/up are split by output rows (column-parallel: no
 communication), o_proj and down_proj by input columns (row-parallel): their outputs are partial
 sums, added over the ranks by one all-reduce after the attention and one after the MLP
@@ -26,18 +27,28 @@ from tandem.shared.parallel.group import TensorParallelError, TensorParallelGrou
 
 def check_divisible(config: ModelConfig, size: int) -> None:
     """Raise :class:`TensorParallelError` in one line when ``config`` cannot be split ``size`` ways."""
-    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+    kv = config.num_kv_heads
+    for name in ("num_heads", "intermediate_size"):
         value = getattr(config, name)
         if value % size:
             raise TensorParallelError(f"--tensor-parallel-size {size} does not divide the model's {name} ({value}): "
-                                      f"choose a size that divides {config.num_kv_heads} KV heads and "
+                                      f"choose a size that divides {config.num_heads} heads and "
                                       f"{config.intermediate_size} MLP columns")
+    if kv % size and size % kv:
+        raise TensorParallelError(f"--tensor-parallel-size {size} and the model's {kv} KV heads: one must divide "
+                                  f"the other")
+
+
+def kv_replicas(config: ModelConfig, size: int) -> int:
+    """How many ranks keep each KV head: 1 when the heads split, ``size / Hkv`` when there are fewer."""
+    return max(1, size // config.num_kv_heads)
 
 
 def shard_config(config: ModelConfig, size: int) -> ModelConfig:
     """The shape one rank's part of the model has (its KV cache is sized from it)."""
     check_divisible(config, size)
-    return dataclasses.replace(config, num_heads=config.num_heads // size, num_kv_heads=config.num_kv_heads // size,
+    return dataclasses.replace(config, num_heads=config.num_heads // size,
+                               num_kv_heads=max(1, config.num_kv_heads // size),
                                intermediate_size=config.intermediate_size // size)
 
 
@@ -70,7 +81,8 @@ def shard_model(model: LlamaForCausalLM, group: TensorParallelGroup) -> LlamaFor
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             q0, q1 = r * part.num_heads * d, (r + 1) * part.num_heads * d
-            kv0, kv1 = r * part.num_kv_heads * d, (r + 1) * part.num_kv_heads * d
+            first_kv = (r // kv_replicas(whole, group.size)) * part.num_kv_heads
+            kv0, kv1 = first_kv * d, (first_kv + part.num_kv_heads) * d
             _keep_rows(attn.q_proj, q0, q1)
             _keep_rows(attn.k_proj, kv0, kv1)
             _keep_rows(attn.v_proj, kv0, kv1)

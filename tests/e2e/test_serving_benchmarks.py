@@ -106,3 +106,14 @@ def test_swap_vs_recompute_benchmark_preempts_both_ways() -> None:
     assert swap["swaps"] == swap["preemptions"] > 0 and swap["recomputes"] == 0, swap
     assert recompute["recomputes"] == recompute["preemptions"] > 0 and recompute["swaps"] == 0, recompute
     assert both["same_tokens"] == "8/8" and both["swap_over_recompute"] > 0, both
+
+
+@pytest.mark.slow  # a whole benchmark script run, with a follower process per size
+def test_tensor_parallel_benchmark_prints_each_size_against_one_rank() -> None:
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "tensor_parallel.py"), "--batches", "1", "4",
+                          "--new-tokens", "12", "--check-tokens", "8"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {(r["size"], r["batch"]): r for r in figures(out.stdout)}
+    assert set(rows) == {(1, 1), (1, 4), (2, 1), (2, 4)}, rows
+    assert all(r["greedy_same_as_one_rank"] and r["decode_tok_s"] > 0 for r in rows.values()), rows
+    assert rows[(2, 1)]["over_one_rank_eager"] > 0

@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 from factories import greedy, make_engine, make_prompts, make_request, mixed_requests, record_logits, run, run_outputs
+from tensor_parallel_support import sharded_model
 
 from tandem.shared.infra.config import EngineSettings
 from tandem.shared.model.loader import load_model
 from tandem.shared.parallel.group import TensorParallelError
-from tandem.shared.parallel.ranks import RankJob, lead
 from tandem.shared.parallel.sharding import shard_config
 from tandem.shared.protocol.serving import SamplingParams
 
@@ -31,21 +31,10 @@ def plain(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sharded(plain, tmp_path_factory):
-    """Rank 0's half of the tiny model, with rank 1 following in its own process; every engine a test
-    builds over it builds rank 1's runner too. The group ends with the module."""
-    data_dir = str(tmp_path_factory.mktemp("tp-data"))
-    job = RankJob(model="tiny", data_dir=data_dir, dtype="float32", quantization="none", torch_threads=1,
-                  engine={"num_blocks": 64})
-    group, followers = lead(job, 2, torch.device("cpu"))
-    loaded = load_model("tiny", device="cpu", dtype=torch.float32, data_dir=data_dir, tensor_parallel=group)
-    assert group.min_over_ranks(64) == 64
-    yield loaded
-    followers.leaving = True
-    group.send_command(("stop",))
-    group.close()
-    followers.stop()
-    assert all(p.returncode == 0 for p in followers.processes), "a follower rank ended with an error"
+def sharded(tmp_path_factory):
+    """Rank 0's half of the tiny model, rank 1 following in its own process."""
+    with sharded_model("tiny", 2, str(tmp_path_factory.mktemp("tp-data"))) as loaded:
+        yield loaded
 
 
 def same_tokens(tp: dict, one: dict, one_logits: dict) -> None:
@@ -65,8 +54,9 @@ def same_tokens(tp: dict, one: dict, one_logits: dict) -> None:
 def test_the_shard_shape_and_refusals(plain) -> None:
     part = shard_config(plain.config, 2)
     assert (part.num_heads, part.num_kv_heads, part.intermediate_size) == (4, 2, 352)
-    with pytest.raises(TensorParallelError, match="does not divide the model's num_kv_heads"):
-        shard_config(plain.config, 8)
+    assert shard_config(plain.config, 8).num_kv_heads == 1, "8 ranks over 4 KV heads: each head on two ranks"
+    with pytest.raises(TensorParallelError, match="does not divide the model's num_heads"):
+        shard_config(plain.config, 3)
 
 
 def test_mixed_requests_match_one_rank(plain, sharded) -> None:
