@@ -13,15 +13,17 @@ from tandem.shared.parallel.ranks import RankJob, lead
 
 
 @contextmanager
-def sharded_model(model: str, size: int, data_dir: str) -> Iterator[LoadedModel]:
+def sharded_model(model: str, size: int, data_dir: str, device: str = "cpu",
+                  dtype: str = "float32") -> Iterator[LoadedModel]:
     """Rank 0's share of ``model`` with ranks 1..``size``-1 following; every engine built over it
     builds the followers' runners too. One group per process at a time (torch.distributed's
     default group), so one per module. Checks at the end that every follower left cleanly."""
-    job = RankJob(model=model, data_dir=data_dir, dtype="float32", quantization="none", torch_threads=1,
+    job = RankJob(model=model, data_dir=data_dir, dtype=dtype, quantization="none", torch_threads=1,
                   engine={"num_blocks": 64})
-    group, followers = lead(job, size, torch.device("cpu"))
+    group, followers = lead(job, size, torch.device(device))
     try:
-        loaded = load_model(model, device="cpu", dtype=torch.float32, data_dir=data_dir, tensor_parallel=group)
+        loaded = load_model(model, device=device, dtype=getattr(torch, dtype), data_dir=data_dir,
+                            tensor_parallel=group)
         assert group.min_over_ranks(64) == 64
         yield loaded
     finally:

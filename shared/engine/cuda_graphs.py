@@ -15,6 +15,11 @@ past each row's context), so one graph serves every context length. With fp8 wei
 (``--quantization fp8``, ``model/fp8.py``) each linear quantizes its rows and pads them to a multiple
 of 16 for ``torch._scaled_mm`` inside the graph (batch 1 runs as 16 rows): a fixed shape per size,
 like every other buffer here, and the model is quantized before capture.
+
+Tensor parallelism (``shared/parallel``): every rank captures the same ladder, in step (the
+captures hold the layers' all-reduces). Rank 0's graphs begin by broadcasting their input buffers
+to the other ranks' buffers, so a follower's replay needs only the batch size, sent as a command
+just before rank 0 replays; followers compute no logits (sampling is rank 0's).
 """
 
 from __future__ import annotations
@@ -61,8 +66,12 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.group = getattr(model, "tensor_parallel", None)  # a TensorParallelGroup: replays in step with it
 
     def _forward(self, size: int) -> torch.Tensor:
+        if self.group is not None:  # rank 0's inputs into every rank's buffers, inside the graph
+            self.group.broadcast(self.inputs)
+            self.group.broadcast(self.tables[:size])
         ids, positions, slots = self.inputs[0, :size], self.inputs[1, :size], self.inputs[2, :size]
         meta = AttentionMetadata(
             slot_mapping=slots, query_start_loc=self.query_start[: size + 1],
@@ -70,6 +79,8 @@ class DecodeGraphs:
             max_query_len=1, max_context_len=self.max_model_len, block_size=self.block_size, num_decode_seqs=size,
         )
         hidden = self.model(ids, positions, self.kv_cache, meta)
+        if self.group is not None and not self.group.is_first:
+            return hidden
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -129,5 +140,11 @@ class DecodeGraphs:
             self.source_rows[:fed].copy_(stage[4, :fed], non_blocking=True)
             torch.index_select(device_tokens[0], 0, self.source_rows[:fed], out=self.inputs[0, :fed])
         self.staged[turn].record()
+        if self.group is not None:
+            self.group.send_command(("replay", size))
         self.graphs[size].replay()
         return self.logits[size][:n]
+
+    def replay_following(self, size: int) -> None:
+        """A follower rank's part of rank 0's replay of the ``size`` graph (inputs come with it)."""
+        self.graphs[size].replay()

@@ -16,6 +16,7 @@ hands off to a worker of any other size, and to a KV-store, in the format single
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Sequence as Seq
 
@@ -72,10 +73,10 @@ class TensorParallelRunner(ModelRunner):
         self.group = group
         self.replicas = kv_replicas(model.whole_config, group.size)
         swap_space: SwapSpace | None = kwargs.get("swap_space")
-        # Graphs would have to capture every rank's collectives in step: not yet (README says so).
-        kwargs["cuda_graph_max_batch"] = 0
+        # The followers capture the same graphs as this rank, at the same time (cuda_graphs.py).
         group.send_command(("build", {"num_blocks": num_blocks, "block_size": block_size,
                                       "max_model_len": kwargs.get("max_model_len", 4096),
+                                      "cuda_graph_max_batch": kwargs.get("cuda_graph_max_batch", 0),
                                       "swap_blocks": 0 if swap_space is None else swap_space.num_blocks,
                                       "quantization": kwargs.get("quantization", "none")}))
         super().__init__(model, num_blocks, block_size, device, dtype, **kwargs)
@@ -144,12 +145,18 @@ def follow(model: torch.nn.Module, group: TensorParallelGroup, device: torch.dev
             return
         if op == "build":
             spec = args[0]
+            if runner is not None:  # rank 0 built a new engine: the old pool and graphs go first
+                runner = None
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             cfg = model.config
             swap = None
             if spec["swap_blocks"]:
                 swap = SwapSpace(spec["swap_blocks"], (cfg.num_layers, 2, spec["block_size"], cfg.num_kv_heads,
                                                        cfg.head_dim), dtype, pin_memory=device.type == "cuda")
             runner = ModelRunner(model, spec["num_blocks"], spec["block_size"], device, dtype,
+                                 cuda_graph_max_batch=spec["cuda_graph_max_batch"],
                                  max_model_len=spec["max_model_len"], swap_space=swap,
                                  quantization=spec["quantization"])
             log.info("rank %d of %d: %d KV blocks of %d KV heads", group.rank, group.size, spec["num_blocks"],
@@ -158,6 +165,8 @@ def follow(model: torch.nn.Module, group: TensorParallelGroup, device: torch.dev
             header = args[0]
             flat = group.broadcast(torch.empty(step_length(header), dtype=torch.long, device=device))
             runner.forward(*unpack_step(header, flat, runner.block_size))
+        elif op == "replay":
+            runner.graphs.replay_following(args[0])
         elif op == "export":
             group.gather_heads(gather_blocks(runner.kv_cache, args[0]), HEAD_DIM_OF_BLOCKS)
         elif op == "import":

@@ -116,4 +116,4 @@ def test_tensor_parallel_benchmark_prints_each_size_against_one_rank() -> None:
     rows = {(r["size"], r["batch"]): r for r in figures(out.stdout)}
     assert set(rows) == {(1, 1), (1, 4), (2, 1), (2, 4)}, rows
     assert all(r["greedy_same_as_one_rank"] and r["decode_tok_s"] > 0 for r in rows.values()), rows
-    assert rows[(2, 1)]["over_one_rank_eager"] > 0
+    assert rows[(2, 1)]["over_one_rank"] > 0
