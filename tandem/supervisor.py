@@ -44,7 +44,7 @@ import nats
 from tandem.access import bus_options
 from tandem.discovery import service_infos, service_pongs
 from tandem.flags import SERVICE_SETTINGS, argv
-from tandem.gpus import memory_share, pick_gpu, visible_gpus
+from tandem.gpus import memory_share, pick_gpus, visible_gpus
 from tandem.runstate import RunState, remove_state, state_file, write_state
 from tandem.shared.auth.credentials import connect_options
 from tandem.shared.auth.keyring import Keyring, private_folder, write_private
@@ -67,8 +67,8 @@ CHILD_PREEXEC = functools.partial(die_with_parent, signal.SIGHUP)
 NATS_HOST = "127.0.0.1"  # where the embedded server listens (natsserver's config)
 # Settings the supervisor decides for each child itself (so a value given to `up` is not handed on as is).
 DECIDED_HERE = ("nats_url", "nats_creds", "nats_binary", "model", "log_level", "instance_id", "data_dir",
-                "torch_threads", "gpu_memory_utilization", "metrics_port", "planner_min_prefill", "planner_max_prefill",
-                "planner_min_decode", "planner_max_decode")
+                "torch_threads", "gpu_memory_utilization", "tensor_parallel_size", "metrics_port",
+                "planner_min_prefill", "planner_max_prefill", "planner_min_decode", "planner_max_decode")
 
 
 @dataclass
@@ -76,7 +76,7 @@ class Child:
     service: str
     process: subprocess.Popen
     instance_id: str
-    gpu: int | None = None  # index into the supervisor's GPU list
+    gpus: tuple[int, ...] = ()  # indices into the supervisor's GPU list, one per rank (none: all visible)
     metrics_slot: int = 0  # its metrics port is the base plus this (with a fixed --metrics-port)
     draining_since: float | None = None  # monotonic time a drain was asked
     stop_sent: float | None = None  # monotonic time SIGTERM went out
@@ -97,6 +97,8 @@ class Supervisor:
     num_prefill: int = 1
     num_decode: int = 1
     num_kvstore: int = 0
+    prefill_ranks: int = 1  # each worker's tensor-parallel size (its GPUs)
+    decode_ranks: int = 1
     # Settings given as flags to `up` (flat name -> value): each child gets those of its service's sections.
     overrides: dict[str, Any] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)  # more flags for the engine workers
@@ -217,7 +219,12 @@ class Supervisor:
         not oversubscribe the cores (torch's default gives every process all of them)."""
         if self.settings.engine.torch_threads:
             return self.settings.engine.torch_threads
-        return max(1, (os.cpu_count() or 1) // max(1, self.num_prefill + self.num_decode))
+        ranks = self.num_prefill * self.prefill_ranks + self.num_decode * self.decode_ranks
+        return max(1, (os.cpu_count() or 1) // max(1, ranks))
+
+    def ranks(self, service: str) -> int:
+        """The tensor-parallel size of a ``service`` worker (1: one device)."""
+        return {"prefill": self.prefill_ranks, "decode": self.decode_ranks}.get(service, 1)
 
     def most_workers(self, service: str) -> int:
         count = self.num_prefill if service == "prefill" else self.num_decode
@@ -262,9 +269,11 @@ class Supervisor:
             cmd += argv(limits, "planner")
         elif service in ENGINE_SERVICES:
             share = memory_share(self.settings.engine.gpu_memory_utilization, service, len(self.gpus or []),
-                                 self.most_workers("prefill"), self.most_workers("decode"))
+                                 self.most_workers("prefill") * self.prefill_ranks,
+                                 self.most_workers("decode") * self.decode_ranks)
             cmd += argv({"torch_threads": self.worker_threads()}, "engine") + self.extra_args
-            cmd += argv({"gpu_memory_utilization": f"{share:.4f}"}, "engine")
+            cmd += argv({"gpu_memory_utilization": f"{share:.4f}",
+                         "tensor_parallel_size": self.ranks(service)}, "engine")
         return cmd
 
     def spawn(self, service: str) -> Child:
@@ -274,18 +283,19 @@ class Supervisor:
         cmd = self.command(service, instance_id, slot)
         env = dict(os.environ, TANDEM_DATA_DIR=str(self.settings.data_dir), PYTHONUNBUFFERED="1")
         env.pop("TANDEM_INSTANCE_ID", None)
-        gpu = None
+        chosen: list[int] = []
         if service in ENGINE_SERVICES:
             gpus = self.gpus or []
             if len(gpus) >= 2:
-                occupancy = [sum(c.gpu == g for c in self.children) for g in range(len(gpus))]
-                gpu = pick_gpu(len(gpus), occupancy, service)
-                env["CUDA_VISIBLE_DEVICES"] = gpus[gpu]
+                occupancy = [sum(g in c.gpus for c in self.children) for g in range(len(gpus))]
+                chosen = pick_gpus(len(gpus), occupancy, service, self.ranks(service))
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[g] for g in chosen)
         process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                                    preexec_fn=CHILD_PREEXEC)
-        child = Child(service, process, instance_id, gpu, slot)
+        child = Child(service, process, instance_id, tuple(chosen), slot)
         self.children.append(child)
-        where = f" on GPU {self.gpus[gpu]}" if gpu is not None else ""
+        where = (f" on GPU{'s' if len(chosen) > 1 else ''} {','.join(self.gpus[g] for g in chosen)}"
+                 if chosen else "")
         log.info("started %s %s (pid %d)%s", service, instance_id, process.pid, where)
         return child
 

@@ -38,6 +38,9 @@ def add_up_parser(sub: argparse._SubParsersAction, settings_note: str, demo_prom
                     help="prefill workers (default: by the devices: none on one GPU, where the decode workers prefill "
                          "themselves; else 1). Given on one GPU, they are started and used there")
     up.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
+    for kind in ("prefill", "decode"):
+        up.add_argument(f"--{kind}-tensor-parallel-size", type=int, default=None, metavar="K",
+                        help=f"GPUs (tensor-parallel ranks) per {kind} worker (default: --tensor-parallel-size)")
     up.add_argument("--kvstore", type=int, default=1,
                     help="KV-stores (RAM, then disk under <data-dir>/kvstore; default: 1)")
     up.add_argument("--demo", nargs="?", const=demo_prompt, metavar="PROMPT",
@@ -53,6 +56,7 @@ def run_up(args: argparse.Namespace, settings: Settings, overrides: dict[str, An
 
     Everything that can be refused is refused before anything starts, each in one line: a usage
     problem (a model that cannot load, a fixed port taken) exits 2, a data dir another ``up`` holds 1."""
+    from tandem.gpus import PlacementError
     from tandem.runstate import AlreadyRunning, claim, nats_dir
     from tandem.services.common.runtime import run_async, setup_logging
     from tandem.shared.infra.natsserver import NatsServerError
@@ -74,8 +78,14 @@ def run_up(args: argparse.Namespace, settings: Settings, overrides: dict[str, An
         return 2
     if held.removed:
         log.info("cleaned up after a tandem up that was killed: %s", "; ".join(held.removed))
-    gpus, placement = place(settings, args, overrides)
+    try:
+        gpus, placement = place(settings, args, overrides)
+    except PlacementError as exc:
+        held.release()
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 2
     sup = Supervisor(settings, num_prefill=placement.prefill, num_decode=args.decode, num_kvstore=args.kvstore,
+                     prefill_ranks=placement.prefill_ranks, decode_ranks=placement.decode_ranks,
                      overrides=overrides, planner=args.planner, frontend=True, gpus=gpus,
                      nats_workdir=None if settings.bus.nats_url else nats_dir(settings.data_dir),
                      min_prefill=overrides.get("planner_min_prefill"), max_prefill=placement.planner_max_prefill,
@@ -162,7 +172,10 @@ def place(settings: Settings, args: argparse.Namespace, overrides: dict[str, Any
     gpus = visible_gpus(settings.engine.device)
     # --device cuda:N pins every worker to that one device: shared, as one GPU is.
     devices = len(gpus) or int(settings.engine.device.startswith("cuda:"))
-    placement = plan_placement(devices, args.prefill, args.decode, overrides.get("planner_max_prefill"))
+    ranks = {kind: getattr(args, f"{kind}_tensor_parallel_size", None) or settings.engine.tensor_parallel_size
+             for kind in ("prefill", "decode")}
+    placement = plan_placement(devices, args.prefill, args.decode, overrides.get("planner_max_prefill"),
+                               ranks["prefill"], ranks["decode"])
     if placement.prefill_on_shared_device:
         overrides.setdefault("router_prefill_on_shared_device", True)
     return gpus, placement

@@ -14,7 +14,7 @@ import pytest
 
 from tandem.cli import parser
 from tandem.flags import given, settings_from
-from tandem.gpus import memory_share, plan_placement
+from tandem.gpus import PlacementError, memory_share, pick_gpus, plan_placement
 from tandem.shared.infra.config import ENV_PREFIX
 from tandem.supervisor import Supervisor
 from tandem.up import place
@@ -45,6 +45,36 @@ def test_the_placement_follows_the_devices(gpus, prefill, decode, max_prefill, w
     assert got == want, placement
     assert placement.decode == decode and placement.line.startswith("placement: ") and in_line in placement.line, \
         placement.line
+
+
+@pytest.mark.parametrize(("gpus", "prefill_ranks", "decode_ranks", "in_line"), [
+    (4, 1, 2, "4 GPUs, each worker its own: 1 prefill worker and 1 decode worker of 2 GPUs each"),
+    (4, 2, 2, "4 GPUs, each worker its own: 1 prefill worker of 2 GPUs each and 1 decode worker of 2 GPUs each"),
+    (2, 1, 2, "2 GPUs for 3 ranks, some sharing one"),
+    (0, 2, 2, "CPU"),
+], ids=["1p1d-tp2-decode", "tp2-both", "crowded", "cpu"])
+def test_tensor_parallel_workers_count_their_ranks(gpus, prefill_ranks, decode_ranks, in_line) -> None:
+    placement = plan_placement(gpus, None, 1, None, prefill_ranks, decode_ranks)
+    assert in_line in placement.line, placement.line
+    assert (placement.prefill_ranks, placement.decode_ranks) == (prefill_ranks, decode_ranks)
+
+
+@pytest.mark.parametrize(("gpus", "flag"), [(1, "decode"), (2, "prefill")])
+def test_a_worker_wider_than_the_gpus_is_refused_in_one_line(gpus, flag) -> None:
+    ranks = {"prefill_ranks": 1, "decode_ranks": 1, f"{flag}_ranks": 3}
+    with pytest.raises(PlacementError, match=f"--{flag}-tensor-parallel-size 3: a {flag} worker would span 3 GPUs"):
+        plan_placement(gpus, None, 1, None, **ranks)
+
+
+@pytest.mark.parametrize(("occupancy", "service", "count", "want"), [
+    ([0, 0, 0, 0], "decode", 2, [0, 1]),
+    ([0, 0, 0, 0], "prefill", 2, [1, 2]),
+    ([2, 2, 0, 0], "decode", 2, [2, 3]),
+    ([1, 0, 0, 1], "prefill", 1, [1]),
+    ([1, 1, 1, 0], "decode", 3, [0, 1, 3]),
+], ids=["decode-first", "prefill-from-1", "least-occupied", "one", "three"])
+def test_a_worker_gets_the_least_occupied_gpus(occupancy, service, count, want) -> None:
+    assert pick_gpus(len(occupancy), occupancy, service, count) == want
 
 
 def up_args(*flags: str):
@@ -133,3 +163,25 @@ def test_a_gpu_worker_names_its_gpu_by_uuid() -> None:
         assert got == listed[index], (got, listed)
     else:
         assert got in listed, (got, listed)
+
+
+def test_up_hands_each_kind_its_tensor_parallel_size(monkeypatch) -> None:
+    """``--decode-tensor-parallel-size 2`` on four GPUs: the decode child gets ``--tensor-parallel-size
+    2``, the prefill child 1, and with one worker per GPU each rank keeps the whole memory share."""
+    monkeypatch.setattr("tandem.gpus.visible_gpus", lambda device: ["0", "1", "2", "3"])
+    args, settings, overrides = up_args("--decode-tensor-parallel-size", "2")
+    gpus, placement = place(settings, args, overrides)
+    sup = Supervisor(settings, num_prefill=placement.prefill, num_decode=args.decode, overrides=overrides, gpus=gpus,
+                     prefill_ranks=placement.prefill_ranks, decode_ranks=placement.decode_ranks)
+    sup.url = "nats://127.0.0.1:4222"
+    decode = settings_from(parser().parse_args(sup.command("decode", "decode-x")[3:]))
+    prefill = settings_from(parser().parse_args(sup.command("prefill", "prefill-x")[3:]))
+    assert (decode.engine.tensor_parallel_size, prefill.engine.tensor_parallel_size) == (2, 1)
+    assert decode.engine.gpu_memory_utilization == pytest.approx(0.85, abs=1e-4)
+
+
+def test_up_refuses_a_layout_wider_than_the_gpus(monkeypatch) -> None:
+    monkeypatch.setattr("tandem.gpus.visible_gpus", lambda device: ["0", "1"])
+    args, settings, overrides = up_args("--tensor-parallel-size", "4")
+    with pytest.raises(PlacementError, match="--prefill-tensor-parallel-size 4"):
+        place(settings, args, overrides)
