@@ -26,15 +26,16 @@ Prints one JSON line per figure, all from one process and one run:
   added when one finishes; output tokens/s and per-request TTFT and TPOT as the bench measures them,
   so a served system at the same concurrency compares with it like for like
   (``benchmarks/serving_system.py`` does);
-- ``fp8_batch1`` and ``fp8_parity`` (``--parts fp8``): batch-1 decode (prompt 512, 128 new tokens,
-  CUDA graphs) of the model in bf16 and with fp8 weights (``--quantization fp8``: the decoder
-  layers' linears at 1 byte per weight; the LM head stays bf16), each against its own roofline (the
-  bytes a step reads: every weight but the embedding table, whose rows are looked up) and its own
-  step floor, then fp8 over bf16; and the parity fp8 keeps: greedy tokens on the same prompt
-  (steps equal before the first divergence), teacher-forced top-1 agreement over those steps (both
-  models fed the bf16 tokens), |logit diff| at the first step and at worst, of the row's largest
-  |logit|; on the model, and on the shipped trained ``tiny`` checkpoint (a random model's logits are
-  nearly flat, so its top-1 flips more easily than a trained model's);
+- ``fp8_decode`` and ``fp8_parity`` (``--parts fp8``): decode at each ``--fp8-batches`` size
+  (default 1; prompts of 512, 128 new tokens, CUDA graphs) of the model in bf16 and with fp8
+  weights (``--quantization fp8``: the decoder layers' linears at 1 byte per weight; the LM head
+  stays bf16), each against its own roofline (the bytes a step reads: every weight but the
+  embedding table, whose rows are looked up) and its own step floor, then fp8 over bf16; and the
+  parity fp8 keeps: greedy tokens on the same prompt (steps equal before the first divergence),
+  teacher-forced top-1 agreement over those steps (both models fed the bf16 tokens), |logit diff|
+  at the first step and at worst, of the row's largest |logit|; on the model, and on the shipped
+  trained ``tiny`` checkpoint (a random model's logits are nearly flat, so its top-1 flips more
+  easily than a trained model's);
 - ``hf_generate`` (with ``--hf-anchor PATH``, e.g. ``../shared/anchors/hf_generate.py``): that
   script's plain transformers ``generate`` peer, run after this process freed its GPU memory, with
   tandem's batch-1 decode rate over the peer's.
@@ -50,6 +51,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -195,40 +197,42 @@ def fp8_parity(plain, quantized, device: torch.device, prompts: list[list[int]],
 
 
 def fp8_figures(model: str, plain, device: torch.device, gbps: float | None, tflops: float | None,
-                kv_gib: float, records: list[dict]) -> None:
-    """The ``fp8`` part: batch-1 decode in the model dtype and in fp8, each against its own roofline
-    and step floor, fp8 over the other, and the parity (see the module docstring)."""
+                kv_gib: float, records: list[dict], batches: Sequence[int] = (1,)) -> None:
+    """The ``fp8`` part: decode at each of ``batches`` in the model dtype and in fp8, each against
+    its own roofline and step floor, fp8 over the other, and the parity (see the module docstring)."""
     quantized = load_model(model, device=device, quantization="fp8")  # same preset seed: the same weights before
     plan = next(m.plan for m in quantized.model.modules() if isinstance(m, Fp8Linear))
     path = plan.description if plan is not None else "dequantize reference (" + \
         scaled_mm_plan(device, plain.model.model.embed_tokens.weight.dtype)[1] + ")"
     cfg, vocab = plain.config, plain.config.vocab_size
-    rates = {}
-    for name, loaded in ((str(plain.model.model.embed_tokens.weight.dtype).removeprefix("torch."), plain),
-                         ("fp8", quantized)):
-        engine = make_engine(loaded, device, 1, 2048, False, min(kv_gib, 4.0))
-        run_requests(engine, random_prompts(1, 512, vocab, 1), 8, device)  # warm-up
-        result = run_requests(engine, random_prompts(1, 512, vocab, 2), 128, device)
-        read = weight_bytes(loaded.model, skip_embedding=True)
-        record = {"figure": "fp8_batch1", "weights": name, "read_GB_per_token": round(read / 1e9, 3),
-                  "decode_tok_s": result["decode_tok_s"], "ms_per_token": result["itl_ms"],
-                  "tpot_p50_ms": result["tpot_p50_ms"]}
-        if name == "fp8":
-            record["path"] = path
-        if gbps and result["decode_tok_s"]:
-            roofline = gbps * 1e9 / read
-            record["roofline_tok_s"] = round(roofline, 1)
-            record["of_roofline"] = round(result["decode_tok_s"] / roofline, 3)
-            floor = step_floor(cfg, 1, 512 + 64, gbps, tflops, linear_bytes=1 if name == "fp8" else None)
-            record["step_floor_ms"] = floor["floor_ms"]
-            record["of_step_floor"] = round(floor["floor_ms"] / result["itl_ms"], 3)
-        rates[name] = (result["decode_tok_s"], record.get("roofline_tok_s"))
-        emit(record, records)
-        del engine
-        torch.cuda.empty_cache() if device.type == "cuda" else None
-    (plain_rate, plain_roof), (fp8_rate, fp8_roof) = rates.values()
-    emit({"figure": "fp8_speedup", "decode_tok_s": round(fp8_rate / plain_rate, 3) if plain_rate else None,
-          "roofline": round(fp8_roof / plain_roof, 3) if plain_roof else None}, records)
+    for batch in batches:
+        rates = {}
+        for name, loaded in ((str(plain.model.model.embed_tokens.weight.dtype).removeprefix("torch."), plain),
+                             ("fp8", quantized)):
+            engine = make_engine(loaded, device, batch, 2048, False, min(kv_gib, 4.0))
+            run_requests(engine, random_prompts(batch, 512, vocab, 1), 8, device)  # warm-up
+            result = run_requests(engine, random_prompts(batch, 512, vocab, 2), 128, device)
+            read = weight_bytes(loaded.model, skip_embedding=True)
+            record = {"figure": "fp8_decode", "batch": batch, "weights": name,
+                      "read_GB_per_step": round(read / 1e9, 3), "decode_tok_s": result["decode_tok_s"],
+                      "ms_per_step": result["itl_ms"], "tpot_p50_ms": result["tpot_p50_ms"]}
+            if name == "fp8":
+                record["path"] = path
+            if gbps and result["decode_tok_s"]:
+                roofline = gbps * 1e9 / read * batch  # tokens/s if a step took only its weight reads
+                record["roofline_tok_s"] = round(roofline, 1)
+                record["of_roofline"] = round(result["decode_tok_s"] / roofline, 3)
+                floor = step_floor(cfg, batch, 512 + 64, gbps, tflops, linear_bytes=1 if name == "fp8" else None)
+                record["step_floor_ms"] = floor["floor_ms"]
+                record["of_step_floor"] = round(floor["floor_ms"] / result["itl_ms"], 3)
+            rates[name] = (result["decode_tok_s"], record.get("roofline_tok_s"))
+            emit(record, records)
+            del engine
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+        (plain_rate, plain_roof), (fp8_rate, fp8_roof) = rates.values()
+        emit({"figure": "fp8_speedup", "batch": batch,
+              "decode_tok_s": round(fp8_rate / plain_rate, 3) if plain_rate else None,
+              "roofline": round(fp8_roof / plain_roof, 3) if plain_roof else None}, records)
     emit(fp8_parity(plain, quantized, device, random_prompts(2, 512, vocab, 2), 64, model), records)
     del quantized
     torch.cuda.empty_cache() if device.type == "cuda" else None
@@ -361,6 +365,8 @@ def main() -> None:
     parser.add_argument("--prefill-prompts", type=int, default=256, help="the prefill part's 1024-token prompts")
     parser.add_argument("--prefill-chunks", type=int, nargs="+", default=[8192, 16384],
                         help="the prefill part's step token budgets (max_num_batched_tokens), one run each")
+    parser.add_argument("--fp8-batches", type=int, nargs="+", default=[1],
+                        help="the fp8 part's decode batch sizes (up to 16 the few-row kernel runs, past it _scaled_mm)")
     parser.add_argument("--json-out")
     parser.add_argument("--hf-anchor", help="path of the HF generate peer script to run after the parts, same run")
     args = parser.parse_args()
@@ -384,7 +390,7 @@ def main() -> None:
     if "memory" in parts and device.type == "cuda":
         emit({"figure": "memory", **memory_figures(loaded, device)}, records)
     if "fp8" in parts:
-        fp8_figures(model, loaded, device, gbps, tflops, kv_gib, records)
+        fp8_figures(model, loaded, device, gbps, tflops, kv_gib, records, args.fp8_batches)
     if "batch1" in parts:
         for eager in (False, True):
             engine = make_engine(loaded, device, 1, 2048, eager, min(kv_gib, 4.0))

@@ -35,6 +35,7 @@ Two ways to multiply, chosen once per device and dtype by a probe (:func:`scaled
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from collections.abc import Callable, Iterable
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.shared.kvcache.triton_attention import HAS_TRITON, tl, triton
+from tandem.shared.model import fp8_few_rows
 from tandem.shared.model.config import ModelLoadError
 
 if TYPE_CHECKING:
@@ -146,6 +148,7 @@ class ScaledMMPlan:
     quantize: Callable[[torch.Tensor, int | None], tuple[torch.Tensor, torch.Tensor]]
     out_dtype: torch.dtype  # what _scaled_mm writes; cast to the activation dtype when it differs
     description: str
+    few_rows: bool = False  # up to 16 rows (bf16/fp16) take fp8_few_rows' weight-only kernel instead
 
 
 class Fp8Linear(nn.Module):
@@ -194,6 +197,8 @@ class Fp8Linear(nn.Module):
         rows = x2.shape[0]
         if rows == 0:
             return x.new_empty((*lead, self.out_features))
+        if plan.few_rows and fp8_few_rows.supports(x2, self.weight):
+            return fp8_few_rows.multiply(x2, self.weight, self.weight_scale, self.bias).view(*lead, self.out_features)
         codes, x_scale = plan.quantize(x2, -(-rows // ROW_ALIGN) * ROW_ALIGN)
         out = torch._scaled_mm(codes, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1),
                                out_dtype=plan.out_dtype)[:rows]
@@ -277,11 +282,46 @@ def _probe_plans(device: torch.device, dtype: torch.dtype) -> tuple[ScaledMMPlan
             try:
                 probe_plan(plan, device, dtype)
             except Exception as exc:  # noqa: BLE001 - any refusal means: try the next plan, say why
-                failures.append(f"{name}/{str(out_dtype).removeprefix('torch.')}: "
-                                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                failures.append(f"{name}/{str(out_dtype).removeprefix('torch.')}: {_first_line(exc)}")
             else:
-                return plan, ""
+                return _with_few_rows(plan, device, dtype), ""
     return None, "torch._scaled_mm refused: " + "; ".join(failures)
+
+
+def _first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _with_few_rows(plan: ScaledMMPlan, device: torch.device, dtype: torch.dtype) -> ScaledMMPlan:
+    """``plan`` with the few-row kernel switched on where it runs here and agrees with the reference."""
+    if dtype not in fp8_few_rows.ACTIVATION_DTYPES or not HAS_TRITON:
+        return plan
+    try:
+        probe_few_rows(device, dtype)
+    except Exception as exc:  # noqa: BLE001 - the kernel is an optimisation: without it _scaled_mm serves
+        log.warning("fp8: the few-row kernel is off (%s); every batch size takes torch._scaled_mm",
+                    _first_line(exc))
+        return plan
+    return dataclasses.replace(plan, few_rows=True,
+                               description=plan.description + "; up to 16 rows a weight-only Triton kernel")
+
+
+def probe_few_rows(device: torch.device, dtype: torch.dtype) -> None:
+    """One 3-row product (K 512, N 64) through the few-row kernel; raises unless it is within 1% of
+    the float32 product of the same codes (the output's rounding is 0.4%)."""
+    generator = torch.Generator(device=device).manual_seed(1)
+    x = (torch.randn((3, 512), generator=generator, device=device)
+         * torch.tensor([0.1, 1.0, 10.0], device=device)[:, None]).to(dtype)
+    weight = torch.randn((64, 512), generator=generator, device=device) * torch.linspace(0.01, 1.0, 64,
+                                                                                         device=device)[:, None]
+    codes, scale = quantize_weight(weight)
+    with torch.no_grad():
+        got = fp8_few_rows.multiply(x, codes, scale).float()
+    want = x.float() @ (codes.float() * scale[:, None]).t()
+    torch.cuda.synchronize(device)
+    error = ((got - want).abs().max() / want.abs().max()).item()
+    if not error <= 0.01:
+        raise RuntimeError(f"few-row probe product off by {error:.3g} of its largest output")
 
 
 def probe_plan(plan: ScaledMMPlan, device: torch.device, dtype: torch.dtype) -> None:
@@ -354,6 +394,12 @@ def quantize_model(model: LlamaForCausalLM, method: str = "fp8") -> Quantization
     after = _distinct_bytes(t for layer in model.model.layers for m in layer.modules() if isinstance(m, Fp8Linear)
                             for t in (m.weight, m.weight_scale, *(() if m.bias is None else (m.bias,))))
     model.quantization = method
+    if plan is not None and plan.few_rows:
+        shapes = {(m.out_features, m.in_features) for layer in model.model.layers for m in layer.modules()
+                  if isinstance(m, Fp8Linear) and m.plan is not None}
+        for n, k in sorted(shapes):  # before any CUDA graph is captured (a capture cannot time)
+            if fp8_few_rows.fits(n, k):
+                fp8_few_rows.tune(n, k, dtype, device)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # hand the float weights' blocks back, so memory sizing sees them free

@@ -21,6 +21,8 @@ Run: ``python -m pytest -m gpu tests/gpu/test_fp8_gpu.py -s``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,6 +31,7 @@ from support import PARITY_LENGTHS, prompt_of
 
 from tandem.shared.engine.engine import EngineConfig, LLMEngine
 from tandem.shared.kvcache.triton_attention import HAS_TRITON
+from tandem.shared.model import fp8_few_rows
 from tandem.shared.model.fp8 import (
     Fp8Linear,
     dequantize_weight,
@@ -104,7 +107,7 @@ def test_scaled_mm_matches_the_emulation_and_the_reference(dtype: torch.dtype, r
     w, b = random_linear(n, k, rows + k, bias)
     x = random_rows(rows, k, rows * 7 + n, dtype)
     layer = Fp8Linear(*quantize_weight(w), None if b is None else b.to(dtype))
-    layer.plan = plan_for(dtype)
+    layer.plan = dataclasses.replace(plan_for(dtype), few_rows=False)  # _scaled_mm at every row count
     got = layer(x)
     assert got.dtype == dtype and got.shape == (rows, n)
     got = got.float()
@@ -123,6 +126,36 @@ def test_scaled_mm_matches_the_emulation_and_the_reference(dtype: torch.dtype, r
     rms = ((got - reference).norm(dim=1) / reference.norm(dim=1)).max().item()
     worst = ((got - reference).abs().amax(dim=1) / reference.abs().amax(dim=1)).max().item()
     assert rms <= 0.06 and worst <= 0.10, (rms, worst)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("dtype", fp8_few_rows.ACTIVATION_DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize(("k", "n", "bias"), [(4096, 6144, False), (14336, 4096, False), (4096, 28672, False),
+                                              (704, 512, True), (256, 768, False)],
+                         ids=["qkv-8b", "down-8b", "gate-up-8b", "tiny-bias", "tiny-qkv"])
+def test_the_few_row_kernel_matches_the_float32_product_with_every_tile(dtype: torch.dtype, rows: int, k: int,
+                                                                        n: int, bias: bool) -> None:
+    """Weight-only: no activation rounding, so the only error is the output's (2^-8 of bf16) and
+    float32 accumulation order; a tile that drops or repeats a K step is off by far more."""
+    w, b = random_linear(n, k, rows + k + 1, bias)
+    x = random_rows(rows, k, rows * 5 + n, dtype)
+    codes, scale = quantize_weight(w)
+    bias_term = None if b is None else b.to(dtype)
+    want = x.float() @ (codes.float() * scale[:, None]).t() + (0.0 if b is None else bias_term.float())
+    row_max = want.abs().amax(dim=1, keepdim=True)
+    tiles = [t for t in fp8_few_rows.CANDIDATES if t.fits(n, k)]
+    assert tiles, f"no tile fits [{n}, {k}]"
+    for tile in tiles:
+        got = fp8_few_rows.multiply(x, codes, scale, bias_term, tile=tile)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        error = (got.float() - want).abs()
+        assert bool((error <= 2**-7 * want.abs() + 2**-12 * row_max).all()), \
+            f"{tile}: worst {(error / row_max).max():.3g} of a row's max"
+    layer = Fp8Linear(codes, scale, bias_term)
+    layer.plan = plan_for(dtype)
+    assert layer.plan.few_rows, f"the few-row kernel should be on for {dtype}: {layer.plan.description}"
+    torch.testing.assert_close(layer(x), fp8_few_rows.multiply(x, codes, scale, bias_term), rtol=0, atol=0)
 
 
 def test_a_captured_graph_replays_the_eager_product_at_batch_one() -> None:

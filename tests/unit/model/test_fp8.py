@@ -23,6 +23,7 @@ from support import PARITY_LENGTHS, prompt_of
 from tandem.cli import parser
 from tandem.flags import settings_from
 from tandem.shared.infra.config import ENV_PREFIX, Settings, describe_errors
+from tandem.shared.model import fp8_few_rows
 from tandem.shared.model.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
@@ -344,3 +345,19 @@ def test_the_benchmarks_fp8_floor_reads_the_decoder_weights_at_one_byte() -> Non
     assert fp8["matmuls"]["hbm_ms"] == pytest.approx(bf16["matmuls"]["hbm_ms"] / 2, abs=2e-3)
     assert fp8["lm_head"] == bf16["lm_head"] and fp8["matmuls"]["bound"] == "hbm"
     assert fp8["floor_ms"] == pytest.approx(1.91, abs=0.02) and bf16["floor_ms"] == pytest.approx(3.56, abs=0.02)
+
+
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (28672, 4096), (512, 704), (768, 256), (48, 80)])
+def test_every_scaled_mm_shape_has_a_few_row_tile(n: int, k: int) -> None:
+    """Any shape _scaled_mm takes (N and K multiples of 16) has a tile the few-row kernel can run;
+    wide tiles only where they divide the shape (the kernel has no masks on the codes)."""
+    tiles = [t for t in fp8_few_rows.CANDIDATES if t.fits(n, k)]
+    assert tiles, f"no few-row tile for [{n}, {k}]"
+    assert all(n % t.block_n == 0 and k % t.block_k == 0 for t in tiles)
+    assert (max(t.block_k for t in tiles) >= 256) == (k % 256 == 0), "wide K tiles must be taken wherever they fit"
+
+
+def test_the_few_row_kernel_is_never_taken_off_cuda() -> None:
+    x = torch.randn(1, 256)
+    codes, _ = quantize_weight(torch.randn(768, 256))
+    assert not fp8_few_rows.supports(x, codes), "the CPU takes the dequantize reference"

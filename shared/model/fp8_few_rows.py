@@ -1,0 +1,171 @@
+"""fp8 weights times a few bf16/fp16 rows, in one Triton kernel: the decode step at small batch.
+
+At batch 1 to 16 a decode step's linears are bound by reading their weights, so fp8 codes should
+take half of bf16's time. The ``_scaled_mm`` path (``fp8.py``) does not get there at few rows: it
+spends a kernel quantizing the activations per token, and cuBLASLt's fp8 GEMM pads the rows to 16
+and is tuned for large products. This kernel reads each weight code once, widens it to the
+activation dtype in registers and multiplies by the rows as they are (no activation quantization:
+weight-only, so the result is closer to the dequantize reference than ``_scaled_mm``'s), applying
+the output channel's float32 scale and the bias once at the end:
+
+    out[m, n] = scale[n] * sum_k x[m, k] * codes[n, k] + bias[n]
+
+One program owns ``BLOCK_N`` output channels and walks the whole ``K`` (no split-K: no atomics,
+so the same inputs give the same bits), the rows padded to 16 inside registers for ``tl.dot``.
+Tile sizes are chosen per weight shape by timing a few candidates once (:func:`tune`), before any
+CUDA graph is captured; a shape met first inside a capture takes a fixed default instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tandem.shared.kvcache.triton_attention import HAS_TRITON, tl, triton
+
+log = logging.getLogger("tandem.model")
+
+MAX_ROWS = 16  # the rows one tl.dot tile holds: past it, _scaled_mm's tensor-core GEMM is the better path
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)  # float32 would make tl.dot round through tf32
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+    def fits(self, n: int, k: int) -> bool:
+        return n % self.block_n == 0 and k % self.block_k == 0
+
+
+# Candidates for an H100/H200-class GPU: enough programs to cover every SM at 4,096 output channels
+# (16 or 32 a program) up to wide tiles for the 28,672-channel gate/up projection, each with a few
+# K steps in flight per program; the last two take any K that is a multiple of 64 or of 16 (small
+# models: the tiny one's 256 and 704), which _scaled_mm's alignment already requires.
+CANDIDATES = (
+    Tile(16, 512, 4, 4),
+    Tile(32, 256, 4, 4),
+    Tile(32, 512, 4, 3),
+    Tile(64, 256, 4, 4),
+    Tile(64, 512, 8, 3),
+    Tile(128, 256, 8, 3),
+    Tile(16, 64, 4, 4),
+    Tile(16, 16, 4, 2),
+)
+TUNE_BYTES = 256 << 20  # five times an H200's L2
+_CHOSEN: dict[tuple[int, int, torch.dtype, int], Tile] = {}
+
+
+@triton.jit
+def _few_rows_kernel(X, W, Scale, Bias, Out, rows, stride_x, stride_o,
+                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_mask = offs_m[:, None] < rows
+    x_ptrs = X + offs_m[:, None] * stride_x + offs_k[None, :]
+    # The codes [N, K] row-major read as a [BLOCK_K, BLOCK_N] tile: K is the contiguous axis.
+    w_ptrs = W + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K (Tile.fits): no masks on the codes
+        x = tl.load(x_ptrs, mask=row_mask, other=0.0)
+        w = tl.load(w_ptrs)
+        acc += tl.dot(x, w.to(x.dtype))
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc = acc * tl.load(Scale + offs_n)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n).to(tl.float32)[None, :]
+    tl.store(Out + offs_m[:, None] * stride_o + offs_n[None, :], acc.to(Out.dtype.element_ty), mask=row_mask)
+
+
+def supports(x: torch.Tensor, codes: torch.Tensor) -> bool:
+    """Whether :func:`multiply` takes ``x [M, K]`` times ``codes [N, K]`` (else ``_scaled_mm`` does)."""
+    n, k = codes.shape
+    return (HAS_TRITON and x.is_cuda and x.dtype in ACTIVATION_DTYPES and 0 < x.shape[0] <= MAX_ROWS
+            and codes.is_contiguous() and fits(n, k))
+
+
+def fits(n: int, k: int) -> bool:
+    return any(tile.fits(n, k) for tile in CANDIDATES)
+
+
+def multiply(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+             tile: Tile | None = None) -> torch.Tensor:
+    """``x [M, K]`` (M <= 16, bf16 or fp16) times the e4m3 ``codes [N, K]`` with float32 per-row
+    ``scale [N]``, plus ``bias``: ``[M, N]`` in ``x``'s dtype."""
+    rows, k = x.shape
+    n = codes.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    tile = tile or chosen_tile(n, k, x.dtype, x.device.index or 0)
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    _few_rows_kernel[(n // tile.block_n,)](x, codes, scale, bias if bias is not None else scale, out, rows,
+                                           x.stride(0), out.stride(0), K=k, BLOCK_M=MAX_ROWS,
+                                           BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, HAS_BIAS=bias is not None,
+                                           num_warps=tile.warps, num_stages=tile.stages)
+    return out
+
+
+def chosen_tile(n: int, k: int, dtype: torch.dtype, device_index: int) -> Tile:
+    """The tile :func:`tune` chose for this shape; untuned, the first candidate that fits."""
+    tile = _CHOSEN.get((n, k, dtype, device_index))
+    if tile is None:
+        tile = next(t for t in CANDIDATES if t.fits(n, k))
+        if not torch.cuda.is_current_stream_capturing():
+            tile = tune(n, k, dtype, torch.device("cuda", device_index))
+    return tile
+
+
+def device_microseconds(fn, repeats: int) -> float:  # noqa: ANN001 - any callable launching CUDA work
+    """Device time per call of ``fn``: ``repeats`` calls captured in one CUDA graph and replayed (a
+    Triton launch from Python costs more host time than these kernels take on the device)."""
+    fn()  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / repeats
+
+
+def tune(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
+    """Time each fitting candidate on a one-row product of this shape and keep the fastest (each
+    tile compiles once per K and dtype, a fraction of a second; the timing takes milliseconds).
+    The calls cycle through copies of the codes that together pass :data:`TUNE_BYTES`, so the reads
+    come from HBM as a forward's (every layer its own weights) do, not from L2."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (n, k, dtype, index)
+    if key in _CHOSEN:
+        return _CHOSEN[key]
+    device = torch.device("cuda", index)
+    generator = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn((1, k), generator=generator, device=device).to(dtype)
+    copies = max(2, -(-TUNE_BYTES // (n * k)))
+    codes = [torch.randn((n, k), generator=generator, device=device).to(torch.float8_e4m3fn) for _ in range(copies)]
+    scale = torch.ones(n, device=device)
+
+    def calls(tile: Tile) -> None:
+        for c in codes:
+            multiply(x, c, scale, tile=tile)
+
+    timings = {tile: device_microseconds(lambda tile=tile: calls(tile), 2) / copies
+               for tile in CANDIDATES if tile.fits(n, k)}
+    best = min(timings, key=timings.get)
+    _CHOSEN[key] = best
+    seconds = timings[best] / 1e6
+    log.info("fp8 few-row kernel for [%d, %d] %s: block %dx%d, %d warps, %d stages, %.1f us (%.0f GB/s of codes)",
+             n, k, str(dtype).removeprefix("torch."), best.block_n, best.block_k, best.warps, best.stages,
+             seconds * 1e6, n * k / seconds / 1e9)
+    return best
