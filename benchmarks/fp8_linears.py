@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="# %(message)s")  # the tiles each shape's tuning chose
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         raise SystemExit("fp8_linears.py needs a CUDA GPU of compute capability 8.9 or later")
     plan, reason = scaled_mm_plan(torch.device("cuda"), torch.bfloat16)
@@ -75,11 +77,11 @@ def main() -> None:
         fp8_few_rows.tune(n, k, torch.bfloat16, torch.device("cuda"))
         ones = torch.ones(n, device="cuda")
         bf16_tiles = {tile: [lambda x, w=w, t=tile, s=ones: fp8_few_rows.multiply(x, w, s, tile=t) for w in weights]
-                      for tile in fp8_few_rows.CANDIDATES if tile.fits(n, k) and tile.block_k >= 256}
+                      for tile in fp8_few_rows.CANDIDATES if tile.fits(n, k, fp8_few_rows.MAX_ROWS) or tile.fits(n, k)}
         for rows in args.rows:
             x = torch.randn((rows, k), device="cuda", dtype=torch.bfloat16)
             if rows <= fp8_few_rows.MAX_ROWS and bf16_tiles:
-                timed = {tile: time_path(layers, x) for tile, layers in bf16_tiles.items()}
+                timed = {tile: time_path(layers, x) for tile, layers in bf16_tiles.items() if tile.fits(n, k, rows)}
                 best = min(timed, key=timed.get)
                 paths["bf16_triton"] = bf16_tiles[best]
                 print(json.dumps({"figure": "bf16_triton_tile", "shape": name, "rows": rows,

@@ -399,7 +399,8 @@ def quantize_model(model: LlamaForCausalLM, method: str = "fp8") -> Quantization
                   if isinstance(m, Fp8Linear) and m.plan is not None}
         for n, k in sorted(shapes):  # before any CUDA graph is captured (a capture cannot time)
             if fp8_few_rows.fits(n, k):
-                fp8_few_rows.tune(n, k, dtype, device)
+                for rows in fp8_few_rows.ROW_BUCKETS:
+                    fp8_few_rows.tune(n, k, dtype, device, rows)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # hand the float weights' blocks back, so memory sizing sees them free

@@ -11,9 +11,12 @@ the output channel's float32 scale and the bias once at the end:
     out[m, n] = scale[n] * sum_k x[m, k] * codes[n, k] + bias[n]
 
 One program owns ``BLOCK_N`` output channels and walks the whole ``K`` (no split-K: no atomics,
-so the same inputs give the same bits), the rows padded to 16 inside registers for ``tl.dot``.
-Tile sizes are chosen per weight shape by timing a few candidates once (:func:`tune`), before any
-CUDA graph is captured; a shape met first inside a capture takes a fixed default instead.
+so the same inputs give the same bits). Three forms (:class:`Tile`): the rows padded to 16 inside
+registers for ``tl.dot`` on either side of it, or plain float32 multiply-adds for one to four
+rows, where widening the codes costs less than feeding the tensor cores. The form and tile are
+chosen per weight shape and row bucket (1, 2-4, 5-16) by timing the candidates once
+(:func:`tune`), before any CUDA graph is captured; a shape met first inside a capture takes the
+first candidate that fits instead.
 """
 
 from __future__ import annotations
@@ -28,18 +31,27 @@ from tandem.shared.kvcache.triton_attention import HAS_TRITON, tl, triton
 log = logging.getLogger("tandem.model")
 
 MAX_ROWS = 16  # the rows one tl.dot tile holds: past it, _scaled_mm's tensor-core GEMM is the better path
+ROW_BUCKETS = (1, 4, MAX_ROWS)  # a tile is tuned for each: 1 row, 2-4 rows, 5-16 rows
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)  # float32 would make tl.dot round through tf32
+FORMS = ("dot", "dot_swapped", "fma")
 
 
 @dataclass(frozen=True)
 class Tile:
+    """A kernel form and its tile. ``dot``: rows x codes^T on the tensor cores, the codes read as
+    [BLOCK_K, BLOCK_N]; ``dot_swapped``: codes x rows^T (the codes the row-major left operand, the
+    rows padded to 16 on the right); ``fma``: no tensor cores, each code widened to float32 and
+    multiplied on the CUDA cores, for at most ``max_rows`` rows (one accumulator tile per row)."""
+
+    form: str
     block_n: int
     block_k: int
     warps: int
     stages: int
+    max_rows: int = MAX_ROWS
 
-    def fits(self, n: int, k: int) -> bool:
-        return n % self.block_n == 0 and k % self.block_k == 0
+    def fits(self, n: int, k: int, rows: int = 1) -> bool:
+        return n % self.block_n == 0 and k % self.block_k == 0 and rows <= self.max_rows
 
 
 # Candidates for an H100/H200-class GPU: enough programs to cover every SM at 4,096 output channels
@@ -47,41 +59,85 @@ class Tile:
 # K steps in flight per program; the last two take any K that is a multiple of 64 or of 16 (small
 # models: the tiny one's 256 and 704), which _scaled_mm's alignment already requires.
 CANDIDATES = (
-    Tile(16, 512, 4, 4),
-    Tile(32, 256, 4, 4),
-    Tile(32, 512, 4, 3),
-    Tile(64, 256, 4, 4),
-    Tile(64, 512, 8, 3),
-    Tile(128, 256, 8, 3),
-    Tile(16, 64, 4, 4),
-    Tile(16, 16, 4, 2),
+    Tile("dot", 16, 512, 4, 4),
+    Tile("dot", 32, 256, 4, 4),
+    Tile("dot", 64, 256, 4, 4),
+    Tile("dot", 128, 256, 8, 3),
+    Tile("dot_swapped", 16, 256, 4, 4),
+    Tile("dot_swapped", 32, 256, 4, 4),
+    Tile("dot_swapped", 64, 256, 4, 4),
+    Tile("dot_swapped", 128, 128, 8, 4),
+    Tile("fma", 16, 256, 4, 4, max_rows=1),
+    Tile("fma", 32, 256, 4, 3, max_rows=1),
+    Tile("fma", 64, 128, 4, 4, max_rows=1),
+    Tile("fma", 16, 256, 4, 3, max_rows=4),
+    Tile("fma", 32, 128, 4, 3, max_rows=4),
+    Tile("dot", 16, 64, 4, 4),
+    Tile("dot", 16, 16, 4, 2),
 )
 TUNE_BYTES = 256 << 20  # five times an H200's L2
-_CHOSEN: dict[tuple[int, int, torch.dtype, int], Tile] = {}
+_CHOSEN: dict[tuple[int, int, torch.dtype, int, int], Tile] = {}
 
 
 @triton.jit
-def _few_rows_kernel(X, W, Scale, Bias, Out, rows, stride_x, stride_o,
-                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     HAS_BIAS: tl.constexpr):
+def _dot_kernel(X, W, Scale, Bias, Out, rows, stride_x, stride_o,
+                K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                SWAPPED: tl.constexpr, HAS_BIAS: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    row_mask = offs_m[:, None] < rows
-    x_ptrs = X + offs_m[:, None] * stride_x + offs_k[None, :]
-    # The codes [N, K] row-major read as a [BLOCK_K, BLOCK_N] tile: K is the contiguous axis.
-    w_ptrs = W + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K (Tile.fits): no masks on the codes
-        x = tl.load(x_ptrs, mask=row_mask, other=0.0)
-        w = tl.load(w_ptrs)
-        acc += tl.dot(x, w.to(x.dtype))
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    acc = acc * tl.load(Scale + offs_n)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(Bias + offs_n).to(tl.float32)[None, :]
-    tl.store(Out + offs_m[:, None] * stride_o + offs_n[None, :], acc.to(Out.dtype.element_ty), mask=row_mask)
+    if SWAPPED:
+        # out^T [BLOCK_N, BLOCK_M] = codes [BLOCK_N, BLOCK_K] x rows^T [BLOCK_K, BLOCK_M]
+        row_mask = offs_m[None, :] < rows
+        x_ptrs = X + offs_m[None, :] * stride_x + offs_k[:, None]
+        w_ptrs = W + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K (Tile.fits): no masks on the codes
+            x = tl.load(x_ptrs, mask=row_mask, other=0.0)
+            acc += tl.dot(tl.load(w_ptrs).to(x.dtype), x)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc = acc * tl.load(Scale + offs_n)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(Bias + offs_n).to(tl.float32)[:, None]
+        tl.store(Out + offs_m[None, :] * stride_o + offs_n[:, None], acc.to(Out.dtype.element_ty), mask=row_mask)
+    else:
+        row_mask = offs_m[:, None] < rows
+        x_ptrs = X + offs_m[:, None] * stride_x + offs_k[None, :]
+        # The codes [N, K] row-major read as a [BLOCK_K, BLOCK_N] tile: K is the contiguous axis.
+        w_ptrs = W + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            x = tl.load(x_ptrs, mask=row_mask, other=0.0)
+            acc += tl.dot(x, tl.load(w_ptrs).to(x.dtype))
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc = acc * tl.load(Scale + offs_n)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(Bias + offs_n).to(tl.float32)[None, :]
+        tl.store(Out + offs_m[:, None] * stride_o + offs_n[None, :], acc.to(Out.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _fma_kernel(X, W, Scale, Bias, Out, rows, stride_x, stride_o,
+                K: tl.constexpr, MAX_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+    scale = tl.load(Scale + offs_n)
+    for m in tl.static_range(MAX_M):
+        if m < rows:
+            # One row at a time over the same codes: the second and later passes read them from L2,
+            # which at four rows at most costs less than holding four accumulator tiles.
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                x = tl.load(X + m * stride_x + k + offs_k).to(tl.float32)
+                acc += tl.load(w_ptrs + k).to(tl.float32) * x[None, :]
+            out = tl.sum(acc, axis=1) * scale
+            if HAS_BIAS:
+                out += tl.load(Bias + offs_n).to(tl.float32)
+            tl.store(Out + m * stride_o + offs_n, out.to(Out.dtype.element_ty))
 
 
 def supports(x: torch.Tensor, codes: torch.Tensor) -> bool:
@@ -92,7 +148,11 @@ def supports(x: torch.Tensor, codes: torch.Tensor) -> bool:
 
 
 def fits(n: int, k: int) -> bool:
-    return any(tile.fits(n, k) for tile in CANDIDATES)
+    return any(tile.fits(n, k, MAX_ROWS) for tile in CANDIDATES)
+
+
+def bucket_of(rows: int) -> int:
+    return next(b for b in ROW_BUCKETS if rows <= b)
 
 
 def multiply(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -103,22 +163,31 @@ def multiply(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: to
     n = codes.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
-    tile = tile or chosen_tile(n, k, x.dtype, x.device.index or 0)
+    tile = tile or chosen_tile(n, k, x.dtype, x.device.index or 0, rows)
+    if not tile.fits(n, k, rows):
+        raise ValueError(f"{tile} does not fit {rows} rows of [{n}, {k}]")
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    _few_rows_kernel[(n // tile.block_n,)](x, codes, scale, bias if bias is not None else scale, out, rows,
-                                           x.stride(0), out.stride(0), K=k, BLOCK_M=MAX_ROWS,
-                                           BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, HAS_BIAS=bias is not None,
-                                           num_warps=tile.warps, num_stages=tile.stages)
+    grid = (n // tile.block_n,)
+    common = (x, codes, scale, bias if bias is not None else scale, out, rows, x.stride(0), out.stride(0))
+    if tile.form == "fma":
+        _fma_kernel[grid](*common, K=k, MAX_M=tile.max_rows, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                          HAS_BIAS=bias is not None, num_warps=tile.warps, num_stages=tile.stages)
+    else:
+        _dot_kernel[grid](*common, K=k, BLOCK_M=MAX_ROWS, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                          SWAPPED=tile.form == "dot_swapped", HAS_BIAS=bias is not None, num_warps=tile.warps,
+                          num_stages=tile.stages)
     return out
 
 
-def chosen_tile(n: int, k: int, dtype: torch.dtype, device_index: int) -> Tile:
-    """The tile :func:`tune` chose for this shape; untuned, the first candidate that fits."""
-    tile = _CHOSEN.get((n, k, dtype, device_index))
+def chosen_tile(n: int, k: int, dtype: torch.dtype, device_index: int, rows: int) -> Tile:
+    """The tile :func:`tune` chose for this shape and row bucket; untuned inside a CUDA graph
+    capture (which cannot time), the first candidate that fits."""
+    bucket = bucket_of(rows)
+    tile = _CHOSEN.get((n, k, dtype, device_index, bucket))
     if tile is None:
-        tile = next(t for t in CANDIDATES if t.fits(n, k))
-        if not torch.cuda.is_current_stream_capturing():
-            tile = tune(n, k, dtype, torch.device("cuda", device_index))
+        if torch.cuda.is_current_stream_capturing():
+            return next(t for t in CANDIDATES if t.fits(n, k, bucket))
+        tile = tune(n, k, dtype, torch.device("cuda", device_index), bucket)
     return tile
 
 
@@ -140,18 +209,19 @@ def device_microseconds(fn, repeats: int) -> float:  # noqa: ANN001 - any callab
     return start.elapsed_time(end) * 1e3 / repeats
 
 
-def tune(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
-    """Time each fitting candidate on a one-row product of this shape and keep the fastest (each
-    tile compiles once per K and dtype, a fraction of a second; the timing takes milliseconds).
-    The calls cycle through copies of the codes that together pass :data:`TUNE_BYTES`, so the reads
+def tune(n: int, k: int, dtype: torch.dtype, device: torch.device, rows: int = 1) -> Tile:
+    """Time each candidate that fits this shape at ``rows``' bucket and keep the fastest (each
+    compiles once per K and dtype, a fraction of a second; the timing takes milliseconds). The
+    calls cycle through copies of the codes that together pass :data:`TUNE_BYTES`, so the reads
     come from HBM as a forward's (every layer its own weights) do, not from L2."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (n, k, dtype, index)
+    bucket = bucket_of(rows)
+    key = (n, k, dtype, index, bucket)
     if key in _CHOSEN:
         return _CHOSEN[key]
     device = torch.device("cuda", index)
     generator = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn((1, k), generator=generator, device=device).to(dtype)
+    x = torch.randn((bucket, k), generator=generator, device=device).to(dtype)
     copies = max(2, -(-TUNE_BYTES // (n * k)))
     codes = [torch.randn((n, k), generator=generator, device=device).to(torch.float8_e4m3fn) for _ in range(copies)]
     scale = torch.ones(n, device=device)
@@ -161,11 +231,11 @@ def tune(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
             multiply(x, c, scale, tile=tile)
 
     timings = {tile: device_microseconds(lambda tile=tile: calls(tile), 2) / copies
-               for tile in CANDIDATES if tile.fits(n, k)}
+               for tile in CANDIDATES if tile.fits(n, k, bucket)}
     best = min(timings, key=timings.get)
     _CHOSEN[key] = best
     seconds = timings[best] / 1e6
-    log.info("fp8 few-row kernel for [%d, %d] %s: block %dx%d, %d warps, %d stages, %.1f us (%.0f GB/s of codes)",
-             n, k, str(dtype).removeprefix("torch."), best.block_n, best.block_k, best.warps, best.stages,
-             seconds * 1e6, n * k / seconds / 1e9)
+    log.info("fp8 few-row kernel for %d rows of [%d, %d] %s: %s %dx%d, %d warps, %d stages, %.1f us "
+             "(%.0f GB/s of codes)", bucket, n, k, str(dtype).removeprefix("torch."), best.form, best.block_n,
+             best.block_k, best.warps, best.stages, seconds * 1e6, n * k / seconds / 1e9)
     return best

@@ -16,7 +16,7 @@ import pytest
 from cli_support import TANDEM, operator_options, tandem_env, wait_for
 
 from tandem.client import connect
-from tandem.gpus import memory_share, pick_gpu
+from tandem.gpus import memory_share, pick_gpus
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import decode
 from tandem.shared.protocol.fleet import Heartbeat, ScalingDecision
@@ -173,10 +173,10 @@ async def test_without_the_planner_counts_stay_and_crashes_restart(tmp_path):
 
 
 def test_gpus_decode_on_0_prefill_on_1_then_the_least_used():
-    assert pick_gpu(2, [0, 0], "decode") == 0 and pick_gpu(2, [1, 0], "prefill") == 1
-    assert pick_gpu(2, [1, 1], "decode") == 0 and pick_gpu(2, [1, 1], "prefill") == 1
-    assert pick_gpu(4, [1, 1, 0, 0], "decode") == 2 and pick_gpu(4, [1, 1, 0, 0], "prefill") == 2
-    assert pick_gpu(1, [3], "prefill") == 0
+    assert pick_gpus(2, [0, 0], "decode", 1) == [0] and pick_gpus(2, [1, 0], "prefill", 1) == [1]
+    assert pick_gpus(2, [1, 1], "decode", 1) == [0] and pick_gpus(2, [1, 1], "prefill", 1) == [1]
+    assert pick_gpus(4, [1, 1, 0, 0], "decode", 1) == [2] and pick_gpus(4, [1, 1, 0, 0], "prefill", 1) == [2]
+    assert pick_gpus(1, [3], "prefill", 1) == [0]
     assert memory_share(0.9, "decode", 2, 1, 1) == 0.9, "alone on its GPU: the whole share"
     assert memory_share(0.9, "prefill", 2, 2, 2) == pytest.approx(0.45)
     assert memory_share(0.8, "decode", 1, 1, 1) == pytest.approx(0.6) and memory_share(0.8, "prefill", 1, 1, 1) == \

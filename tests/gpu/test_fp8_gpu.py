@@ -130,7 +130,7 @@ def test_scaled_mm_matches_the_emulation_and_the_reference(dtype: torch.dtype, r
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 @pytest.mark.parametrize("dtype", fp8_few_rows.ACTIVATION_DTYPES, ids=str)
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])
 @pytest.mark.parametrize(("k", "n", "bias"), [(4096, 6144, False), (14336, 4096, False), (4096, 28672, False),
                                               (704, 512, True), (256, 768, False)],
                          ids=["qkv-8b", "down-8b", "gate-up-8b", "tiny-bias", "tiny-qkv"])
@@ -144,8 +144,9 @@ def test_the_few_row_kernel_matches_the_float32_product_with_every_tile(dtype: t
     bias_term = None if b is None else b.to(dtype)
     want = x.float() @ (codes.float() * scale[:, None]).t() + (0.0 if b is None else bias_term.float())
     row_max = want.abs().amax(dim=1, keepdim=True)
-    tiles = [t for t in fp8_few_rows.CANDIDATES if t.fits(n, k)]
-    assert tiles, f"no tile fits [{n}, {k}]"
+    tiles = [t for t in fp8_few_rows.CANDIDATES if t.fits(n, k, rows)]
+    assert tiles, f"no tile fits {rows} rows of [{n}, {k}]"
+    assert {t.form for t in tiles} >= ({"dot", "fma"} if rows <= 4 and k % 256 == 0 else {"dot"}), tiles
     for tile in tiles:
         got = fp8_few_rows.multiply(x, codes, scale, bias_term, tile=tile)
         assert got.dtype == dtype and got.shape == (rows, n)

@@ -351,8 +351,9 @@ def test_the_benchmarks_fp8_floor_reads_the_decoder_weights_at_one_byte() -> Non
 def test_every_scaled_mm_shape_has_a_few_row_tile(n: int, k: int) -> None:
     """Any shape _scaled_mm takes (N and K multiples of 16) has a tile the few-row kernel can run;
     wide tiles only where they divide the shape (the kernel has no masks on the codes)."""
+    for rows in fp8_few_rows.ROW_BUCKETS:
+        assert any(t.fits(n, k, rows) for t in fp8_few_rows.CANDIDATES), f"no tile for {rows} rows of [{n}, {k}]"
     tiles = [t for t in fp8_few_rows.CANDIDATES if t.fits(n, k)]
-    assert tiles, f"no few-row tile for [{n}, {k}]"
     assert all(n % t.block_n == 0 and k % t.block_k == 0 for t in tiles)
     assert (max(t.block_k for t in tiles) >= 256) == (k % 256 == 0), "wide K tiles must be taken wherever they fit"
 
