@@ -12,9 +12,10 @@ Padding rows read token 0 at position 0 and write their K/V into a scratch block
 never hands out, with a context of one token, so they cost almost nothing and touch no sequence's
 blocks. The attention grid is sized for ``max_model_len`` (the split-K decode kernel skips splits
 past each row's context), so one graph serves every context length. With fp8 weights
-(``--quantization fp8``, ``model/fp8.py``) each linear quantizes its rows and pads them to a multiple
-of 16 for ``torch._scaled_mm`` inside the graph (batch 1 runs as 16 rows): a fixed shape per size,
-like every other buffer here, and the model is quantized before capture.
+(``--quantization fp8``, ``model/fp8.py``) sizes up to 16 run the few-row kernel, whose tiles are
+timed when the model is quantized, before capture; larger ones quantize their rows and pad them to a
+multiple of 16 for ``torch._scaled_mm`` inside the graph: a fixed shape per size, like every other
+buffer here.
 
 Tensor parallelism (``shared/parallel``): every rank captures the same ladder, in step (the
 captures hold the layers' all-reduces). Rank 0's graphs begin by broadcasting their input buffers

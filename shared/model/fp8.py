@@ -14,7 +14,7 @@ the same as quantizing its parts: the parts become row views of the fused codes 
 checkpoint still loads into them by their Hugging Face names (:meth:`Fp8Linear._load_from_state_dict`
 quantizes a float tensor on the way in) and nothing is stored twice.
 
-Two ways to multiply, chosen once per device and dtype by a probe (:func:`scaled_mm_plan`):
+Three ways to multiply, chosen once per device and dtype by a probe (:func:`scaled_mm_plan`):
 
 - CUDA with compute capability >= 8.9 (Ada, Hopper): dynamic per-token activation quantization
   (one Triton kernel: row absmax, scale, e4m3 codes; plain torch where Triton is missing) and
@@ -27,6 +27,9 @@ Two ways to multiply, chosen once per device and dtype by a probe (:func:`scaled
   CUDA graph bucket, at no extra launch. The probe runs one small product through that path and
   checks it against :func:`emulate_scaled_mm`; when ``_scaled_mm`` refuses or disagrees, the model
   keeps the reference path and one log line says why.
+- Up to 16 rows in bf16 or fp16 on that path (decode at small batch), a weight-only Triton kernel
+  instead (``fp8_few_rows.py``: the codes widened in registers, no activation quantization, tiles
+  timed per shape when the model is quantized), probed at start like ``_scaled_mm``.
 - Anywhere else (CPU, older GPUs, shapes not multiples of 16): the reference path, ``F.linear`` over
   the dequantized weight ``q * scale`` in the activation dtype. It keeps the fp8 weights' rounding
   (what CPU tests check) but not the activations' and reads more bytes than bf16 would: it is for
