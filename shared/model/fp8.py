@@ -398,8 +398,9 @@ def quantize_model(model: LlamaForCausalLM, method: str = "fp8") -> Quantization
                             for t in (m.weight, m.weight_scale, *(() if m.bias is None else (m.bias,))))
     model.quantization = method
     if plan is not None and plan.few_rows:
+        # The fused projections' parts are row views that the forward never calls: only the rest are timed.
         shapes = {(m.out_features, m.in_features) for layer in model.model.layers for m in layer.modules()
-                  if isinstance(m, Fp8Linear) and m.plan is not None}
+                  if isinstance(m, Fp8Linear) and m.plan is not None and m.weight._base is None}
         for n, k in sorted(shapes):  # before any CUDA graph is captured (a capture cannot time)
             if fp8_few_rows.fits(n, k):
                 for rows in fp8_few_rows.ROW_BUCKETS:
