@@ -673,9 +673,17 @@ class Client:
     async def _until_connected(self, request_id: str | None) -> None:
         """Return once connected, waiting out a reconnection (``reconnect_s`` at most); else
         :class:`ConnectionLostError`."""
-        if not self.nc.is_connected and not self.nc.is_closed:
+        deadline = time.monotonic() + self.reconnect_s
+        while not self.nc.is_connected and not self.nc.is_closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            # The event only wakes us early. nats-py marks the connection down, then waits for the old
+            # socket to close before its disconnected callback clears the event: on a loaded machine a
+            # stream can find the connection down with the event still set from before.
+            self._connected.clear()
             try:
-                async with asyncio.timeout(self.reconnect_s):  # not wait_for: see _get_within
+                async with asyncio.timeout(min(left, RECONNECT_WAIT_S)):  # not wait_for: see _get_within
                     await self._connected.wait()
             except TimeoutError:
                 pass

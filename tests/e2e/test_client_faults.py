@@ -155,22 +155,43 @@ async def counting_router(url: str, requests: list[GenerateRequest], every_s: fl
     return nc
 
 
-async def test_a_stream_outlives_a_restart_of_the_server_under_it(private_server):
+def delay_disconnected_callback(client, delay_s: float) -> None:
+    """Run the client's disconnected callback ``delay_s`` late, as a loaded machine can: nats-py marks
+    the connection down first, then waits for the old socket to close before calling it."""
+    callback = client.nc._disconnected_cb
+
+    async def late() -> None:
+        await asyncio.sleep(delay_s)
+        await callback()
+
+    client.nc._disconnected_cb = late
+
+
+async def restart_after(server: NatsServer, delay_s: float) -> None:
+    await asyncio.sleep(delay_s)  # about what tandem up takes to notice the death and start it again
+    await asyncio.to_thread(server.restart)
+
+
+@pytest.mark.parametrize("callback_delay_s", [0.0, 2.0], ids=["prompt-callback", "late-callback"])
+async def test_a_stream_outlives_a_restart_of_the_server_under_it(private_server, callback_delay_s):
     """kill -9 of the nats-server mid-stream, then the server back on its port (as ``tandem up``
     restarts it): the stream waits for the connection, is placed again after the tokens it had,
-    and ends with every token once, in order."""
+    and ends with every token once, in order; also when nats-py's disconnected callback comes late."""
     requests: list[GenerateRequest] = []
     router = await counting_router(private_server.url, requests)
     try:
         async with connect(private_server.url, worker_timeout_s=60, reconnect_s=15) as client:
+            if callback_delay_s:
+                delay_disconnected_callback(client, callback_delay_s)
             tokens: list[int] = []
+            restart = None
             async for chunk in client.generate("hello", max_tokens=150, temperature=0.0):
                 tokens += chunk.token_ids
-                if len(tokens) == 30 and private_server.process.poll() is None:
+                if len(tokens) >= 30 and restart is None:
                     private_server.process.kill()
                     private_server.process.wait()
-                    await asyncio.sleep(0.5)
-                    await asyncio.to_thread(private_server.restart)
+                    restart = asyncio.create_task(restart_after(private_server, 0.5))  # the stream waits meanwhile
+            await restart
         assert tokens == [position_token(p) for p in range(150)], "a gap or a duplicate across the restart"
         assert len(requests) >= 2, "the stream was not placed again after the connection came back"
         resumed = requests[-1].resume_output_token_ids
