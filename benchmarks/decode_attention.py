@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from tandem.shared.infra.device_timing import graph_microseconds
 from tandem.shared.kvcache.triton_decode import choose_partition, triton_decode_attention
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 32, 8, 32, 128, 16  # the 8B preset's attention
@@ -29,27 +30,7 @@ LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 32, 8, 32, 128, 16  # the 8B preset
 
 def hbm_read_gbps() -> float:
     x = torch.ones(2 << 30, dtype=torch.bfloat16, device="cuda")
-    return x.numel() * 2 / (time_cuda(lambda: x.sum(dtype=torch.float32), 10) * 1e-6) / 1e9
-
-
-def time_cuda(fn, iters: int) -> float:
-    """Device microseconds per call: ``iters`` calls captured in one CUDA graph (as the engine runs
-    decode), replayed after a warm-up, so a small case's launch cost on the host is not timed."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    del graph
-    return start.elapsed_time(end) * 1e3 / (3 * iters)
+    return x.numel() * 2 / (graph_microseconds(lambda: x.sum(dtype=torch.float32), 10, replays=3) * 1e-6) / 1e9
 
 
 def make_case(batch: int, context: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,8 +52,9 @@ def sweep_case(args: argparse.Namespace, batch: int, context: int, gbps: float, 
     scale = HEAD_DIM ** -0.5
 
     def run(bound: int, partition: int | None = None, **tile) -> float:
-        return time_cuda(lambda: triton_decode_attention(q, kv, 0, tables, lens, bound, scale, partition, **tile),
-                         args.iters)
+        return graph_microseconds(
+            lambda: triton_decode_attention(q, kv, 0, tables, lens, bound, scale, partition, **tile), args.iters,
+            replays=3)
 
     def emit(label: dict, us: float) -> dict:
         rate = kv_bytes / (us * 1e-6) / 1e9

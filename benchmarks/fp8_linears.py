@@ -25,6 +25,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from tandem.shared.infra.device_timing import graph_microseconds
 from tandem.shared.model import fp8_few_rows
 from tandem.shared.model.fp8 import Fp8Linear, quantize_weight, scaled_mm_plan
 
@@ -34,7 +35,7 @@ COPY_BYTES = 512 << 20  # weights cycled through per timing, ten times the L2
 
 def hbm_read_gbps() -> float:
     x = torch.ones(2 << 30, dtype=torch.bfloat16, device="cuda")
-    micros = fp8_few_rows.device_microseconds(lambda: x.sum(dtype=torch.float32), 5)
+    micros = graph_microseconds(lambda: x.sum(dtype=torch.float32), 5)
     return x.numel() * 2 / (micros * 1e-6) / 1e9
 
 
@@ -45,7 +46,7 @@ def time_path(layers: list, x: torch.Tensor) -> float:
         for layer in layers:
             layer(x)
 
-    return fp8_few_rows.device_microseconds(calls, 2) / len(layers)
+    return graph_microseconds(calls, 2) / len(layers)
 
 
 def main() -> None:

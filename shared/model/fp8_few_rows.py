@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.shared.infra.device_timing import graph_microseconds
 from tandem.shared.kvcache.triton_attention import HAS_TRITON, tl, triton
 
 log = logging.getLogger("tandem.model")
@@ -191,24 +192,6 @@ def chosen_tile(n: int, k: int, dtype: torch.dtype, device_index: int, rows: int
     return tile
 
 
-def device_microseconds(fn, repeats: int) -> float:  # noqa: ANN001 - any callable launching CUDA work
-    """Device time per call of ``fn``: ``repeats`` calls captured in one CUDA graph and replayed (a
-    Triton launch from Python costs more host time than these kernels take on the device)."""
-    fn()  # compiles
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / repeats
-
-
 def tune(n: int, k: int, dtype: torch.dtype, device: torch.device, rows: int = 1) -> Tile:
     """Time each candidate that fits this shape at ``rows``' bucket and keep the fastest (each
     compiles once per K and dtype, a fraction of a second; the timing takes milliseconds). The
@@ -230,7 +213,7 @@ def tune(n: int, k: int, dtype: torch.dtype, device: torch.device, rows: int = 1
         for c in codes:
             multiply(x, c, scale, tile=tile)
 
-    timings = {tile: device_microseconds(lambda tile=tile: calls(tile), 2) / copies
+    timings = {tile: graph_microseconds(lambda tile=tile: calls(tile), 2) / copies
                for tile in CANDIDATES if tile.fits(n, k, bucket)}
     best = min(timings, key=timings.get)
     _CHOSEN[key] = best
