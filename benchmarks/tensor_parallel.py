@@ -10,6 +10,10 @@ GPUs: every rank reads its share of the weights per token, so k devices' HBM rat
 (measured on GPU 0, times k). A greedy check rides along: the first ``--check-tokens`` tokens of
 the first prompt on k ranks against one rank (rounding in the all-reduce may move a near tie).
 
+First it times the command channel alone (``--command-rounds``): rank 0 streams that many
+commands to the followers of the largest size and waits for them to be done, once through shared
+memory (what workers use) and once over gloo (what they used before), on the tiny model.
+
 On CUDA every size runs with decode CUDA graphs (captured on every rank in step) and without
 (``enforce_eager``), each against one rank in the same mode. On CPU it runs ``random:llama-test``
 over gloo processes so the script is tested; the CPU's ratios say nothing about GPUs (the ranks
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import time
 
 import torch
 from serving_gpu import greedy_tokens, hbm_read_gbps, make_engine, random_prompts, run_requests
@@ -29,13 +34,13 @@ from tandem.shared.model.loader import load_model
 from tandem.shared.parallel.ranks import RankJob, lead
 
 
-def load(model: str, size: int, device: torch.device, threads: int):
+def load(model: str, size: int, device: torch.device, threads: int, shared_memory_commands: bool = True):
     """The model on ``size`` ranks: (rank 0's loaded model, the followers or None, the group or None)."""
     if size == 1:
         return load_model(model, device=device), None, None
     job = RankJob(model=model, data_dir=None, dtype="auto", quantization="none", torch_threads=threads,
                   engine={"num_blocks": 1})
-    group, followers = lead(job, size, device)
+    group, followers = lead(job, size, device, shared_memory_commands)
     loaded = load_model(model, device=device, tensor_parallel=group)
     group.min_over_ranks(1 << 40)  # the followers size their pools too; the engine sets its own below
     return loaded, followers, group
@@ -44,12 +49,31 @@ def load(model: str, size: int, device: torch.device, threads: int):
 def release(loaded, engine, followers, group) -> None:
     if group is not None:
         followers.leaving = True
-        engine.runner.close()
+        if engine is not None:
+            engine.runner.close()
+        else:
+            group.send_command(("stop",))
+            group.close()
         followers.stop()
     del engine, loaded
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def command_costs(size: int, device: torch.device, threads: int, rounds: int) -> None:
+    """One JSON line: microseconds per command through shared memory and over gloo, same run."""
+    record = {"figure": "tp_commands", "size": size, "device": device.type, "rounds": rounds}
+    for channel, shared in (("shared_memory", True), ("gloo", False)):
+        loaded, followers, group = load("tiny", size, device, threads, shared)
+        started = time.perf_counter()
+        for i in range(rounds):
+            group.send_command(("ping", i == rounds - 1))  # a decode step's command is about this size
+        group.min_over_ranks(0)  # the last one's reply: every follower has taken every command
+        record[f"{channel}_us"] = round((time.perf_counter() - started) / rounds * 1e6, 1)
+        release(loaded, None, followers, group)
+    record["gloo_over_shared_memory"] = round(record["gloo_us"] / record["shared_memory_us"], 1)
+    print(json.dumps(record), flush=True)
 
 
 def main() -> None:
@@ -60,6 +84,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--check-tokens", type=int, default=16)
     parser.add_argument("--kv-gib", type=float, default=8.0)
+    parser.add_argument("--command-rounds", type=int, default=2000, help="commands timed per channel (0: none)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = args.model or ("random:llama3-8b" if device.type == "cuda" else "random:llama-test")
@@ -68,6 +93,8 @@ def main() -> None:
         torch.set_num_threads(threads)
     gbps = hbm_read_gbps(device) if device.type == "cuda" else None
     kv_gib = args.kv_gib if device.type == "cuda" else 0.25
+    if args.command_rounds and max(args.sizes) > 1:
+        command_costs(max(args.sizes), device, threads, args.command_rounds)
     baseline: dict[tuple[int, bool], float] = {}  # (batch, eager) -> one rank's decode tok/s
     reference: list[int] | None = None
     weight_bytes = 0

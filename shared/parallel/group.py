@@ -5,8 +5,11 @@ manager, sampling), ranks 1.. follow its commands. Two process groups join them:
 
 - the *device* group carries tensors: the all-reduces inside the forward, a step's inputs, KV
   blocks gathered for a hand-off (NCCL between GPUs, gloo on CPU);
-- the *control* group (always gloo, host memory) carries the commands themselves, small pickled
-  tuples: with NCCL a pickled object would need a device round trip per command.
+- the *control* group (always gloo, host memory) carries the few collectives on host values
+  (``min_over_ranks``) and any command too large for the shared-memory channel.
+
+Commands themselves, small pickled tuples, go through shared memory on one host
+(``commands.py``): over gloo each one cost about a millisecond.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tandem.shared.parallel.commands import CommandReceiver, CommandSender
 
 # A collective that waits this long means a peer is gone: the ranks stop rather than hang.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
@@ -43,6 +48,8 @@ class TensorParallelGroup:
     device: torch.device
     device_group: Any = field(default=None, repr=False)  # None: the default group
     control_group: Any = field(default=None, repr=False)
+    sender: CommandSender | None = field(default=None, repr=False)  # rank 0's end of the command channel
+    receiver: CommandReceiver | None = field(default=None, repr=False)  # a follower's end
 
     @property
     def is_first(self) -> bool:
@@ -60,10 +67,16 @@ class TensorParallelGroup:
 
     def send_command(self, command: tuple) -> None:
         """Rank 0: hand ``command`` to every other rank (they wait in :meth:`next_command`)."""
+        if self.sender is not None and self.sender.send(command):
+            return
         dist.broadcast_object_list([command], src=0, group=self.control_group)
 
     def next_command(self) -> tuple:
         """Ranks 1..: rank 0's next command."""
+        if self.receiver is not None:
+            command = self.receiver.receive()
+            if command is not None:
+                return command  # else too large for a slot: it follows over the control group
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=self.control_group)
         return box[0]
@@ -91,6 +104,10 @@ class TensorParallelGroup:
         return local
 
     def close(self) -> None:
+        for end in (self.sender, self.receiver):
+            if end is not None:
+                end.close()
+        self.sender = self.receiver = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -99,12 +116,15 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def join_group(rank: int, size: int, port: int, device: torch.device, host: str = "127.0.0.1") -> TensorParallelGroup:
-    """Join (rank 0: open) the rendezvous at ``host:port`` and return this rank's group."""
+def join_group(rank: int, size: int, port: int, device: torch.device, host: str = "127.0.0.1",
+               sender: CommandSender | None = None, receiver: CommandReceiver | None = None) -> TensorParallelGroup:
+    """Join (rank 0: open) the rendezvous at ``host:port`` and return this rank's group; commands go
+    through ``sender`` / ``receiver`` where given, else over the control group."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = backend_for(device)
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend != "gloo" else None
-    return TensorParallelGroup(rank, size, device, device_group=None, control_group=control)
+    return TensorParallelGroup(rank, size, device, device_group=None, control_group=control, sender=sender,
+                               receiver=receiver)

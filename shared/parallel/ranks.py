@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.shared.parallel import commands
 from tandem.shared.parallel.group import TensorParallelError, TensorParallelGroup, free_port, join_group
 
 log = logging.getLogger("tandem.parallel")
@@ -88,24 +89,33 @@ class Followers:
                 proc.wait()
 
 
-def lead(job: RankJob, size: int, device: torch.device) -> tuple[TensorParallelGroup, Followers]:
-    """Rank 0: start ranks 1..``size``-1 and open the group with them."""
+def lead(job: RankJob, size: int, device: torch.device, shared_memory_commands: bool = True
+         ) -> tuple[TensorParallelGroup, Followers]:
+    """Rank 0: start ranks 1..``size``-1 and open the group with them. Commands travel through
+    shared memory (``commands.py``) where the platform has it, unless ``shared_memory_commands`` is
+    off (then over gloo, as a benchmark compares)."""
     devices = rank_devices(device, size)
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     payload = json.dumps(dataclasses.asdict(job))
-    processes = [subprocess.Popen([sys.executable, "-m", "tandem.shared.parallel.ranks", "--rank", str(rank),
-                                   "--size", str(size), "--port", str(port), "--device", str(devices[rank]),
-                                   "--job", payload], env=env, stdin=subprocess.DEVNULL)
-                 for rank in range(1, size)]
-    followers = Followers(processes)
+    sender = commands.CommandSender(size - 1) if shared_memory_commands and commands.available() else None
+    processes = []
     try:
-        group = join_group(0, size, port, devices[0])
+        for rank in range(1, size):
+            argv = [sys.executable, "-m", "tandem.shared.parallel.ranks", "--rank", str(rank), "--size", str(size),
+                    "--port", str(port), "--device", str(devices[rank]), "--job", payload]
+            if sender is not None:
+                argv += ["--commands", sender.fds_for(rank - 1).encode()]
+            processes.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                                              pass_fds=() if sender is None else sender.inheritable()))
+        group = join_group(0, size, port, devices[0], sender=sender)
     except BaseException:
         for proc in processes:
             proc.kill()
+        if sender is not None:
+            sender.close()
         raise
-    return group, followers
+    return group, Followers(processes)
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -117,8 +127,10 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=poll, name="parent watch", daemon=True).start()
 
 
-def run_follower(rank: int, size: int, port: int, device: torch.device, job: RankJob) -> None:
-    """One follower rank, from the rendezvous to rank 0's stop."""
+def run_follower(rank: int, size: int, port: int, device: torch.device, job: RankJob,
+                 channel: commands.ChannelFds | None = None) -> None:
+    """One follower rank, from the rendezvous to rank 0's stop (its commands through ``channel``
+    where rank 0 opened one)."""
     from tandem.shared.infra.config import EngineSettings
     from tandem.shared.kvcache.cache import size_kv_pool
     from tandem.shared.model.loader import load_model, resolve_dtype
@@ -126,7 +138,8 @@ def run_follower(rank: int, size: int, port: int, device: torch.device, job: Ran
 
     if job.torch_threads:
         torch.set_num_threads(job.torch_threads)
-    group = join_group(rank, size, port, device)
+    receiver = None if channel is None else commands.CommandReceiver(channel)
+    group = join_group(rank, size, port, device, receiver=receiver)
     try:
         dtype = resolve_dtype(job.dtype, device)
         loaded = load_model(job.model, device=device, dtype=dtype, data_dir=job.data_dir,
@@ -146,10 +159,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--device", required=True)
     parser.add_argument("--job", required=True, help="the RankJob as JSON")
+    parser.add_argument("--commands", default=None, help="the inherited command channel's descriptors")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _exit_with_parent(os.getppid())
-    run_follower(args.rank, args.size, args.port, torch.device(args.device), RankJob(**json.loads(args.job)))
+    channel = None if args.commands is None else commands.ChannelFds.decode(args.commands)
+    run_follower(args.rank, args.size, args.port, torch.device(args.device), RankJob(**json.loads(args.job)), channel)
 
 
 if __name__ == "__main__":

@@ -179,5 +179,8 @@ def follow(model: torch.nn.Module, group: TensorParallelGroup, device: torch.dev
             runner.swap_out(args[0])
         elif op == "swap_in":
             runner.swap_in(args[0])
+        elif op == "ping":  # the command channel measured (benchmarks/tensor_parallel.py): reply when asked
+            if args[0]:
+                group.min_over_ranks(0)
         else:
             raise RuntimeError(f"unknown tensor-parallel command {op!r}")

@@ -113,7 +113,10 @@ def test_tensor_parallel_benchmark_prints_each_size_against_one_rank() -> None:
     out = subprocess.run([sys.executable, str(BENCHMARKS / "tensor_parallel.py"), "--batches", "1", "4",
                           "--new-tokens", "12", "--check-tokens", "8"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = {(r["size"], r["batch"]): r for r in figures(out.stdout)}
+    printed = figures(out.stdout)
+    rows = {(r["size"], r["batch"]): r for r in printed if r["figure"] == "tensor_parallel"}
     assert set(rows) == {(1, 1), (1, 4), (2, 1), (2, 4)}, rows
     assert all(r["greedy_same_as_one_rank"] and r["decode_tok_s"] > 0 for r in rows.values()), rows
     assert rows[(2, 1)]["over_one_rank"] > 0
+    (channel,) = [r for r in printed if r["figure"] == "tp_commands"]
+    assert channel["shared_memory_us"] > 0 and channel["gloo_us"] > 0, channel
