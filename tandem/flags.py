@@ -36,7 +36,7 @@ SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "decode": (*PROCESS, "bus", "engine", "kv_ring", "metrics"),
     "kvstore": (*PROCESS, "bus", "kvstore", "metrics"),
     "planner": (*PROCESS, "bus", "planner", "metrics", "supervisor.drain_timeout_s"),
-    "trainer": (*PROCESS, "bus", "engine.torch_threads", "metrics"),
+    "trainer": (*PROCESS, "bus", "engine.torch_threads", "trainer", "metrics"),
     "frontend": (*PROCESS, "bus", "frontend", "metrics"),
 }
 UP_SETTINGS = ("model", "data_dir", "log_level", "bus", "supervisor", "engine", "kv_ring", "router", "metrics",

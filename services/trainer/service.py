@@ -12,6 +12,16 @@ While a job runs: :class:`TrainStepMetrics` after every step on ``tandem.v1.trai
 a :class:`TrainTimeline` at most once a second on ``tandem.v1.trainer.timeline.<job>``, and a
 :class:`WeightsUpdated` on ``tandem.v1.models.updated`` after every checkpoint (serving workers of
 that model reload it). A stopped job saves a checkpoint first, so ``resume`` continues it.
+
+What a job from the bus may touch (:func:`confine_job`, before it is queued): it writes only under
+the data dir (``output_dir``, default ``<data_dir>/train/<job>``), and it reads its ``dataset`` and
+its ``model`` directory only from the folders ``--trainer-read-dirs`` (``TANDEM_TRAINER_READ_DIRS``;
+unset: the data dir) names, every file it would read below them included, so a link cannot lead out.
+Relative paths count from the data dir (not the service's working directory); the job runs on
+the absolute paths, so what was checked is what is read, and its ``WeightsUpdated`` events name
+the resolved checkpoint folder. ``stdlib``, ``random`` and the model presets are no paths.
+``tandem train`` (tandem/train_cli.py) runs the user's own job in the user's process and goes
+through none of this.
 """
 
 from __future__ import annotations
@@ -22,9 +32,9 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem.services.common.paths import under_data_dir
+from tandem.services.common.paths import absolute_path, tree_under_roots, under_data_dir, under_roots
 from tandem.services.common.runtime import ServiceRuntime, run_service
-from tandem.shared.infra.config import Settings
+from tandem.shared.infra.config import BY_FLAT, Settings
 from tandem.shared.model.config import ModelLoadError
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ProtocolError
@@ -43,6 +53,9 @@ from tandem.shared.protocol.training import (
 
 NOT_MINE_DELAY_S = 0.5
 TIMELINE_EVERY_S = 1.0
+TEXT_DATASETS = ("stdlib", "random")  # dataset names that are no paths (as text; shared/train/data.py)
+_READ_DIRS = BY_FLAT["trainer_read_dirs"]
+READ_DIRS_SETTING = f"{_READ_DIRS.flag} / {_READ_DIRS.env}"
 
 
 @dataclass
@@ -58,6 +71,42 @@ class JobRecord:
     def status(self) -> TrainJobStatus:
         return TrainJobStatus(job_id=self.job_id, state=self.state, step=self.step, steps=self.job.steps,
                               loss=self.loss, message=self.message)
+
+
+def read_roots(settings: Settings) -> list[Path]:
+    """The folders a job from the bus may read: ``trainer.read_dirs``, or the data dir when unset."""
+    dirs = settings.trainer.read_dirs
+    return list(dirs) if dirs is not None else [Path(settings.data_dir)]
+
+
+def confine_job(job: TrainJob, job_id: str, settings: Settings) -> TrainJob:
+    """``job`` with its paths made absolute (``output_dir`` and ``model`` resolved too, ``output_dir``
+    given its default), when it writes only under the data dir and reads only from
+    :func:`read_roots`; else :class:`ProtocolError` (``invalid_request``) naming the field and the
+    setting to change. Reads the file system (it walks a model directory and a dataset folder)."""
+    from tandem.shared.train.data import text_files
+    from tandem.shared.train.finetune_data import records_kind
+    from tandem.shared.train.presets import PRESETS
+
+    data_dir = settings.data_dir
+    output_dir = job.output_dir if job.output_dir is not None else Path(data_dir) / "train" / job_id
+    changes: dict[str, str] = {"output_dir": str(under_data_dir(output_dir, data_dir, "job.output_dir"))}
+    roots = read_roots(settings)
+    # A name the data code reads as a name only as text: with a records format, "stdlib" is a file.
+    if not (job.dataset in TEXT_DATASETS and records_kind(job.dataset, job.data_format) is None):
+        dataset = under_roots(job.dataset, roots, data_dir, "job.dataset", READ_DIRS_SETTING)
+        if dataset.is_dir():  # the files a text folder is read from, exactly (data.py's own listing)
+            tree_under_roots(dataset, roots, "job.dataset", READ_DIRS_SETTING, text_files(dataset))
+        # absolute, but under its own name: with format auto, a name ending in .jsonl is records
+        # even where it links to a file of another name
+        changes["dataset"] = str(absolute_path(job.dataset, data_dir))
+    if job.model not in PRESETS:
+        model = under_roots(job.model, roots, data_dir, "job.model", READ_DIRS_SETTING)
+        if (model / "config.json").exists():  # a model directory (else validate_job refuses it): every
+            # file of it, the loader's and those a checkpoint copies (tokenizer, chat templates)
+            tree_under_roots(model, roots, "job.model", READ_DIRS_SETTING)
+        changes["model"] = str(model)
+    return job.model_copy(update=changes)
 
 
 def validate_job(job: TrainJob) -> None:
@@ -120,12 +169,13 @@ class TrainerService(ServiceRuntime):
         msg = decode(request.data, TrainStart)
         if msg.job_id in self.jobs:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"job id {msg.job_id!r} is already in use")
-        if msg.job.output_dir is not None:
-            under_data_dir(msg.job.output_dir, self.settings.data_dir, "job.output_dir")
-        await asyncio.to_thread(validate_job, msg.job)
-        record = self.jobs[msg.job_id] = JobRecord(msg.job_id, msg.job)
+        job = await asyncio.to_thread(confine_job, msg.job, msg.job_id, self.settings)
+        await asyncio.to_thread(validate_job, job)
+        if msg.job_id in self.jobs:  # taken while this one was being checked
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"job id {msg.job_id!r} is already in use")
+        record = self.jobs[msg.job_id] = JobRecord(msg.job_id, job)
         self._queue.put(record)
-        self.log.info("job %s queued: %s, %d steps", msg.job_id, msg.job.model, msg.job.steps)
+        self.log.info("job %s queued: %s, %d steps", msg.job_id, job.model, job.steps)
         await request.respond(self._reply([record]))
 
     async def _on_stop(self, request) -> None:  # noqa: ANN001
@@ -192,6 +242,8 @@ class TrainerService(ServiceRuntime):
             self._publish(subjects.trainer_timeline(job_id), encode(msg))
 
         def on_checkpoint(path: Path, step: int) -> None:
+            # under the data dir by confine_job; checked again, so no event ever names another folder
+            path = under_data_dir(path, self.settings.data_dir, "checkpoint path")
             msg = WeightsUpdated(model=runner.model_name, path=str(path), step=step, version=f"{job_id}.{step}")
             self._publish(subjects.WEIGHTS_UPDATED, encode(msg))
 

@@ -18,6 +18,7 @@ whose every field has a ``description`` and its bounds:
     ``settings.planner``  the planner's targets, pace and worker limits
     ``settings.kvstore``  the KV store's tiers
     ``settings.frontend`` the OpenAI-compatible HTTP front end: address, key, served name, admission
+    ``settings.trainer``  the trainer service: the folders jobs from the bus may read
 
 Names. Every field has one *flat name*, unique across all sections: its section's ``prefix`` then
 its own name (``kv_ring.mib`` is ``kv_ring_mib``, ``planner.window_s`` is ``planner_window_s``; the
@@ -293,6 +294,29 @@ class FrontendSettings:
                                          json_schema_extra={"flat": "max_concurrent_requests"})
 
 
+@dataclass(config=SECTION)
+class TrainerSettings:
+    """The trainer service (``tandem serve trainer``): what a job that arrives over the bus may read.
+    ``tandem train`` runs the user's own job in the user's own process and reads what it is given."""
+
+    prefix: ClassVar[str] = "trainer_"
+
+    read_dirs: list[Path] | None = Field(
+        None, description="folders a job from the bus may read its dataset and its model directory from, "
+                          f"separated by {os.pathsep!r} (unset: the data dir only; given: these folders only, so "
+                          "list the data dir too to keep it); stdlib, random and the model presets are no paths "
+                          "and always work")
+
+    @field_validator("read_dirs", mode="before")
+    @classmethod
+    def _split_dirs(cls, value: Any) -> Any:
+        """A flag or variable gives one string: folders separated as in ``PATH`` (empty: unset)."""
+        if isinstance(value, str | os.PathLike):
+            parts = [part.strip() for part in os.fspath(value).split(os.pathsep)]
+            return [part for part in parts if part] or None
+        return value
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
@@ -316,6 +340,8 @@ class Settings(BaseSettings):
     kvstore: KVStoreSettings = Field(default_factory=KVStoreSettings, description="the KV store (tandem serve kvstore)")
     frontend: FrontendSettings = Field(default_factory=FrontendSettings,
                                        description="the OpenAI-compatible HTTP API (tandem serve frontend)")
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings,
+                                     description="the trainer service (tandem serve trainer)")
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

@@ -50,7 +50,8 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
 
 
-def _text_files(path: Path) -> list[Path]:
+def text_files(path: Path) -> list[Path]:
+    """The files a text dataset at ``path`` is read from: the file itself, or every text file below the folder."""
     if path.is_file():
         return [path]
     return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
@@ -73,7 +74,7 @@ class TokenData:
         """Read and tokenize ``spec``; raises ProtocolError(INVALID_REQUEST) when it cannot."""
         if spec == "random":
             return cls(None, vocab_size, "random tokens")
-        files = stdlib_files() if spec == "stdlib" else _text_files(Path(spec)) if Path(spec).exists() else []
+        files = stdlib_files() if spec == "stdlib" else text_files(Path(spec)) if Path(spec).exists() else []
         if not files:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"dataset {spec!r}: no text files found "
                                 "(use 'stdlib', 'random', a text file or a folder of them)")

@@ -68,6 +68,29 @@ def test_fine_tunes_on_a_jsonl_file(tmp_path):
     assert "finished at step 2" in proc.stdout and (out / "chat_template.jinja").is_file()
 
 
+def test_the_users_own_run_reads_their_files_wherever_they_are(tmp_path, monkeypatch):
+    """``--trainer-read-dirs`` confines jobs from the bus; ``tandem train`` is the user's own process
+    on the user's own files: a dataset and a model outside the data dir (one through a relative path
+    and a link, counted from the working directory) train."""
+    data_dir, mine = tmp_path / "data", tmp_path / "mine"
+    data_dir.mkdir()
+    (mine / "texts").mkdir(parents=True)
+    (mine / "texts" / "a.py").write_text("def add(a, b):\n    return a + b\n" * 40)
+    (mine / "notes").symlink_to(mine / "texts", target_is_directory=True)
+    monkeypatch.setenv("TANDEM_TRAINER_READ_DIRS", str(data_dir))  # whatever the service's setting says
+    monkeypatch.chdir(mine)
+
+    def train(model: str, out: str) -> subprocess.CompletedProcess:
+        return run([*TANDEM, "train", "--model", model, "--dataset", "notes", "--steps", "2", "--batch-size", "2",
+                    "--seq-len", "32", "--output-dir", out, "--device", "cpu", "--threads", "1"], data_dir)
+
+    proc = train("tiny", "base")
+    assert proc.returncode == 0 and "finished at step 2" in proc.stdout, proc.stdout + proc.stderr
+    proc = train(str(mine / "base"), str(mine / "tuned"))
+    assert proc.returncode == 0 and "finished at step 2" in proc.stdout, proc.stdout + proc.stderr
+    assert load_model(str(mine / "tuned")).config.num_layers == 4
+
+
 def test_a_bad_jsonl_line_is_refused_in_one_line(tmp_path):
     dataset = tmp_path / "chat.jsonl"
     dataset.write_text('{"prompt": "a", "completion": "b"}\n{"messages": [{"role": "user"}]}\n')

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 import pytest
 
@@ -36,7 +37,7 @@ def subparser(*path: str):
 
 def test_every_field_is_documented_and_named_once():
     assert SECTIONS == ("bus", "supervisor", "engine", "kv_ring", "router", "metrics", "planner", "kvstore",
-                        "frontend")
+                        "frontend", "trainer")
     for name, info in Settings.model_fields.items():
         assert info.description, f"Settings.{name} has no description"
     for knob in FIELDS:
@@ -65,6 +66,9 @@ def test_each_field_is_one_flag_on_the_commands_that_take_it():
             assert up.get(knob.flat) == expected, f"{knob.path}: tandem up has {up.get(knob.flat)}"
             continue
         assert served.get(knob.flat) == expected, f"{knob.path}: tandem serve has {served.get(knob.flat)}"
+        if knob.section == "trainer":  # tandem up starts no trainer
+            assert knob.flat not in up, f"{knob.path}: tandem up takes it"
+            continue
         if knob.flat != "instance_id":  # each child of `up` gets its own
             assert up.get(knob.flat) == expected, f"{knob.path}: tandem up has {up.get(knob.flat)}"
     # Flags of the old hand-written lists keep their spelling.
@@ -102,6 +106,8 @@ PRECEDENCE = [
     ("kvstore", "kvstore_ram_mib", "10", 10.0, ["--kvstore-ram-mib", "20"], 20.0),
     ("up", "drain_timeout_s", "5", 5.0, ["--drain-timeout-s", "7"], 7.0),
     ("frontend", "http_port", "9000", 9000, ["--http-port", "0"], 0),
+    ("trainer", "trainer_read_dirs", f"/srv/a{os.pathsep}/srv/b", [Path("/srv/a"), Path("/srv/b")],
+     ["--trainer-read-dirs", "/srv/c"], [Path("/srv/c")]),
 ]
 
 
