@@ -167,6 +167,9 @@ class Fp8Linear(nn.Module):
         self.out_features, self.in_features = codes.shape
         self.register_buffer("weight", codes)
         self.register_buffer("weight_scale", scale)
+        # the few-row kernel's split-K counters for this weight (zero between launches; not saved)
+        self.register_buffer("split_counters", fp8_few_rows.split_counters(self.out_features, codes.device),
+                             persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.plan: ScaledMMPlan | None = None
 
@@ -201,7 +204,8 @@ class Fp8Linear(nn.Module):
         if rows == 0:
             return x.new_empty((*lead, self.out_features))
         if plan.few_rows and fp8_few_rows.supports(x2, self.weight):
-            return fp8_few_rows.multiply(x2, self.weight, self.weight_scale, self.bias).view(*lead, self.out_features)
+            return fp8_few_rows.multiply(x2, self.weight, self.weight_scale, self.bias,
+                                         counters=self.split_counters).view(*lead, self.out_features)
         codes, x_scale = plan.quantize(x2, -(-rows // ROW_ALIGN) * ROW_ALIGN)
         out = torch._scaled_mm(codes, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1),
                                out_dtype=plan.out_dtype)[:rows]

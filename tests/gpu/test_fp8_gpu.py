@@ -159,6 +159,44 @@ def test_the_few_row_kernel_matches_the_float32_product_with_every_tile(dtype: t
     torch.testing.assert_close(layer(x), fp8_few_rows.multiply(x, codes, scale, bias_term), rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize(("rows", "k", "bias"), [(1, 4096, False), (4, 14336, True)], ids=["o-1", "down-4-bias"])
+def test_split_k_gives_the_same_bits_every_launch_and_in_a_graph(rows: int, k: int, bias: bool) -> None:
+    """The last program of a column block sums the partials in split order: no launch may differ
+    from another by a bit, eager or replayed, and each leaves the counters at zero for the next."""
+    n = 4096
+    w, b = random_linear(n, k, 11, bias)
+    codes, scale = quantize_weight(w)
+    bias_term = None if b is None else b.to(torch.bfloat16)
+    x = random_rows(rows, k, 12, torch.bfloat16)
+    counters = fp8_few_rows.split_counters(n, x.device)
+    tiles = [t for t in fp8_few_rows.CANDIDATES if t.split > 1 and t.fits(n, k, rows)]
+    assert tiles, f"no split-K tile fits {rows} rows of [{n}, {k}]"
+    for tile in tiles:
+        first = fp8_few_rows.multiply(x, codes, scale, bias_term, tile=tile, counters=counters)
+        for launch in range(20):
+            again = fp8_few_rows.multiply(x, codes, scale, bias_term, tile=tile, counters=counters)
+            assert torch.equal(first, again), f"{tile}: launch {launch + 1} differs from the first"
+        torch.cuda.synchronize()
+        assert int(counters.abs().sum()) == 0, f"{tile} left its counters at {counters.nonzero().flatten()}"
+        static = x.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fp8_few_rows.multiply(static, codes, scale, bias_term, tile=tile, counters=counters)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fp8_few_rows.multiply(static, codes, scale, bias_term, tile=tile, counters=counters)
+        for seed in range(3):
+            fresh = random_rows(rows, k, 20 + seed, torch.bfloat16)
+            static.copy_(fresh)
+            graph.replay()
+            want = fp8_few_rows.multiply(fresh, codes, scale, bias_term, tile=tile, counters=counters)
+            assert torch.equal(out, want), f"{tile}: the replay differs from the eager product (inputs {seed})"
+        del graph
+
+
 def test_a_captured_graph_replays_the_eager_product_at_batch_one() -> None:
     """Batch 1 in a decode graph: the padded 16-row product is captured once and replays on new inputs."""
     w, _ = random_linear(6144, 4096, 1)
