@@ -19,6 +19,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 
 import nats
+from support import flushed
 
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ErrorReply
@@ -66,7 +67,7 @@ class ScriptedRouter:
     async def start(cls, url: str, script: Script) -> ScriptedRouter:
         router = cls(await nats.connect(url), script)
         await router.nc.subscribe(subjects.ROUTER_GENERATE, cb=router._on_generate)
-        await router.nc.flush()
+        await flushed(router.nc)
         return router
 
     async def _on_generate(self, msg) -> None:

@@ -1,4 +1,5 @@
-"""Helpers shared by the end-to-end tests: prompts of exact token lengths, worker heartbeats."""
+"""Helpers shared by the end-to-end tests: prompts of exact token lengths, worker heartbeats, a flush
+that proves what went before it reached the server."""
 
 from __future__ import annotations
 
@@ -51,6 +52,17 @@ BAD_SAMPLING: list[tuple[str, object]] = [
 ]
 # Prompt token ids out of [0, 2**31), each one msgpack can carry.
 BAD_PROMPT_TOKEN_IDS: list[list[int]] = [[2**31], [2**64 - 1], [-1]]
+
+
+async def flushed(nc, timeout: float = 10.0) -> None:
+    """``nc.flush()`` that returns only once the server has read every command sent before it.
+    nats-py (2.16) writes a flush's PING to the socket at once but leaves the SUB and PUB commands
+    before it in its pending buffer for its flusher task, so the PING goes out first and its PONG
+    can come back before the server has read them (on a loaded machine another connection's request
+    then found no subscriber: NoRespondersError). By the first PONG the flusher has written them,
+    so the second round trip goes after them."""
+    await nc.flush(timeout=timeout)
+    await nc.flush(timeout=timeout)
 
 
 def value_id(value: object) -> str:

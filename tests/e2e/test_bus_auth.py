@@ -24,6 +24,7 @@ from pathlib import Path
 import nats
 import pytest
 from cli_support import TANDEM, tandem_env, wait_for
+from support import flushed
 
 from tandem.access import bus_options
 from tandem.client import connect
@@ -165,7 +166,7 @@ async def test_every_abuse_fails_with_a_permission_error_and_the_victim_is_unhar
             await nc.subscribe(subject)
         for subject, payload in publishes.values():
             await nc.publish(subject, payload)
-        await nc.flush()
+        await flushed(nc)
         not_refused = [what for what, subject in subscriptions.items()
                        if not await attacker.refused("subscription", subject)]
         not_refused += [what for what, (subject, _) in publishes.items()
@@ -195,7 +196,7 @@ async def test_a_workers_credentials_speak_only_for_its_own_id(up):
                     subjects.ROUTER_GENERATE):
         await nc.publish(subject, b"x")
     await nc.subscribe(subjects.decode_admit(decoder))
-    await nc.flush()
+    await flushed(nc)
     for subject in (subjects.heartbeat("prefill", "prefill-other"), subjects.heartbeat("decode", decoder),
                     subjects.ROUTER_GENERATE):
         assert await attacker.refused("publish", subject), (subject, attacker.errors)

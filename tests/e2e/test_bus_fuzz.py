@@ -33,7 +33,7 @@ from fuzz_support import (
 )
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
-from support import worker_beats
+from support import flushed, worker_beats
 
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import SCHEMA_VERSION
@@ -144,7 +144,7 @@ async def fuzz(system) -> FuzzRun:
             published[subject.rsplit(".", 2)[-2] if subject != subjects.CANCEL else "cancel"] += 1
             if i % 20 == 0:
                 await asyncio.sleep(0)
-        await nc.flush()
+        await flushed(nc)
 
     fuzz_done = asyncio.Event()
     during: list = []

@@ -23,7 +23,7 @@ import pytest
 from cli_support import launch, run_sync, service_env
 from fuzz_support import SUBJECT_NAMES, Target, classify, garbage_for_publish, legit_round, payloads, short, targets
 from nats.errors import TimeoutError as NatsTimeoutError
-from support import worker_beats
+from support import flushed, worker_beats
 
 from tandem.shared.auth.credentials import connect_options, load_credentials
 from tandem.shared.auth.keyring import Keyring
@@ -140,7 +140,7 @@ async def fuzz(secured) -> FuzzRun:
         async with sem:  # paced as the open fuzz's requests are (a flush waits for the server)
             if target.subject != subjects.ROUTER_GENERATE:  # not a client's: the server must refuse it
                 await nc.publish(target.subject, data, reply=nc.new_inbox())
-                await nc.flush(timeout=REPLY_TIMEOUT_S)
+                await flushed(nc, REPLY_TIMEOUT_S)
                 return
             try:
                 reply = await nc.request(target.subject, data, timeout=REPLY_TIMEOUT_S)
@@ -181,7 +181,7 @@ async def fuzz(secured) -> FuzzRun:
 
     legit = asyncio.create_task(legit_loop())
     await asyncio.gather(publish_garbage(), *(send(t, cls, d) for t, cls, d in work))
-    await nc.flush()
+    await flushed(nc)
     expected = sum(o.sent for t, o in ((t, outcomes[t.name]) for t in tgts) if t.subject != subjects.ROUTER_GENERATE)
     for _ in range(100):  # the refusals trail the flush a little
         if sum(refusals(errors, t.subject) for t in tgts) >= expected:

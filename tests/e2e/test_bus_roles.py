@@ -20,6 +20,7 @@ import subprocess
 import nats
 import pytest
 from cli_support import TANDEM, service_env, wait_for
+from support import flushed
 
 from tandem.shared.auth.credentials import connect_options
 from tandem.shared.auth.keyring import Keyring
@@ -103,7 +104,7 @@ async def test_the_server_enforces_each_roles_permissions(secured, role, name, a
             await nc.publish(subject, b"x")
         else:
             await nc.subscribe(subject)
-        await nc.flush()
+        await flushed(nc)
         await asyncio.sleep(0.2)  # a refusal comes back as an -ERR after the flush's PONG at the latest
     finally:
         await nc.close()

@@ -10,7 +10,7 @@ import time
 
 import nats
 import pytest
-from support import prompt_of
+from support import flushed, prompt_of
 
 from tandem.client import ConnectionLostError, TandemError, WorkerFailureError, connect
 from tandem.shared.infra.natsserver import NatsServer
@@ -82,7 +82,7 @@ async def test_breaking_out_sends_the_cancel_at_once_while_connected(start_syste
         cancels.append(decode(msg.data, Cancel).request_id)
 
     await watcher.subscribe(subjects.CANCEL, cb=on_cancel)
-    await watcher.flush()
+    await flushed(watcher)
     try:
         async with connect(system.url) as client:
             ids = [f"leave-{i}" for i in range(6)]
@@ -112,7 +112,7 @@ async def test_only_the_owner_can_cancel_a_request(start_system):
                     for forged in ("_INBOX.tandem.attacker.victim-1", "victim-1"):
                         await attacker.publish(subjects.CANCEL, encode(Cancel(request_id="victim-1",
                                                                               stream_subject=forged)))
-                    await attacker.flush()
+                    await flushed(attacker)
                 tokens += chunk.token_ids
         assert len(tokens) == 40, f"a forged cancel stopped the request after {len(tokens)} tokens"
     finally:
@@ -151,7 +151,7 @@ async def counting_router(url: str, requests: list[GenerateRequest], every_s: fl
         task.add_done_callback(tasks.discard)
 
     await nc.subscribe(subjects.ROUTER_GENERATE, cb=on_generate)
-    await nc.flush()
+    await flushed(nc)
     return nc
 
 
@@ -217,7 +217,7 @@ async def holding_router(url: str, name: str, held: list[GenerateRequest]) -> na
 
     await nc.subscribe(subjects.ROUTER_GENERATE, cb=on_generate)
     await nc.subscribe(subjects.alive("router", name), cb=on_alive)
-    await nc.flush()
+    await flushed(nc)
     return nc
 
 
@@ -274,7 +274,7 @@ async def test_no_acknowledgement_from_any_router_fails_typed_not_by_timeout(pri
         taken.append(msg.data)
 
     await silent.subscribe(subjects.ROUTER_GENERATE, cb=on_generate)
-    await silent.flush()
+    await flushed(silent)
     try:
         async with connect(private_server.url, request_timeout_s=60, max_migrations=2) as client:
             started = time.monotonic()

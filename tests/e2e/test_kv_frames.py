@@ -28,6 +28,7 @@ import msgpack
 import nats
 import pytest
 from nats.errors import NoRespondersError
+from support import flushed
 
 from tandem.shared.auth.credentials import connect_options
 from tandem.shared.auth.keyring import Keyring
@@ -103,7 +104,7 @@ async def serve(nc, links, subject: str, receiver: KVReceiver, delay_s: float = 
             await nc.publish(msg.reply, reply)
 
     sub = await nc.subscribe(subject, cb=on_frame, pending_bytes_limit=1 << 30)
-    await nc.flush()  # at the server before the sender's probe, which comes on another connection
+    await flushed(nc)  # at the server before the sender's probe, which comes on another connection
     return sub
 
 

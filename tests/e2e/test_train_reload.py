@@ -12,7 +12,7 @@ import time
 
 import nats
 import pytest
-from support import worker_beats
+from support import flushed, worker_beats
 
 from tandem.client import connect
 from tandem.shared.model.config import ModelConfig
@@ -73,7 +73,7 @@ async def test_in_flight_finishes_on_old_weights_new_requests_use_new(solo, weig
             tokens += chunk.token_ids
             if published_at is None:
                 await nc.publish(subjects.WEIGHTS_UPDATED, encode(update))
-                await nc.flush()
+                await flushed(nc)
                 published_at = time.monotonic()
         finished_at = time.monotonic()
         assert len(tokens) < LONG or finished_at > published_at
