@@ -534,11 +534,7 @@ class LLMEngine:
         cached prefix (its K/V came from the old weights). Only while no request is unfinished."""
         if self.has_unfinished():
             raise RuntimeError("weights can only change while no request is in flight")
-        if getattr(self.runner.model, "tensor_parallel", None) is not None:
-            raise RuntimeError("a tensor-parallel worker cannot reload weights in place yet: restart it on the new "
-                               "checkpoint")
-        with torch.no_grad():
-            self.runner.model.load_state_dict(state_dict, strict=False)
+        self.runner.load_weights(state_dict)  # a tensor-parallel runner cuts each tensor for every rank
         self.block_manager.reset_prefix_cache()
 
     def drain_kv_events(self) -> tuple[list[int], list[int]]:

@@ -129,6 +129,12 @@ class ModelRunner:
         """The model over one flattened batch (outside the decode graphs): final hidden rows ``[T, hidden]``."""
         return self.model(input_ids, positions, self.kv_cache, meta)
 
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy tensors (the model's own names and shapes) into the model in place: the decode graphs
+        keep reading the same storage. Float weights of fp8 linears are quantized on the way in."""
+        with torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=False)
+
     def close(self) -> None:
         """Release what the runner holds beyond its tensors (a tensor-parallel runner's ranks)."""
 

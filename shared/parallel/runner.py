@@ -27,7 +27,7 @@ from tandem.shared.kvcache.attention import AttentionMetadata
 from tandem.shared.kvcache.cache import gather_blocks, scatter_blocks
 from tandem.shared.kvcache.swap_space import SwapSpace
 from tandem.shared.parallel.group import TensorParallelGroup
-from tandem.shared.parallel.sharding import kv_replicas
+from tandem.shared.parallel.sharding import kv_replicas, rank_part
 
 log = logging.getLogger("tandem.parallel")
 
@@ -126,6 +126,29 @@ class TensorParallelRunner(ModelRunner):
         self.group.send_command(("swap_in", list(pairs)))
         super().swap_in(pairs)
 
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """New whole-model weights into every rank's share, in place: every rank's share of each tensor
+        is checked against the served shape first (a mismatch refuses before any rank changes), then broadcast whole,
+        one at a time, and every rank keeps its part by the same cut as at load
+        (:func:`sharding.rank_part`)."""
+        whole, size = self.model.whole_config, self.group.size
+        served = self.model.state_dict()
+        for name, tensor in state_dict.items():  # every rank's share has rank 0's shape (the lm head: rank 0's only)
+            if name not in served:
+                continue
+            for rank in range(size):
+                part = rank_part(name, tensor, whole, rank, size)
+                if part is not None and tuple(part.shape) != tuple(served[name].shape):
+                    raise ValueError(f"{name}: rank {rank}'s share of {tuple(tensor.shape)} would be "
+                                     f"{tuple(part.shape)}, the served shares are {tuple(served[name].shape)}")
+        entries = [(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+                   for name, tensor in state_dict.items()]
+        self.group.send_command(("load", entries))
+        for name, tensor in state_dict.items():  # one at a time: never a model's worth of whole tensors on the device
+            part = rank_part(name, self.group.broadcast(tensor.to(self.device).contiguous()), whole, 0, size)
+            if part is not None:
+                super().load_weights({name: part})
+
     def close(self) -> None:
         """Tell the other ranks to leave, then leave the group."""
         if not self._closed:
@@ -179,6 +202,12 @@ def follow(model: torch.nn.Module, group: TensorParallelGroup, device: torch.dev
             runner.swap_out(args[0])
         elif op == "swap_in":
             runner.swap_in(args[0])
+        elif op == "load":
+            for name, shape, dtype in args[0]:
+                whole_tensor = group.broadcast(torch.empty(shape, dtype=getattr(torch, dtype), device=device))
+                part = rank_part(name, whole_tensor, model.whole_config, group.rank, group.size)
+                if part is not None:
+                    runner.load_weights({name: part})
         elif op == "ping":  # the command channel measured (benchmarks/tensor_parallel.py): reply when asked
             if args[0]:
                 group.min_over_ranks(0)

@@ -16,6 +16,7 @@ quantizes them: both then work on the shards as on a whole model.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 from torch import nn
@@ -52,19 +53,45 @@ def shard_config(config: ModelConfig, size: int) -> ModelConfig:
                                intermediate_size=config.intermediate_size // size)
 
 
-def _keep_rows(linear: nn.Linear, start: int, stop: int) -> None:
-    linear.weight = nn.Parameter(linear.weight.detach()[start:stop].clone(), requires_grad=False)
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(linear.bias.detach()[start:stop].clone(), requires_grad=False)
-    linear.out_features = stop - start
+# A decoder layer's linears by how they split: by output rows (no communication) or by input
+# columns (partial sums, all-reduced).
+COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+_LAYER_LINEAR = re.compile(r"model\.layers\.\d+\.(?P<linear>[a-z_]+\.[a-z_]+)\.(?P<kind>weight|bias)")
 
 
-def _keep_columns(linear: nn.Linear, start: int, stop: int, keep_bias: bool) -> None:
-    linear.weight = nn.Parameter(linear.weight.detach()[:, start:stop].clone(), requires_grad=False)
-    if linear.bias is not None and not keep_bias:
-        # The bias is added once to the sum: by rank 0, as zero elsewhere.
-        linear.bias = nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
-    linear.in_features = stop - start
+def _span(linear: str, whole: ModelConfig, rank: int, size: int) -> tuple[int, int]:
+    """The rows (column-parallel) or columns (row-parallel) of ``linear`` that ``rank`` keeps."""
+    part, d = shard_config(whole, size), whole.head_dim
+    if linear in ("self_attn.q_proj", "self_attn.o_proj"):
+        return rank * part.num_heads * d, (rank + 1) * part.num_heads * d
+    if linear in ("self_attn.k_proj", "self_attn.v_proj"):
+        first = (rank // kv_replicas(whole, size)) * part.num_kv_heads
+        return first * d, (first + part.num_kv_heads) * d
+    return rank * part.intermediate_size, (rank + 1) * part.intermediate_size
+
+
+def rank_part(name: str, tensor: torch.Tensor, whole: ModelConfig, rank: int, size: int) -> torch.Tensor | None:
+    """Rank ``rank``'s share of the whole model's tensor ``name`` (a state-dict name), a view where it
+    can be: rows of a column-parallel linear, columns of a row-parallel one (whose bias rank 0 keeps
+    whole and the others as zeros: it is added once to the sum), None for an untied LM head off rank
+    0, the tensor itself for everything else. The one cut rule of :func:`shard_model` and of a
+    weight reload (``runner.TensorParallelRunner.load_weights``)."""
+    if name == "lm_head.weight" and rank != 0 and not whole.tie_word_embeddings:
+        return None
+    match = _LAYER_LINEAR.fullmatch(name)
+    if match is None or size == 1:
+        return tensor
+    linear, kind = match["linear"], match["kind"]
+    if linear in COLUMN_PARALLEL:
+        start, stop = _span(linear, whole, rank, size)
+        return tensor[start:stop]
+    if linear in ROW_PARALLEL:
+        if kind == "bias":
+            return tensor if rank == 0 else torch.zeros_like(tensor)
+        start, stop = _span(linear, whole, rank, size)
+        return tensor[:, start:stop]
+    return tensor
 
 
 def shard_model(model: LlamaForCausalLM, group: TensorParallelGroup) -> LlamaForCausalLM:
@@ -76,23 +103,20 @@ def shard_model(model: LlamaForCausalLM, group: TensorParallelGroup) -> LlamaFor
     if getattr(model.model.layers[0].self_attn, "qkv_proj", None) is not None or model.quantization != "none":
         raise TensorParallelError("shard a model before its projections are fused or quantized")
     part = shard_config(whole, group.size)
-    r, d = group.rank, whole.head_dim
     with torch.no_grad():
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            q0, q1 = r * part.num_heads * d, (r + 1) * part.num_heads * d
-            first_kv = (r // kv_replicas(whole, group.size)) * part.num_kv_heads
-            kv0, kv1 = first_kv * d, (first_kv + part.num_kv_heads) * d
-            _keep_rows(attn.q_proj, q0, q1)
-            _keep_rows(attn.k_proj, kv0, kv1)
-            _keep_rows(attn.v_proj, kv0, kv1)
-            _keep_columns(attn.o_proj, q0, q1, keep_bias=group.is_first)
+        for index, layer in enumerate(model.model.layers):
+            for linear_name in COLUMN_PARALLEL + ROW_PARALLEL:
+                linear = layer.get_submodule(linear_name)
+                prefix = f"model.layers.{index}.{linear_name}"
+                for kind in ("weight", "bias"):
+                    tensor = getattr(linear, kind)
+                    if tensor is not None:  # cloned: the whole matrix's storage goes
+                        shard = rank_part(f"{prefix}.{kind}", tensor.detach(), whole, group.rank, group.size)
+                        setattr(linear, kind, nn.Parameter(shard.clone(), requires_grad=False))
+                linear.out_features, linear.in_features = linear.weight.shape
+            attn = layer.self_attn
             attn.num_heads, attn.num_kv_heads = part.num_heads, part.num_kv_heads
-            i0, i1 = r * part.intermediate_size, (r + 1) * part.intermediate_size
-            _keep_rows(mlp.gate_proj, i0, i1)
-            _keep_rows(mlp.up_proj, i0, i1)
-            _keep_columns(mlp.down_proj, i0, i1, keep_bias=group.is_first)
-            attn.tensor_parallel = mlp.tensor_parallel = group
+            attn.tensor_parallel = layer.mlp.tensor_parallel = group
     if not group.is_first and not whole.tie_word_embeddings:
         model.lm_head = None  # logits are rank 0's: the others never compute them
     model.config, model.whole_config = part, whole

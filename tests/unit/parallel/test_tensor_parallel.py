@@ -116,6 +116,51 @@ def test_several_samples_share_blocks_with_copy_on_write(plain, sharded) -> None
     assert tp["g"].tokens() == one["g"].tokens(), "the samples differ from one rank's"
 
 
+def perturbed(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """``model``'s weights moved by about 1% (a training step's worth), tied ones kept tied."""
+    generator = torch.Generator().manual_seed(seed)
+    state = {name: tensor + 0.01 * tensor.abs().mean() * torch.randn(tensor.shape, generator=generator)
+             for name, tensor in model.state_dict().items()}
+    if "lm_head.weight" in state and model.config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+def test_a_weight_reload_reaches_every_rank(plain, sharded, tmp_path) -> None:
+    """New whole-model weights into a two-rank engine (a hot reload): its tokens and logits are one
+    rank's on the new weights (the same prompts ran before it: K/V cached from the old weights would
+    show), and a reload whose shapes do not fit is refused before any rank changes."""
+    prompts = make_prompts()[:4]
+    new = perturbed(plain.model, seed=5)
+    reference = load_model("tiny", device="cpu", dtype=torch.float32, data_dir=tmp_path)
+    reference.model.load_state_dict(new)
+    one_engine = make_engine(reference)
+    one_logits = record_logits(one_engine)
+    one = run(one_engine, [make_request(f"r{i}", p, 12) for i, p in enumerate(prompts)])
+
+    tp_engine = make_engine(sharded)
+    before = run(tp_engine, [make_request(f"r{i}", p, 12) for i, p in enumerate(prompts)])
+    try:
+        tp_engine.load_weights(new)
+        tp_logits = record_logits(tp_engine)
+        after = run(tp_engine, [make_request(f"r{i}", p, 12) for i, p in enumerate(prompts)])
+        same_tokens(after, one, one_logits)
+        for key, logits in one_logits.items():
+            assert torch.allclose(tp_logits[key], logits, atol=LOGIT_TOLERANCE), \
+                f"logits of {key} are not one rank's on the new weights: a rank kept its old share"
+        misfit = dict(new)
+        misfit["model.layers.0.mlp.down_proj.weight"] = new["model.layers.0.mlp.down_proj.weight"][:, :-2]
+        with pytest.raises(ValueError, match="down_proj.weight"):
+            tp_engine.load_weights(misfit)
+        again = run(tp_engine, [make_request(f"r{i}", p, 12) for i, p in enumerate(prompts)])
+        assert [again[k].tokens for k in sorted(again)] == [after[k].tokens for k in sorted(after)], \
+            "a refused reload changed a rank's weights"
+    finally:
+        tp_engine.load_weights(plain.model.state_dict())  # the module's other tests expect the shipped weights
+    restored = run(tp_engine, [make_request(f"r{i}", p, 12) for i, p in enumerate(prompts)])
+    assert [restored[k].tokens for k in sorted(restored)] == [before[k].tokens for k in sorted(before)]
+
+
 def test_follower_settings_round_trip() -> None:
     """The engine section goes to a follower as JSON and comes back as the same settings."""
     import dataclasses
