@@ -122,11 +122,12 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         first, first_deterministic = variants[0]
-        explicit = dict(device_update_layers=first[0], device_update_sets=first[2]) if first else {}
+        explicit = dict(device_update_layers=first[0], device_resident_layers=first[1],
+                        device_update_sets=first[2]) if first else {}
         job = TrainJob(**(dict(dataset="random", lr=1e-4) | spec), steps=warmup + measure, weight_decay=0.0,
                        grad_clip=1.0, device=device, output_dir=tmp, deterministic=first_deterministic, **explicit)
         t0 = time.perf_counter()
-        runner = TrainRunner(job, name, Path(tmp), device_resident_layers=first[1] if first else None, rates=rates)
+        runner = TrainRunner(job, name, Path(tmp), rates=rates)
         init_s = time.perf_counter() - t0
         for index, (variant, deterministic) in enumerate(variants):
             if index:  # same host state, fresh optimizer thread and engine

@@ -28,8 +28,8 @@ DEFAULT_JOB = dict(model="tiny", dataset="stdlib", steps=200, batch_size=16, seq
                    weight_decay=0.1, grad_clip=1.0)
 JOB_FLAGS = ("model", "dataset", "data_format", "pack", "steps", "batch_size", "seq_len", "lr", "weight_decay",
              "grad_clip", "warmup_steps", "seed", "device", "checkpoint_every", "output_dir", "resume",
-             "gpu_memory_gib", "device_update_layers", "device_update_sets", "compile_layers", "split_update",
-             "deterministic")
+             "gpu_memory_gib", "device_update_layers", "device_resident_layers", "device_update_sets",
+             "compile_layers", "split_update", "deterministic")
 SAMPLE_PROMPT = "def "
 
 
@@ -115,14 +115,13 @@ def cmd_train(args: argparse.Namespace, settings) -> int:  # noqa: ANN001 - tand
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    resident = getattr(args, "device_resident_layers", None)
     try:
         job = build_job(args, settings.data_dir)
         job_id = args.job_id or f"train-{uuid.uuid4().hex[:8]}"
         if getattr(args, "plan", False):
-            return print_plan(job, job_id, settings.data_dir, resident)
+            return print_plan(job, job_id, settings.data_dir)
         started = time.perf_counter()
-        runner = TrainRunner(job, job_id, settings.data_dir, device_resident_layers=resident)
+        runner = TrainRunner(job, job_id, settings.data_dir)
     except (ValidationError, ProtocolError, ValueError) as exc:
         print(f"tandem train: {exc}", file=sys.stderr)
         return 2
@@ -161,12 +160,12 @@ def cmd_train(args: argparse.Namespace, settings) -> int:  # noqa: ANN001 - tand
     return 0
 
 
-def print_plan(job, job_id: str, data_dir: Path, resident: int | None) -> int:  # noqa: ANN001 - TrainJob
+def print_plan(job, job_id: str, data_dir: Path) -> int:  # noqa: ANN001 - TrainJob
     """``--plan``: the plan (allocating nothing large); 0 when it fits, 2 (with the refusal) when not."""
     from tandem.shared.train.plan import PlanError
     from tandem.shared.train.runner import output_dir_of, plan_job
 
-    setup = plan_job(job, output_dir_of(job, job_id, data_dir), resident)
+    setup = plan_job(job, output_dir_of(job, job_id, data_dir))
     print(setup.plan.describe())
     if setup.bound:
         terms = ", ".join(f"{k} {v:.3f}" for k, v in setup.bound.items() if k != "bound" and v)

@@ -34,8 +34,12 @@ class TrainJob(BaseModel):
     output_dir: str | None = None  # default: <data_dir>/train/<job_id>
     resume: bool = False  # continue from the latest checkpoint in output_dir
     gpu_memory_gib: float | None = Field(None, gt=0)  # cap through set_per_process_memory_fraction
-    device_update_layers: int = Field(0, ge=0)  # first layers whose AdamW math runs on the GPU (0: all on the CPU)
+    # first layers whose AdamW math runs on the GPU (0: all on the CPU; None: chosen from the cap on CUDA)
+    device_update_layers: int | None = Field(None, ge=0)
     device_update_sets: int = Field(2, ge=1, le=16)  # GPU buffer sets for those updates (state loads ahead)
+    # of the GPU-updated layers, how many keep fp32 masters and moments on the GPU for the whole run
+    # (None: chosen from the cap with device_update_layers; given alone, that many layers are GPU-updated too)
+    device_resident_layers: int | None = Field(None, ge=0)
     compile_layers: bool | None = None  # torch.compile the layer blocks; None: on CUDA only
     split_update: bool | None = None  # host AdamW as preview + commit (optimizer.py); None: on CUDA only
     # CUDA kernels with a fixed reduction order (shared/train/determinism.py): reruns and resumes are bit-exact;

@@ -110,11 +110,10 @@ def gpu_cap_bytes(device: torch.device, gpu_memory_gib: float | None) -> int | N
     return free
 
 
-def plan_job(job: TrainJob, output_dir: Path, device_resident_layers: int | None = None, rates: Rates | None = None,
-             mlp_chunk: int = 16384) -> JobSetup:
+def plan_job(job: TrainJob, output_dir: Path, rates: Rates | None = None, mlp_chunk: int = 16384) -> JobSetup:
     """Resolve the model, read the data and make the memory plan and the placement, allocating
-    nothing large. Placement: ``job.device_update_layers`` set explicitly (or
-    ``device_resident_layers`` given) is taken as is, with ``r`` resident of the ``k`` GPU-updated
+    nothing large. Placement: ``job.device_update_layers`` or ``job.device_resident_layers`` given
+    (not None) is taken as is, with ``r`` resident of the ``k`` GPU-updated
     layers (``k`` alone: none resident; ``r`` alone: ``k = r``); otherwise CUDA chooses from the cap
     (plan.choose_placement) with ``rates`` (None: measured now, about a second) and CPU updates every
     layer on the host."""
@@ -148,9 +147,10 @@ def plan_job(job: TrainJob, output_dir: Path, device_resident_layers: int | None
     if split and job.split_update is None and not plan_for(Placement(), True).fits_host():
         log.info("no room in host RAM for a second gradient buffer; host AdamW runs whole updates")
         split = False
-    explicit_k = "device_update_layers" in job.model_fields_set
-    if explicit_k or device_resident_layers is not None:
-        r = device_resident_layers or 0
+    # not model_fields_set: a job that came over the bus has every field set (the codec sends them all)
+    explicit_k = job.device_update_layers is not None
+    if explicit_k or job.device_resident_layers is not None:
+        r = job.device_resident_layers or 0
         k = job.device_update_layers if explicit_k else r
         if r > k:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"{r} GPU-resident layers but only {k} GPU-updated ones; "
@@ -199,15 +199,14 @@ def output_dir_of(job: TrainJob, job_id: str, data_dir: Path) -> Path:
 
 
 class TrainRunner:
-    """A job; ``device_resident_layers`` (None: chosen, see :func:`plan_job`) is how many of the
-    GPU-updated layers keep their fp32 state on the GPU. Refuses (ProtocolError, one line) a job
+    """A job (its placement: see :func:`plan_job`). Refuses (ProtocolError, one line) a job
     whose memory plan does not fit before allocating anything large."""
 
     def __init__(self, job: TrainJob, job_id: str, data_dir: Path, mlp_chunk: int = 16384,
-                 device_resident_layers: int | None = None, rates: Rates | None = None) -> None:
+                 rates: Rates | None = None) -> None:
         self.job, self.job_id = job, job_id
         self.output_dir = output_dir_of(job, job_id, data_dir)
-        self.setup = setup = plan_job(job, self.output_dir, device_resident_layers, rates, mlp_chunk)
+        self.setup = setup = plan_job(job, self.output_dir, rates, mlp_chunk)
         try:
             setup.plan.check()
         except PlanError as exc:

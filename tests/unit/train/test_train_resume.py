@@ -37,18 +37,18 @@ def test_resume_continues_bit_exactly(tmp_path, device, device_layers, split, re
     checkpoint must copy it back and the resumed run load it again (device_update.py). On CUDA the
     rows are 512 tokens, so flash attention's backward splits over key blocks, and the byte vocabulary
     repeats ids within a batch: both reductions race unless the step is deterministic (determinism.py)."""
-    how = dict(device_update_layers=device_layers, split_update=split, device=device)
+    how = dict(device_update_layers=device_layers, device_resident_layers=resident, split_update=split, device=device)
     if device == "cuda":
         how |= dict(seq_len=512, batch_size=4)
     unbroken: list[float] = []
-    TrainRunner(job(tmp_path, "a", **how), "a", tmp_path, device_resident_layers=resident).run(
+    TrainRunner(job(tmp_path, "a", **how), "a", tmp_path).run(
         on_step=lambda m: unbroken.append(m.loss))
 
     broken: list[float] = []
-    first = TrainRunner(job(tmp_path, "b", **how), "b", tmp_path, device_resident_layers=resident).run(
+    first = TrainRunner(job(tmp_path, "b", **how), "b", tmp_path).run(
         on_step=lambda m: broken.append(m.loss), should_stop=lambda: len(broken) >= STEPS // 2)
     assert first.state == "stopped" and first.step == STEPS // 2
-    resumed = TrainRunner(job(tmp_path, "b", resume=True, **how), "b", tmp_path, device_resident_layers=resident)
+    resumed = TrainRunner(job(tmp_path, "b", resume=True, **how), "b", tmp_path)
     assert resumed.placement.resident == (resident or 0)
     assert resumed.start_step == STEPS // 2
     second = resumed.run(on_step=lambda m: broken.append(m.loss))
