@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -38,6 +39,7 @@ from tandem.shared.parallel.ranks import Followers, RankJob, lead, rank_devices
 from tandem.shared.parallel.sharding import shard_config
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError, shortened
+from tandem.shared.protocol.block_hashes import prefix_hashes
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.fleet import Heartbeat
 from tandem.shared.protocol.serving import Cancel, RequestSpec, StreamChunk, TokenLogprobs
@@ -267,6 +269,31 @@ class EngineWorker(ServiceRuntime):
         await publish_transfer(self.nc, request_id, self.instance_id, store, "store", len(hashes), len(blob),
                                start, time.time())
         self.log.debug("offered %d blocks of %s to kvstore %s (%d new)", len(hashes), request_id, store, reply.stored)
+
+    async def fetch_prefix(self, spec: RequestSpec, store: str, blocks: int) -> torch.Tensor | None:
+        """Up to ``blocks`` of ``spec``'s leading prompt blocks from the KV-store ``store``, or None
+        (nothing to fetch, a miss or a failure: the engine computes them). Prompt logprobs score every
+        prompt token, so none of such a prompt may come from a store; a migrated request computes its
+        prompt too (the engine takes output tokens with a whole hand-off's KV only, not a prefix's)."""
+        bs = self.engine_config.block_size
+        want = min(blocks, (len(spec.prompt_token_ids) - 1) // bs)  # the last token is computed
+        if not store or want <= 0 or spec.params.prompt_logprobs is not None or spec.resume_output_token_ids:
+            return None
+        hashes = prefix_hashes(spec.prompt_token_ids, bs)[:want]
+        start = time.time()
+        try:
+            client = KVStoreClient(self.nc, store, window=self.settings.bus.kv_window, links=self.links)
+            found, blob, block_bytes = await client.get(self.kv_namespace, hashes, prefix_only=True)
+        except Exception as exc:
+            self.log.warning("kvstore %s fetch for %s failed (%s); computing the prefix", store, spec.request_id, exc)
+            return None
+        if found:
+            await publish_transfer(self.nc, spec.request_id, store, self.instance_id, "store", len(found), len(blob),
+                                   start, time.time())
+        layout = self.engine.runner.kv_layout
+        if not found or block_bytes != math.prod(layout) * self.dtype.itemsize:
+            return None  # nothing cached, or blocks of another layout under this namespace: compute
+        return torch.frombuffer(blob, dtype=torch.uint8).view(self.dtype).view(len(found), *layout)
 
     def on_kv_events(self, stored: list[int], removed: list[int]) -> None:
         self.kv_events.add(self.kv_namespace, stored, removed)

@@ -125,6 +125,8 @@ class DecodeService(EngineWorker):
             # and token stream of this worker waits behind the copy (frames were reassembled and
             # checksummed as they landed: taking them only compares the checksums).
             kv = await asyncio.to_thread(self.received_kv, msg) if msg.ring is not None else self.received_kv(msg)
+            if kv is None:  # prefilled here: the store's cached prefix first, as a prefill worker would
+                kv = await self.fetch_prefix(spec, msg.kvstore, msg.kvstore_fetch_blocks)
         finally:
             self.admitting.discard(spec.request_id)
         work = engine_request(spec, kv=kv, output_token_ids=msg.output_token_ids,
@@ -141,11 +143,13 @@ class DecodeService(EngineWorker):
             del self.streams[spec.request_id]
             self.offers.pop(spec.request_id, None)
             raise ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) from None
-        received = "through the ring" if msg.ring else "as NATS frames"
-        self.log.debug(
-            "admit %s: %d prompt tokens, %s", spec.request_id, len(spec.prompt_token_ids),
-            f"{kv.shape[0]} KV blocks received {received}" if kv is not None else "prefilling locally",
-        )
+        if kv is None:
+            how = "prefilling locally"
+        elif msg.ring or msg.transfer:
+            how = f"{kv.shape[0]} KV blocks received {'through the ring' if msg.ring else 'as NATS frames'}"
+        else:
+            how = f"{kv.shape[0]} KV blocks from kvstore {msg.kvstore}, prefilling the rest locally"
+        self.log.debug("admit %s: %d prompt tokens, %s", spec.request_id, len(spec.prompt_token_ids), how)
         await request.respond(encode(Ack(request_id=spec.request_id)))
 
     def handle_output(self, out: RequestOutput, stream: Stream) -> bool:

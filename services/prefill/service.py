@@ -13,7 +13,6 @@ request (EOS, a stop string, ``max_tokens=1``) nothing is handed off.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 import uuid
 from collections import Counter
@@ -22,7 +21,6 @@ import torch
 from nats.micro.request import Request
 
 from tandem.services.common.block_snapshot import publish_transfer
-from tandem.services.common.kvstore_client import KVStoreClient
 from tandem.services.common.runtime import run_service
 from tandem.services.common.worker import EngineWorker, Stream, engine_request
 from tandem.shared.engine.sequence import RequestOutput
@@ -86,12 +84,7 @@ class PrefillService(EngineWorker):
 
     async def admit(self, msg: PrefillRequest, request: Request) -> None:
         spec = msg.spec
-        # Prompt logprobs score every prompt token, so none of the prompt may come from a store; a
-        # migrated request computes its prompt too (the engine takes output tokens with a whole
-        # hand-off's KV only, not with a prefix's).
-        fetch = (msg.kvstore and msg.kvstore_fetch_blocks and spec.params.prompt_logprobs is None
-                 and not spec.resume_output_token_ids)
-        prefix = await self.fetch_prefix(msg) if fetch else None
+        prefix = await self.fetch_prefix(spec, msg.kvstore, msg.kvstore_fetch_blocks)
         try:
             await self.thread.add(engine_request(spec, kv=prefix, prefill_only=True))
         except Exception as exc:  # refused by the engine (ValueError) or failed: the router hears why
@@ -105,29 +98,6 @@ class PrefillService(EngineWorker):
                       0 if prefix is None else prefix.shape[0] * self.settings.engine.block_size,
                       msg.decode_worker)
         await request.respond(encode(Ack(request_id=spec.request_id)))
-
-    async def fetch_prefix(self, msg: PrefillRequest) -> torch.Tensor | None:
-        """The prompt's leading blocks from the KV-store, or None (a miss or a failure: compute them)."""
-        bs, spec = self.settings.engine.block_size, msg.spec
-        want = min(msg.kvstore_fetch_blocks, (len(spec.prompt_token_ids) - 1) // bs)  # the last token is computed
-        if want <= 0:
-            return None
-        hashes = prefix_hashes(spec.prompt_token_ids, bs)[:want]
-        start = time.time()
-        try:
-            client = KVStoreClient(self.nc, msg.kvstore, window=self.settings.bus.kv_window, links=self.links)
-            found, blob, block_bytes = await client.get(self.kv_namespace, hashes, prefix_only=True)
-        except Exception as exc:
-            self.log.warning("kvstore %s fetch for %s failed (%s); computing the prefix", msg.kvstore, spec.request_id,
-                             exc)
-            return None
-        if found:
-            await publish_transfer(self.nc, spec.request_id, msg.kvstore, self.instance_id, "store", len(found),
-                                   len(blob), start, time.time())
-        layout = self.engine.runner.kv_layout
-        if not found or block_bytes != math.prod(layout) * self.dtype.itemsize:
-            return None  # nothing cached, or blocks of another layout under this namespace: compute
-        return torch.frombuffer(blob, dtype=torch.uint8).view(self.dtype).view(len(found), *layout)
 
     def handle_output(self, out: RequestOutput, stream: Stream) -> bool:
         msg = self.pending.pop(out.request_id, None) if out.ends_request else None

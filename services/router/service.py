@@ -120,9 +120,10 @@ def prefill_request(spec: RequestSpec, dec: Heartbeat, store: str, fetch: int, h
                           kvstore=store, kvstore_fetch_blocks=fetch, kvstore_held_blocks=held)
 
 
-def decode_request(spec: RequestSpec, store: str, held: int) -> DecodeRequest:
-    """Prefill and decode ``spec`` on the decode worker itself, offering its blocks past ``held`` to ``store``."""
-    return DecodeRequest(spec=spec, kvstore=store, kvstore_held_blocks=held)
+def decode_request(spec: RequestSpec, store: str, fetch: int, held: int) -> DecodeRequest:
+    """Prefill and decode ``spec`` on the decode worker itself, fetching ``fetch`` leading blocks
+    from ``store`` first and offering it the blocks past the ``held`` it has."""
+    return DecodeRequest(spec=spec, kvstore=store, kvstore_fetch_blocks=fetch, kvstore_held_blocks=held)
 
 
 def admission_key(request_id: str, stream_subject: str) -> str:
@@ -388,7 +389,8 @@ class Router(ServiceRuntime):
                 if placed:
                     prefill_worker, reason = await self.place_prefill(spec, prompt, decode_worker, choice,
                                                                       msg.exclude_workers)
-                    placed = prefill_worker is not None or await self.forward_decode(spec, prompt, decode_worker)
+                    placed = prefill_worker is not None or await self.forward_decode(spec, prompt, decode_worker,
+                                                                                     choice)
             except BaseException:
                 decode_worker.release(stamp)
                 raise
@@ -463,9 +465,10 @@ class Router(ServiceRuntime):
         prefill.release(stamp)
         return False
 
-    async def forward_decode(self, spec: RequestSpec, prompt: PromptBlocks, dec: Worker) -> bool:
+    async def forward_decode(self, spec: RequestSpec, prompt: PromptBlocks, dec: Worker, choice: Candidate) -> bool:
         store, held = self.best_store(dec, prompt)
-        work = decode_request(spec, store, held)
+        fetch = held if held > choice.cached_blocks else 0  # as for a prefill worker (place_prefill)
+        work = decode_request(spec, store, fetch, held)
         return await self.forward(subjects.decode_admit(dec.beat.instance_id), work, dec)
 
     async def forward(self, subject: str, work, worker: Worker) -> bool:

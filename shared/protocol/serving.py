@@ -227,6 +227,8 @@ class DecodeRequest(WireMessage):
     kv_namespace: str = ""  # the sender's KV layout: must equal the receiver's when KV comes along
     kvstore: InstanceName = ""  # a KV-store to offer the sequence's full blocks to when it ends ...
     kvstore_held_blocks: int = Field(0, ge=0)  # ... past the leading blocks it already holds
+    # Prefilled here (no KV along): leading prompt blocks worth fetching from that store first.
+    kvstore_fetch_blocks: int = Field(0, ge=0)
     # Unix time the prefill worker sent the first token (inter-token latency starts there).
     first_token_time: float = Field(0.0, ge=0.0, allow_inf_nan=False)
 

@@ -82,7 +82,7 @@ def test_spec_refuses_min_tokens_past_the_max_tokens_it_grants(min_tokens: int, 
     msg = generate_request().model_copy(update={"params": params})
     if not refused:
         spec = request_spec(msg, PROMPT, "tiny", 1.0, 2048)
-        assert over_the_bus(decode_request(spec, store="", held=0)).spec == spec, "a spec every worker decodes"
+        assert over_the_bus(decode_request(spec, store="", fetch=0, held=0)).spec == spec, "a spec every worker decodes"
         return
     with pytest.raises(ProtocolError) as caught:
         request_spec(msg, PROMPT, "tiny", 1.0, 2048)
@@ -105,9 +105,9 @@ def test_logit_bias_past_the_vocabulary_is_refused(bias, refused: bool) -> None:
 
 def test_spec_reaches_a_decode_worker_prefilling_alone() -> None:
     spec = request_spec(generate_request(), PROMPT, "tiny", accepted_at=12.0, max_model_len=2048)
-    admit = over_the_bus(decode_request(spec, store="kvstore-a", held=2))
+    admit = over_the_bus(decode_request(spec, store="kvstore-a", fetch=2, held=2))
     assert admit.spec == spec and admit.output_token_ids == [] and admit.transfer is None and admit.ring is None
-    assert (admit.kvstore, admit.kvstore_held_blocks) == ("kvstore-a", 2)
+    assert (admit.kvstore, admit.kvstore_fetch_blocks, admit.kvstore_held_blocks) == ("kvstore-a", 2, 2)
 
 
 @pytest.mark.parametrize("hop", ["prefill", "decode"])
@@ -129,7 +129,7 @@ def test_a_migrated_request_carries_its_resumed_tokens_to_every_engine_request()
         "max_tokens counts the resumed tokens: the grant does not change"
     prefill = over_the_bus(prefill_request(spec, DECODE_BEAT, store="", fetch=0, held=0))
     assert engine_request(prefill.spec, prefill_only=True).output_token_ids == [7, 8, 9]
-    local = over_the_bus(decode_request(spec, store="", held=0))
+    local = over_the_bus(decode_request(spec, store="", fetch=0, held=0))
     assert engine_request(local.spec, output_token_ids=local.output_token_ids).output_token_ids == [7, 8, 9]
     handed_off = engine_request(spec, output_token_ids=[7, 8, 9, 17])
     assert handed_off.output_token_ids == [7, 8, 9, 17], "a hand-off's tokens begin with the resumed ones"
