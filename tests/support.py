@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+import msgpack
 import nats
 
+from tandem.client import connect
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import decode
 from tandem.shared.protocol.fleet import Heartbeat
@@ -104,3 +106,18 @@ async def assert_pools_free(url: str, timeout_s: float = 10.0) -> None:
         if beats and not busy:
             return
         assert loop.time() < deadline, f"workers still hold sequences or blocks (running, waiting, used): {busy}"
+
+
+async def kvstore_stats(url: str, store: str) -> dict:
+    """A KV-store instance's stats reply, decoded."""
+    nc = await nats.connect(url)
+    try:
+        return msgpack.unpackb((await nc.request(subjects.kvstore_stats(store), b"", timeout=5)).data)
+    finally:
+        await nc.close()
+
+
+async def greedy_complete(url: str, prompt: str, max_tokens: int):
+    """One greedy completion of exactly ``max_tokens`` tokens through a fresh client."""
+    async with connect(url) as client:
+        return await client.complete(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -43,9 +43,9 @@ def inside(path: Path, roots: Iterable[Path]) -> bool:
 
 def under_data_dir(path: str | os.PathLike, data_dir: str | os.PathLike, field: str) -> Path:
     """``path`` resolved, when it lies under ``data_dir``; else :class:`ProtocolError` naming ``field``."""
-    root = Path(data_dir).expanduser().resolve()
+    (root,) = resolve_roots([data_dir])
     resolved = resolve_path(path, root)
-    if not resolved.is_relative_to(root):
+    if not inside(resolved, [root]):
         raise ProtocolError(ErrorCode.INVALID_REQUEST,
                             f"{field} {str(path)!r} is outside the data dir {root}: paths from the bus stay under it",
                             field)

@@ -7,14 +7,10 @@ from __future__ import annotations
 
 import asyncio
 
-import msgpack
-import nats
 import pytest
-from support import prompt_of
+from support import greedy_complete, kvstore_stats, prompt_of
 
-from tandem.client import connect
 from tandem.shared.model.reference import reference_generate
-from tandem.shared.protocol import subjects
 
 PROMPT_TOKENS = 100  # six full blocks and a partial one
 NEW_TOKENS = 8
@@ -27,26 +23,14 @@ def system(start_system):
     system.stop_all()
 
 
-async def store_stats(url: str, store: str) -> dict:
-    nc = await nats.connect(url)
-    try:
-        return msgpack.unpackb((await nc.request(subjects.kvstore_stats(store), b"", timeout=5)).data)
-    finally:
-        await nc.close()
-
-
-async def generate(url: str, prompt: str):
-    async with connect(url) as client:
-        return await client.complete(prompt, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-
 
 async def test_a_decode_worker_prefilling_alone_takes_the_prefix_from_the_kvstore(system, tiny):
     store = system.instance("kvstore")
     prompt = prompt_of(PROMPT_TOKENS, salt=11)
-    fresh = await generate(system.url, prompt)
+    fresh = await greedy_complete(system.url, prompt, NEW_TOKENS)
     full_blocks = (PROMPT_TOKENS + NEW_TOKENS - 1) // 16  # the last token's K/V is never computed
     for _ in range(50):  # offered when the sequence ends; its events then reach the router
-        stored = await store_stats(system.url, store)
+        stored = await kvstore_stats(system.url, store)
         if stored["ram_blocks"] + stored["disk_blocks"] >= full_blocks:
             break
         await asyncio.sleep(0.1)
@@ -55,8 +39,8 @@ async def test_a_decode_worker_prefilling_alone_takes_the_prefix_from_the_kvstor
 
     system.restart(system.instance("decode"))  # its prefix cache is gone; the store still has the blocks
     await asyncio.sleep(0.5)
-    again = await generate(system.url, prompt)
-    after = await store_stats(system.url, store)
+    again = await greedy_complete(system.url, prompt, NEW_TOKENS)
+    after = await kvstore_stats(system.url, store)
     served = (after["hits_ram"] - stored["hits_ram"]) + (after["hits_disk"] - stored["hits_disk"])
     assert served == (PROMPT_TOKENS - 1) // 16, f"the store served {served} blocks to the decode worker: {after}"
 

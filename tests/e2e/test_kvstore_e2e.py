@@ -7,14 +7,10 @@ from __future__ import annotations
 
 import asyncio
 
-import msgpack
-import nats
 import pytest
-from support import prompt_of
+from support import greedy_complete, kvstore_stats, prompt_of
 
-from tandem.client import connect
 from tandem.shared.model.reference import reference_generate
-from tandem.shared.protocol import subjects
 
 PROMPT_TOKENS = 100  # six full blocks and a partial one
 NEW_TOKENS = 8
@@ -30,31 +26,19 @@ def system(request, start_system):
     system.stop_all()
 
 
-async def store_stats(url: str, store: str) -> dict:
-    nc = await nats.connect(url)
-    try:
-        return msgpack.unpackb((await nc.request(subjects.kvstore_stats(store), b"", timeout=5)).data)
-    finally:
-        await nc.close()
-
-
-async def generate(url: str, prompt: str):
-    async with connect(url) as client:
-        return await client.complete(prompt, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-
 
 async def test_prefix_from_the_kvstore_matches_fresh_computation(system, tiny):
     store = system.instance("kvstore")
     prompt = prompt_of(PROMPT_TOKENS, salt=7)
-    fresh = await generate(system.url, prompt)
+    fresh = await greedy_complete(system.url, prompt, NEW_TOKENS)
     await asyncio.sleep(0.6)  # the offered blocks are stored and their events reach the router
-    stored = await store_stats(system.url, store)
+    stored = await kvstore_stats(system.url, store)
     assert stored["ram_blocks"] + stored["disk_blocks"] >= PROMPT_TOKENS // 16, f"blocks not offered: {stored}"
 
     system.restart(system.instance("prefill"))  # its prefix cache is gone; the store still has the blocks
     await asyncio.sleep(0.5)
-    again = await generate(system.url, prompt + "")
-    after = await store_stats(system.url, store)
+    again = await greedy_complete(system.url, prompt + "", NEW_TOKENS)
+    after = await kvstore_stats(system.url, store)
     served = (after["hits_ram"] - stored["hits_ram"]) + (after["hits_disk"] - stored["hits_disk"])
     assert served == (PROMPT_TOKENS - 1) // 16, f"the store served {served} blocks: {after}"
     if system.tier == "disk":
@@ -67,14 +51,13 @@ async def test_prefix_from_the_kvstore_matches_fresh_computation(system, tiny):
 
 async def test_finished_sequences_leave_their_blocks_in_the_store(system):
     store = system.instance("kvstore")
-    before = await store_stats(system.url, store)
+    before = await kvstore_stats(system.url, store)
     prompt = prompt_of(40, salt=3)  # two full prompt blocks; 40 generated tokens fill two more
-    async with connect(system.url) as client:
-        result = await client.complete(prompt, max_tokens=40, temperature=0.0, ignore_eos=True)
+    result = await greedy_complete(system.url, prompt, 40)
     assert len(result.token_ids) == 40
     expected = (40 + 40 - 1) // 16  # the last token's K/V is never computed
     for _ in range(50):  # the prefill worker offers the prompt's blocks, decode the rest when it ends
-        after = await store_stats(system.url, store)
+        after = await kvstore_stats(system.url, store)
         if after["puts"] - before["puts"] >= expected:
             break
         await asyncio.sleep(0.1)
