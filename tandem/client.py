@@ -60,6 +60,7 @@ from tandem.shared.infra.liveness import on_bus
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError, first_error
 from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.fleet import Heartbeat
 from tandem.shared.protocol.serving import (
     Cancel,
     GenerateAccepted,
@@ -308,6 +309,23 @@ MIGRATION_RETRY_S = 0.25  # between re-placements of a migrating request that fi
 RECONNECT_WAIT_S = 0.5  # nats-py's pause between reconnection attempts
 
 
+@dataclass(frozen=True)
+class Holder:
+    """A worker process holding a placement: its service, instance id and incarnation ("" not said)."""
+
+    service: str
+    instance: str
+    incarnation: str = ""
+
+
+def holders_of(accepted: GenerateAccepted, prefill: bool = True) -> list[Holder]:
+    """The decode worker holding a placement and, when ``prefill``, its prefill worker."""
+    holders = [Holder("decode", accepted.decode_worker, accepted.decode_incarnation)]
+    if prefill and accepted.prefill_worker:
+        holders.append(Holder("prefill", accepted.prefill_worker, accepted.prefill_incarnation))
+    return holders
+
+
 class _WorkerGone(WorkerFailureError):
     """The worker holding a stream is gone (off the bus, or silent): its request migrates, never to it again."""
 
@@ -509,10 +527,7 @@ class RequestStream:
             # A router that has not yet noticed the death (its own heartbeat timeout may be longer
             # than this client's) can place the request on the dead worker again: place it again
             # then, without counting a migration.
-            holders = [("decode", accepted.decode_worker)]
-            if accepted.prefill_worker:
-                holders.append(("prefill", accepted.prefill_worker))
-            dead = await client._first_dead(holders, None)
+            dead = await client._first_dead(holders_of(accepted), None)
             if dead is None or time.monotonic() >= deadline:
                 break
             resume.exclude(dead[0])
@@ -555,11 +570,9 @@ class RequestStream:
                     raise RequestTimeoutError(f"no output for {self.timeout_s:.0f}s", self.request_id)
                 # The prefill worker holds the request until the decode worker streams from it (or,
                 # for held outputs, probes it): until the placement's second token.
-                holders = [("decode", self.accepted.decode_worker)]
-                if (self.accepted.prefill_worker and not self._probed
-                        and max(self._next_index.values(), default=0) <= self.resume.resumed + 1):
-                    holders.append(("prefill", self.accepted.prefill_worker))
-                await client._check_alive(self.request_id, holders, self._placed)
+                prefill_holds = (not self._probed
+                                 and max(self._next_index.values(), default=0) <= self.resume.resumed + 1)
+                await client._check_alive(self.request_id, holders_of(self.accepted, prefill_holds), self._placed)
                 continue
             self._last_output = time.monotonic()
             if data is _PROBED:
@@ -610,6 +623,8 @@ class Client:
         self.client_id = uuid.uuid4().hex[:12]
         self._inbox_prefix = ""
         self._last_beat: dict[str, float] = {}
+        # instance -> the incarnation its latest beat named, and when a beat first named that one
+        self._incarnation: dict[str, tuple[str, float]] = {}
         self._beats = None
         self._open: dict[str, asyncio.Queue] = {}  # placement id -> its stream's queue, while it streams
         self._cleanup: set[asyncio.Task] = set()  # cancels sent for streams dropped mid-way
@@ -621,17 +636,32 @@ class Client:
             return
 
         async def on_beat(msg) -> None:
-            self._last_beat[msg.subject.rsplit(".", 1)[-1]] = time.monotonic()
+            instance, now = msg.subject.rsplit(".", 1)[-1], time.monotonic()
+            self._last_beat[instance] = now
+            try:
+                incarnation = decode(msg.data, Heartbeat).incarnation
+            except ProtocolError:
+                return
+            if incarnation and incarnation != self._incarnation.get(instance, ("", 0.0))[0]:
+                self._incarnation[instance] = (incarnation, now)
 
         self._beats = await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
 
-    async def _first_dead(self, holders: list[tuple[str, str]], since: float | None) -> tuple[str, str] | None:
-        """The first (service, instance) of ``holders`` that died and why it is taken for dead, or None:
-        its heartbeats stopped for ``worker_timeout_s`` (counted from ``since`` for one never heard
-        from; None: such a one is not judged), or, late by ``LATE_BEAT_S``, it is off the bus (the
-        server knows a kill -9 at once, so this finds one in about a second)."""
+    async def _first_dead(self, holders: list[Holder], since: float | None) -> tuple[str, str] | None:
+        """The instance id of the first of ``holders`` that died and why it is taken for dead, or
+        None. With ``since`` (when the placement was made) a holder is dead when a restart replaced
+        its process: a beat under its id first named another incarnation after ``since`` (the one
+        that took the request had acknowledged it by then, so that beat is from a later process).
+        Else when its heartbeats stopped for ``worker_timeout_s`` (counted from ``since`` for one
+        never heard from; None: such a one is not judged), or, late by ``LATE_BEAT_S``, when it is
+        off the bus (the server knows a kill -9 at once, so this finds one in about a second)."""
         now = time.monotonic()
-        for service, worker in holders:
+        for holder in holders:
+            service, worker = holder.service, holder.instance
+            incarnation, first_seen = self._incarnation.get(worker, ("", 0.0))
+            if (since is not None and holder.incarnation and incarnation and incarnation != holder.incarnation
+                    and first_seen > since):
+                return worker, f"worker {worker} restarted (its new process does not hold the request)"
             last = self._last_beat.get(worker, since)
             if last is None:
                 continue
@@ -643,7 +673,7 @@ class Client:
                 return worker, f"worker {worker} left the bus"
         return None
 
-    async def _check_alive(self, request_id: str, holders: list[tuple[str, str]], since: float) -> None:
+    async def _check_alive(self, request_id: str, holders: list[Holder], since: float) -> None:
         """Raise :class:`WorkerFailureError` when one of ``holders`` died (see :meth:`_first_dead`)."""
         dead = await self._first_dead(holders, since)
         if dead is not None:

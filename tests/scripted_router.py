@@ -24,11 +24,14 @@ from support import flushed
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ErrorReply
 from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.fleet import Heartbeat
 from tandem.shared.protocol.serving import GenerateAccepted, GenerateRequest, Probe, StreamChunk, TokenLogprobs
 
+DECODE_WORKER = "decode-scripted"  # the decode worker every placement names
 PROBE = "probe"  # a script step: ask the client whether it still listens, as a decode worker does every 2 s
-# A script step: a chunk to publish, a pause (seconds) before the next one, or PROBE.
-Step = StreamChunk | float | str
+# A script step: a chunk to publish, a pause (seconds) before the next one, PROBE, or a heartbeat of
+# the scripted decode worker (see :func:`beat`).
+Step = StreamChunk | float | str | Heartbeat
 Script = Callable[[GenerateRequest], Sequence[Step]]
 
 
@@ -56,11 +59,19 @@ def prompt_ids(request: GenerateRequest) -> list[int]:
     return list(request.prompt.encode()) if request.prompt is not None else list(request.prompt_token_ids)
 
 
+def beat(incarnation: str) -> Heartbeat:
+    """A script step: the scripted decode worker beats as the process ``incarnation``; placements
+    from then on name it (a new one stands for a restart under the same instance id)."""
+    return Heartbeat(service="decode", instance_id=DECODE_WORKER, host="scripted", pid=1, model="tiny",
+                     incarnation=incarnation)
+
+
 class ScriptedRouter:
     def __init__(self, nc: nats.NATS, script: Script) -> None:
         self.nc = nc
         self.script = script
         self.requests: list[GenerateRequest] = []
+        self.decode_incarnation = ""  # the process placements name (GenerateAccepted.decode_incarnation)
         self._tasks: set[asyncio.Task] = set()
 
     @classmethod
@@ -74,7 +85,8 @@ class ScriptedRouter:
         request = decode(msg.data, GenerateRequest)
         self.requests.append(request)
         await msg.respond(encode(GenerateAccepted(request_id=request.request_id, prompt_token_ids=prompt_ids(request),
-                                                  prefill_worker=None, decode_worker="decode-scripted",
+                                                  prefill_worker=None, decode_worker=DECODE_WORKER,
+                                                  decode_incarnation=self.decode_incarnation,
                                                   max_tokens=request.params.max_tokens or 16)))
         task = asyncio.ensure_future(self._stream(request))
         self._tasks.add(task)
@@ -85,6 +97,9 @@ class ScriptedRouter:
         for step in self.script(request):
             if isinstance(step, float | int):
                 await asyncio.sleep(step)
+            elif isinstance(step, Heartbeat):
+                self.decode_incarnation = step.incarnation
+                await self.nc.publish(subjects.heartbeat(step.service, step.instance_id), encode(step))
             elif step == PROBE:
                 await self.nc.request(request.stream_subject, encode(Probe(request_id=request.request_id)), timeout=2)
             else:

@@ -25,6 +25,7 @@ import os
 import signal
 import socket
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 
 import nats
@@ -69,6 +70,7 @@ class ServiceRuntime:
         self.settings = settings
         self.instance_id = settings.resolved_instance_id(self.name)
         self.host = socket.gethostname()
+        self.incarnation = uuid.uuid4().hex[:16]  # see Heartbeat.incarnation
         self.log = logging.getLogger(f"tandem.{self.name}")
         self.nc: nats.NATS | None = None
         self.links: BulkLinks | None = None  # bulk connections for KV frames, when moves_kv

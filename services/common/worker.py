@@ -218,7 +218,8 @@ class EngineWorker(ServiceRuntime):
         stats = self.thread.stats if self.thread else self.engine.stats()
         return Heartbeat(
             service=self.name, instance_id=self.instance_id, host=self.host, pid=os.getpid(),
-            model=self.model_name, running=stats["running"], waiting=stats["waiting"] + stats.get("swapped", 0),
+            incarnation=self.incarnation, model=self.model_name, running=stats["running"],
+            waiting=stats["waiting"] + stats.get("swapped", 0),
             free_blocks=stats["free_blocks"], num_blocks=stats["num_blocks"],
             block_size=self.engine_config.block_size, max_model_len=self.max_model_len, kv_namespace=self.kv_namespace,
             max_num_seqs=self.engine_config.max_num_seqs,

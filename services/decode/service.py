@@ -150,7 +150,7 @@ class DecodeService(EngineWorker):
         else:
             how = f"{kv.shape[0]} KV blocks from kvstore {msg.kvstore}, prefilling the rest locally"
         self.log.debug("admit %s: %d prompt tokens, %s", spec.request_id, len(spec.prompt_token_ids), how)
-        await request.respond(encode(Ack(request_id=spec.request_id)))
+        await request.respond(encode(Ack(request_id=spec.request_id, incarnation=self.incarnation)))
 
     def handle_output(self, out: RequestOutput, stream: Stream) -> bool:
         offer = self.offers.pop(out.request_id, None) if out.ends_request else None

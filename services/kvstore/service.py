@@ -104,7 +104,8 @@ class KVStoreService(ServiceRuntime):
                 await self._call(self.store.write_behind, WRITE_BEHIND_BYTES)
 
     def heartbeat(self) -> Heartbeat:
-        return Heartbeat(service=self.name, instance_id=self.instance_id, host=self.host, pid=os.getpid(), model="")
+        return Heartbeat(service=self.name, instance_id=self.instance_id, host=self.host, pid=os.getpid(),
+                         incarnation=self.incarnation, model="")
 
     # -- endpoints ----------------------------------------------------------------------------------
     async def on_lookup(self, request: Request) -> None:

@@ -172,7 +172,8 @@ class PlannerService(ServiceRuntime):
             await self.actuator.close()
 
     def heartbeat(self) -> Heartbeat:
-        return Heartbeat(service=self.name, instance_id=self.instance_id, host=self.host, pid=os.getpid(), model="")
+        return Heartbeat(service=self.name, instance_id=self.instance_id, host=self.host, pid=os.getpid(),
+                         incarnation=self.incarnation, model="")
 
     def metrics(self) -> dict:
         return {"prefill_wanted": self.planner.prefill, "decode_wanted": self.planner.decode,

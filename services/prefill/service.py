@@ -97,7 +97,7 @@ class PrefillService(EngineWorker):
                       len(spec.prompt_token_ids),
                       0 if prefix is None else prefix.shape[0] * self.settings.engine.block_size,
                       msg.decode_worker)
-        await request.respond(encode(Ack(request_id=spec.request_id)))
+        await request.respond(encode(Ack(request_id=spec.request_id, incarnation=self.incarnation)))
 
     def handle_output(self, out: RequestOutput, stream: Stream) -> bool:
         msg = self.pending.pop(out.request_id, None) if out.ends_request else None

@@ -250,6 +250,9 @@ class Router(ServiceRuntime):
                           beat.model)
             pool[beat.instance_id] = Worker(beat, now)
         else:
+            if beat.incarnation != worker.beat.incarnation and worker.beat.incarnation:
+                self.log.info("%s worker %s restarted (pid %d, was %d): what the old process held is gone",
+                              beat.service, beat.instance_id, beat.pid, worker.beat.pid)
             worker.beat, worker.seen = beat, now
             worker.assigned = [t for t in worker.assigned if t > now - self.settings.bus.heartbeat_interval_s]
         self.pump_admission()
@@ -385,16 +388,19 @@ class Router(ServiceRuntime):
             # Counted before the round trips, so requests placed meanwhile already see this load.
             stamp = decode_worker.reserve()
             try:
-                placed = await self.still_there(decode_worker)
-                if placed:
-                    prefill_worker, reason = await self.place_prefill(spec, prompt, decode_worker, choice,
-                                                                      msg.exclude_workers)
-                    placed = prefill_worker is not None or await self.forward_decode(spec, prompt, decode_worker,
-                                                                                     choice)
+                decode_incarnation = prefill_incarnation = None
+                if await self.still_there(decode_worker):
+                    prefill_worker, reason, prefill_incarnation = await self.place_prefill(
+                        spec, prompt, decode_worker, choice, msg.exclude_workers)
+                    if prefill_worker is not None:
+                        # The decode worker hears of it only at the hand-off: as its last beat said.
+                        decode_incarnation = decode_worker.beat.incarnation
+                    else:
+                        decode_incarnation = await self.forward_decode(spec, prompt, decode_worker, choice)
             except BaseException:
                 decode_worker.release(stamp)
                 raise
-            if placed:
+            if decode_incarnation is not None:
                 break
             decode_worker.release(stamp)
         else:
@@ -403,13 +409,15 @@ class Router(ServiceRuntime):
         return GenerateAccepted(
             request_id=msg.request_id, prompt_token_ids=ids, decode_worker=decode_worker.beat.instance_id,
             prefill_worker=prefill_worker.beat.instance_id if prefill_worker else None,
+            decode_incarnation=decode_incarnation, prefill_incarnation=prefill_incarnation or "",
             max_tokens=spec.params.max_tokens, queue_wait_s=waited,
         )
 
     async def place_prefill(self, spec: RequestSpec, prompt: PromptBlocks, dec: Worker, choice: Candidate,
-                            excluded: list[str] = ()) -> tuple[Worker | None, str]:
-        """A prefill worker that took the request, or None (the decode worker prefills), and why;
-        never one of ``excluded`` (workers its client saw die)."""
+                            excluded: list[str] = ()) -> tuple[Worker | None, str, str | None]:
+        """A prefill worker that took the request, or None (the decode worker prefills), why, and
+        the incarnation of the prefill process that took it; never one of ``excluded`` (workers its
+        client saw die)."""
         ids = prompt.ids
         cached_tokens = min(len(ids), choice.cached_blocks * dec.beat.block_size)
         router = self.settings.router
@@ -418,16 +426,18 @@ class Router(ServiceRuntime):
         usable, why_local = remote_prefill_workers(len(ids) - cached_tokens, router.local_prefill_max_tokens,
                                                    dec.beat.device, devices, router.prefill_on_shared_device)
         if not usable:
-            return None, why_local
+            return None, why_local, None
         for prefill_worker, pchoice in self.ranked([w for w in alive if w.beat.instance_id in usable], prompt):
             store, held = self.best_store(prefill_worker, prompt)
             fetch = held if held > pchoice.cached_blocks else 0
-            if await self.forward_prefill(spec, prefill_worker, dec, store, fetch, held):
+            incarnation = await self.forward_prefill(spec, prefill_worker, dec, store, fetch, held)
+            if incarnation is not None:
                 where = f", {fetch} from kvstore {store}" if fetch else ""
                 shared = " (on the decode worker's device, as asked)" if shares_device(
                     prefill_worker.beat.device, dec.beat.device) else ""
-                return prefill_worker, f"prefill remote{shared}: {pchoice.cached_blocks} blocks cached there{where}"
-        return None, "no prefill worker answered: decode prefills locally"
+                return (prefill_worker, f"prefill remote{shared}: {pchoice.cached_blocks} blocks cached there{where}",
+                        incarnation)
+        return None, "no prefill worker answered: decode prefills locally", None
 
     def best_store(self, worker: Worker, prompt: PromptBlocks) -> tuple[str, int]:
         """The live KV-store holding the longest cached prefix in ``worker``'s layout, and its length."""
@@ -453,27 +463,31 @@ class Router(ServiceRuntime):
                       dec.beat.instance_id, prefill.beat.instance_id if prefill else "local", reason)
 
     async def forward_prefill(self, spec: RequestSpec, prefill: Worker, dec: Worker, store: str, fetch: int,
-                              held: int) -> bool:
+                              held: int) -> str | None:
+        """The incarnation of the prefill process that took the request; None when it is gone."""
         work = prefill_request(spec, dec.beat, store, fetch, held)
         stamp = prefill.reserve()
         try:
-            if await self.forward(subjects.prefill(prefill.beat.instance_id), work, prefill):
-                return True
+            incarnation = await self.forward(subjects.prefill(prefill.beat.instance_id), work, prefill)
         except BaseException:
             prefill.release(stamp)
             raise
-        prefill.release(stamp)
-        return False
+        if incarnation is None:
+            prefill.release(stamp)
+        return incarnation
 
-    async def forward_decode(self, spec: RequestSpec, prompt: PromptBlocks, dec: Worker, choice: Candidate) -> bool:
+    async def forward_decode(self, spec: RequestSpec, prompt: PromptBlocks, dec: Worker,
+                             choice: Candidate) -> str | None:
+        """The incarnation of the decode process that took the request; None when it is gone."""
         store, held = self.best_store(dec, prompt)
         fetch = held if held > choice.cached_blocks else 0  # as for a prefill worker (place_prefill)
         work = decode_request(spec, store, fetch, held)
         return await self.forward(subjects.decode_admit(dec.beat.instance_id), work, dec)
 
-    async def forward(self, subject: str, work, worker: Worker) -> bool:
-        """True when the worker took the work; False when it is gone (forgotten, try another);
-        raises the worker's typed error when it refused the request itself."""
+    async def forward(self, subject: str, work, worker: Worker) -> str | None:
+        """The incarnation of the worker process that took the work (its Ack says; else its last
+        beat); None when it is gone (forgotten, try another); raises the worker's typed error when
+        it refused the request itself."""
         timeout = self.settings.bus.forward_timeout_s
         answer = asyncio.ensure_future(self.nc.request(subject, encode(work), timeout=timeout))
         try:
@@ -484,7 +498,7 @@ class Router(ServiceRuntime):
                     self.log.warning("%s worker %s died with a request on its way to it; dropping it",
                                      worker.beat.service, worker.beat.instance_id)
                     self.forget(worker)
-                    return False
+                    return None
             reply = decode(answer.result().data)
         except NatsTimeoutError:
             if time.monotonic() - worker.seen < self.settings.bus.worker_timeout_s:
@@ -497,19 +511,19 @@ class Router(ServiceRuntime):
             self.log.warning("%s worker %s did not answer and sends no heartbeats; dropping it",
                              worker.beat.service, worker.beat.instance_id)
             self.forget(worker)
-            return False
+            return None
         except NoRespondersError:
             self.log.warning("%s worker %s is gone (no responders); dropping it", worker.beat.service,
                              worker.beat.instance_id)
             self.forget(worker)
-            return False
+            return None
         finally:
             answer.cancel()
         if isinstance(reply, ErrorReply):
             raise ProtocolError(reply.code, reply.message)
         if not isinstance(reply, Ack):
             raise ProtocolError(ErrorCode.WORKER_FAILURE, f"worker answered {reply.kind!r}")
-        return True
+        return reply.incarnation or worker.beat.incarnation
 
     async def still_there(self, worker: Worker) -> bool:
         """False (and the worker forgotten) for one whose heartbeats are late and who is off the bus:

@@ -56,6 +56,7 @@ class ErrorReply(WireMessage):
 class Ack(WireMessage):
     kind: Literal["ack"] = "ack"
     request_id: str | None = None
+    incarnation: str = ""  # the process that took the work (its Heartbeat.incarnation); empty: not said
 
 
 MAX_ERROR_CHARS = 500  # an error quotes the bad input: never all of it (an 8 MiB value made an unsendable reply)

@@ -19,6 +19,10 @@ class Heartbeat(WireMessage):
     host: str
     pid: int
     model: str
+    # This process's own id, new at each start: a worker restarted under the same instance id (as a
+    # supervisor does) beats with another, so whoever waits on the old process knows it is gone
+    # even though the name is on the bus again. Empty: not said (older workers).
+    incarnation: str = ""
     running: int = 0
     waiting: int = 0
     free_blocks: int = 0

@@ -175,6 +175,10 @@ class GenerateAccepted(WireMessage):
     prompt_token_ids: list[int]
     prefill_worker: str | None
     decode_worker: str
+    # The worker processes that hold it (Heartbeat.incarnation): when one restarts under the same
+    # name, its new process does not hold the request, and the client migrates it. Empty: not said.
+    decode_incarnation: str = ""
+    prefill_incarnation: str = ""
     max_tokens: int = 0  # as the router granted it (an unset max_tokens becomes what the context leaves)
     queue_wait_s: float = 0.0  # seconds it waited in the router's admission queue (0: placed at once)
 

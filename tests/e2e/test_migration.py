@@ -107,12 +107,6 @@ def one_decode_worker(start_system):
     system.stop_all()
 
 
-# Known bug (2026-12-04): when the restarted worker is back within about two seconds (an idle
-# machine; the same instance id), the migrated request is never streamed again and the client waits
-# out its request_timeout. Alone this test failed 2/2 at 995ecd1 and at later commits; in the whole
-# slow suite it passed 3 of 4 runs. Not strict: it passes where the restart is slower.
-@pytest.mark.xfail(reason="a migrated request hangs when its only decode worker restarts quickly under the "
-                          "same instance id (see the comment above)", strict=False)
 async def test_a_request_outlives_the_restart_of_the_only_decode_worker(one_decode_worker):
     system = one_decode_worker
     name = system.instance("decode")

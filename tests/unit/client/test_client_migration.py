@@ -14,7 +14,7 @@ import asyncio
 
 import nats
 import pytest
-from scripted_router import ScriptedRouter, chunk, entries, error_chunk
+from scripted_router import ScriptedRouter, beat, chunk, entries, error_chunk
 
 from tandem.client import ShuttingDownError, WorkerFailureError, connect
 from tandem.migration import MAX_REQUEST_ID_CHARS, ResumeState, placement_request_id
@@ -125,6 +125,43 @@ async def test_a_silent_worker_is_migrated_from_without_any_error_from_it(script
     assert result.token_ids == [104, 105, 106] and result.migrations == 1
     assert router.requests[1].resume_output_token_ids == [104]
     assert router.requests[1].exclude_workers == ["decode-scripted"], "the router is told which worker died"
+
+
+async def test_a_worker_restarted_under_the_same_id_is_migrated_from_though_its_name_is_alive(scripted):
+    """A supervisor brings a killed worker back under its instance id before its silence is noticed:
+    beats under that id come again, but from a process that never held the request."""
+    def restarts(request):
+        if not resumed(request):
+            return [beat("first"), chunk(request, 0, 0, [104]), beat("second"), 3.0, chunk(request, 0, 1, [120])]
+        return [chunk(request, 0, 1, [105]), chunk(request, 0, 2, [106], finish_reason="length")]
+
+    client, router = await scripted(restarts, worker_timeout_s=30)
+    router.decode_incarnation = "first"
+    stream = client.stream("abc", max_tokens=3)
+    async with stream:
+        token_ids = [t for c in [c async for c in stream] for t in c.token_ids]
+    assert token_ids == [104, 105, 106] and stream.migrations == 1
+    assert stream.resume.reasons == ["worker decode-scripted restarted (its new process does not hold the request)"], \
+        "found by the new incarnation in its beats, not by a timeout or an alive check"
+    assert router.requests[1].resume_output_token_ids == [104]
+
+
+async def test_a_placement_on_a_process_newer_than_the_last_beat_is_not_taken_for_dead(scripted):
+    """The router may place a request on a restarted worker before this client saw its new beats:
+    an older incarnation in the client's view says nothing against the newer one."""
+    def script(request):
+        if request.prompt == "one":
+            return [beat("first"), chunk(request, 0, 0, [104], finish_reason="length")]
+        # The client looks (0.5 s without output) while its view still says "first"; then the new beat.
+        return [0.55, beat("second"), 0.2, chunk(request, 0, 0, [104]),
+                chunk(request, 0, 1, [105], finish_reason="length")]
+
+    client, router = await scripted(script, worker_timeout_s=30)
+    router.decode_incarnation = "first"
+    assert (await client.complete("one", max_tokens=1)).token_ids == [104]
+    router.decode_incarnation = "second"
+    result = await client.complete("two", max_tokens=2)
+    assert result.token_ids == [104, 105] and result.migrations == 0, "the new process was taken for dead"
 
 
 async def test_the_migration_limit_ends_the_request_with_the_last_reason(scripted):
