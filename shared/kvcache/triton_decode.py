@@ -135,11 +135,12 @@ def choose_partition(num_seqs: int, num_kv_heads: int, max_context_len: int, num
 
 
 def choose_warps(num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> tuple[int, int | None]:
-    """``(num_warps, num_stages)`` of the partial kernel. A grid of many (sequence, kv head) pairs
-    keeps every SM busy with several small programs: two warps and three stages there (0.964 of the
-    HBM rate at batch 256 on an H200, against 0.93 with four warps); four warps and Triton's own
-    stages elsewhere, which were not measured worse."""
-    if num_seqs * num_kv_heads >= 8 * num_sms:
+    """``(num_warps, num_stages)`` of the partial kernel. A grid of at least one (sequence, kv head)
+    pair per SM keeps every SM busy with small programs: two warps and three stages there (on an
+    H200 at 1,088 tokens, ``benchmarks/decode_attention.py``: batch 256 0.964 of the HBM rate against
+    0.93 with four warps; batch 32, 256 pairs, 43.1 us a layer against 47.8 with four warps and
+    Triton's stages); four warps and Triton's own stages below that, not measured worse."""
+    if num_seqs * num_kv_heads >= num_sms:
         return 2, 3
     return 4, None
 

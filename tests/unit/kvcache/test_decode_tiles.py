@@ -21,6 +21,12 @@ def test_partition_shrinks_until_the_grid_fills_the_gpu(num_seqs: int, max_conte
     assert partition == 64 or programs >= 4 * H200_SMS, f"{programs} programs leave SMs idle"
 
 
-@pytest.mark.parametrize("num_seqs, expected", [(256, (2, 3)), (132, (2, 3)), (131, (4, None)), (1, (4, None))])
-def test_many_programs_take_two_warps(num_seqs: int, expected: tuple):
+@pytest.mark.parametrize("num_seqs, expected", [
+    (256, (2, 3)),
+    (32, (2, 3)),  # 256 (sequence, kv head) pairs: measured 43.1 us a layer against 47.8 with four warps
+    (17, (2, 3)),  # 136 pairs: one per SM
+    (16, (4, None)),
+    (1, (4, None)),
+])
+def test_a_pair_per_sm_takes_two_warps(num_seqs: int, expected: tuple):
     assert choose_warps(num_seqs, 8, H200_SMS) == expected
