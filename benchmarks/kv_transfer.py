@@ -6,7 +6,8 @@ transfer and ``--concurrency`` transfers in flight, two ways in the same run:
 
 - nats: ``send_kv`` frames under credit flow control (``--kv-window`` frames in flight) with a crc32
   per block computed on both ends as the bytes move, over ``--kv-connections`` bulk connections per
-  process (:mod:`tandem.shared.infra.bulklinks`; 0: over nats-py, as a service without them), then an
+  process (:mod:`tandem.shared.infra.bulklinks`; 0: over nats-py, as a service without them) with
+  ``--kv-check-threads`` checking landed blocks beside their readers, then an
   admit message whose checksums ``KVReceiver.take`` verifies (as services/prefill ``hand_off`` and
   decode ``on_admit`` do);
 - ring: ``ShmRing.try_write`` into the consumer's ring, a small descriptor message, the consumer
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import statistics
 import subprocess
 import sys
@@ -60,7 +62,8 @@ def crc(t: torch.Tensor) -> int:
 async def open_links(args: argparse.Namespace, url: str, name: str) -> BulkLinks | None:
     if not args.kv_connections:
         return None
-    links = await BulkLinks(lambda: url, name=name, size=args.kv_connections).start()
+    links = await BulkLinks(lambda: url, name=name, size=args.kv_connections,
+                            check_threads=args.kv_check_threads).start()
     assert links.open_connections == args.kv_connections, "bulk connections did not open"
     return links
 
@@ -148,12 +151,13 @@ async def producer(args: argparse.Namespace, url: str) -> dict[str, list[float]]
     per = block * args.blocks_per_transfer
     count = max(1, args.total_mib * MiB // per)
     label = (f"[{args.block_kib} KiB blocks, {args.blocks_per_transfer}/transfer, {count} transfers, {route(args)}, "
-             f"{args.kv_connections} bulk connections]")
+             f"{args.kv_connections} bulk connections, {args.kv_check_threads} check threads]")
     proc = subprocess.Popen([sys.executable, __file__, "--role", "consumer", "--nats-url", url, "--device", args.device,
                              "--block-kib", str(args.block_kib), "--blocks-per-transfer", str(args.blocks_per_transfer),
                              "--concurrency", str(args.concurrency), "--ring-mib", str(args.ring_mib),
                              "--consumer-copies", str(args.consumer_copies), "--consumer-gpu", str(args.consumer_gpu),
-                             "--kv-connections", str(args.kv_connections)],
+                             "--kv-connections", str(args.kv_connections),
+                             "--kv-check-threads", str(args.kv_check_threads)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready", "consumer did not start"
     nc = await nats.connect(url, pending_size=256 * MiB)
@@ -221,20 +225,20 @@ async def main(args: argparse.Namespace) -> None:
     rows = []
     try:
         for kib in args.block_kib:
-            for i, conns in enumerate(args.kv_connections):
+            for i, (conns, checks) in enumerate(itertools.product(args.kv_connections, args.kv_check_threads)):
                 # The ring does not depend on the bulk connections: measured once per block size.
                 paths = [p for p in args.paths if p == "nats" or i == 0]
                 res = await producer(argparse.Namespace(**{**vars(args), "block_kib": kib, "kv_connections": conns,
-                                                           "paths": paths}), url)
+                                                           "kv_check_threads": checks, "paths": paths}), url)
                 nats_mbs, ring_mbs = (statistics.median(res[k]) if res[k] else float("nan") for k in ("nats", "ring"))
-                rows.append((kib, conns, nats_mbs, ring_mbs if i == 0 else rows[-1][3]))
+                rows.append((kib, conns, checks, nats_mbs, ring_mbs if i == 0 else rows[-1][4]))
     finally:
         if server:
             server.stop()
-    print(f"\n{'block':>9} | {'nats MB/s':>10} | {'ring MB/s':>10} | {'ring / nats':>11} | bulk connections   "
-          f"({route(args)}, median of {args.repeat})")
-    for kib, conns, n, r in rows:
-        print(f"{kib:>5} KiB | {n:>10,.0f} | {r:>10,.0f} | {r / n:>10.1f}x | {conns}")
+    print(f"\n{'block':>9} | {'nats MB/s':>10} | {'ring MB/s':>10} | {'ring / nats':>11} | bulk connections | "
+          f"check threads   ({route(args)}, median of {args.repeat})")
+    for kib, conns, checks, n, r in rows:
+        print(f"{kib:>5} KiB | {n:>10,.0f} | {r:>10,.0f} | {r / n:>10.1f}x | {conns:>16} | {checks}")
 
 
 if __name__ == "__main__":
@@ -258,10 +262,12 @@ if __name__ == "__main__":
     bus = BusSettings()
     p.add_argument("--kv-connections", type=int, nargs="+", default=[bus.kv_connections],
                    help="bulk NATS connections per process for frames, one run each (0: nats-py's own connection)")
+    p.add_argument("--kv-check-threads", type=int, nargs="+", default=[bus.kv_check_threads],
+                   help="threads per process that checksum landed blocks, one run each (0: the reading thread)")
     p.add_argument("--kv-window", type=int, default=bus.kv_window, help="frames in flight per transfer")
     a = p.parse_args()
     if a.role == "consumer":
-        a.block_kib, a.kv_connections = a.block_kib[0], a.kv_connections[0]
+        a.block_kib, a.kv_connections, a.kv_check_threads = a.block_kib[0], a.kv_connections[0], a.kv_check_threads[0]
         asyncio.run(consumer(a))
     else:
         asyncio.run(main(a))

@@ -318,7 +318,7 @@ class ServiceRuntime:
             nc = self.nc
             self.links = await BulkLinks(lambda: nc.connected_url.geturl(), options=self.bus_options,
                                          name=f"tandem-{self.name}-{self.instance_id}", size=bus.kv_connections,
-                                         timeout_s=bus.request_timeout_s).start()
+                                         check_threads=bus.kv_check_threads, timeout_s=bus.request_timeout_s).start()
         if self.settings.metrics.port >= 0:  # before registering: the URL goes into the micro metadata
             self.log.info("metrics at %s", self.prom.serve(self.settings.metrics.port, self.settings.metrics.host))
         # Setup first: an instance that answers $SRV.PING has every subscription in place (a router

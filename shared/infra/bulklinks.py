@@ -6,12 +6,13 @@ service's own nats-py connection uses, with its identity, and is what
 :func:`tandem.shared.protocol.frames.send_kv` takes as ``links``:
 
 - :meth:`BulkLinks.publish` sends each frame on the next connection in turn, from that
-  connection's own writer thread (the frame's checksums are computed there first, while the
-  event loop goes on);
+  connection's own writer thread (the frame's checksums are computed there once it is out, while
+  the receiver lands it);
 - :meth:`BulkLinks.serve_kv` subscribes every connection to a subject in one queue group, so each
   frame goes to one of them, and lands it from that connection's reader thread straight into the
-  :class:`tandem.shared.protocol.frames.KVReceiver`'s buffer, replying (credit or typed error) on
-  the same connection.
+  :class:`tandem.shared.protocol.frames.KVReceiver`'s buffer, its blocks checksummed on a pool of
+  ``check_threads`` while the reader reads on, replying (credit or typed error) on the same
+  connection.
 
 A connection that breaks fails the frames it was carrying (the transfer's sender gets a typed
 error); a keeper task opens a new one within a second or so and subscribes it again, so a restarted
@@ -68,8 +69,10 @@ class BulkLinks:
     own connection is on now), presenting ``options`` (nats.connect's identity and TLS keywords)."""
 
     def __init__(self, url: Callable[[], str], *, options: dict[str, Any] | None = None, name: str = "tandem",
-                 size: int = 4, timeout_s: float = 10.0) -> None:
+                 size: int = 4, check_threads: int = 4, timeout_s: float = 10.0) -> None:
         self._url, self._options, self._name, self._timeout_s = url, dict(options or {}), name, timeout_s
+        # Landed blocks are checksummed here while the reader threads read on (0: by the readers).
+        self._checker = ThreadPoolExecutor(check_threads, thread_name_prefix=f"{name}-check") if check_threads else None
         self._slots = [_Slot(i, ThreadPoolExecutor(1, thread_name_prefix=f"{name}-bulk{i}")) for i in range(size)]
         self._subs: dict[int, _Subscription] = {}
         self._keys = itertools.count(1)
@@ -111,11 +114,13 @@ class BulkLinks:
             if slot.conn is not None:
                 slot.conn.close("closed by its owner")
             slot.writer.shutdown(wait=False, cancel_futures=True)
+        if self._checker is not None:
+            self._checker.shutdown(wait=False, cancel_futures=True)
 
     # -- sending ------------------------------------------------------------------------------------
     async def publish(self, subject: str, parts: Sequence[Buffer], reply: str,
-                      prepare: Callable[[], None] | None = None) -> None:
-        """Run ``prepare`` then publish ``parts`` as one message, on the next open connection's thread."""
+                      then: Callable[[], None] | None = None) -> None:
+        """Publish ``parts`` as one message, then run ``then``, on the next open connection's thread."""
         live = [s for s in self._slots if s.conn is not None and not s.conn.closed]
         if not live:
             raise ProtocolError(ErrorCode.WORKER_FAILURE, "no bulk NATS connection is open")
@@ -123,9 +128,9 @@ class BulkLinks:
         conn = slot.conn
 
         def job() -> None:
-            if prepare is not None:
-                prepare()
             conn.publish(subject, parts, reply, timeout_s=self._timeout_s)
+            if then is not None:
+                then()
 
         try:
             await asyncio.get_running_loop().run_in_executor(slot.writer, job)
@@ -139,8 +144,12 @@ class BulkLinks:
 
         def make_handler(conn: BulkConnection) -> Handler:
             def on_frame(delivery: Delivery, reader: PayloadReader) -> None:
+                def answer(reply: bytes) -> None:  # from a check thread, once the frame's blocks are checked
+                    if delivery.reply:
+                        conn.publish(delivery.reply, [reply])
+
                 try:
-                    reply = receiver.on_stream(delivery.size, reader)
+                    reply = receiver.on_stream(delivery.size, reader, self._checker, answer)
                 except ProtocolError as exc:
                     log.warning("KV frame on %s refused: %s", delivery.subject, exc)
                     reply = error_payload(exc)

@@ -88,6 +88,9 @@ class BusSettings:
     kv_connections: int = Field(4, ge=0, description="bulk NATS connections per KV-moving process (prefill, decode, "
                                                      "kvstore) that send and land KV frames from their own threads, "
                                                      "striped; 0: frames go over the service's own connection")
+    kv_check_threads: int = Field(4, ge=0, description="threads per KV-moving process that checksum landed KV "
+                                                       "blocks while the bulk connections read on (0: the reading "
+                                                       "thread checks each block before the next)")
     shutdown_timeout_s: float = Field(
         30.0, gt=0, description="seconds a stopping service (SIGTERM or Ctrl-C; for tandem up, the whole system) "
                                 "gives the requests in flight to finish; what is left then ends with an error",

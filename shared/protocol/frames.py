@@ -15,9 +15,9 @@ credit inbox is known to the server. A frame the receiver refuses comes back as 
 :class:`ErrorReply` on the credit inbox and fails the send with its code; a frame that never
 arrives fails it with ``timeout`` after ``timeout_s`` without credit.
 
-The crc32 of each block is computed by the sender as the frame that starts it goes out, and by the
-receiver as the block lands (both on the threads that move the bytes, when they are bulk
-connections); :func:`send_kv` returns the sender's for the :class:`KVTransfer` that follows, and
+The crc32 of each block is computed by the sender once the frame that starts it is out, and by the
+receiver as the block lands (on the bulk connection's reader thread, or on a pool of check threads
+beside it while the reader goes on to the next frame); a credit counts only checked bytes. :func:`send_kv` returns the sender's for the :class:`KVTransfer` that follows, and
 :meth:`KVReceiver.take` compares them with its own before anything reaches the engine, so a lost,
 repeated or corrupted frame is a typed :class:`ProtocolError`, never wrong KV.
 
@@ -38,11 +38,13 @@ one frame, so either side may be the older one. Never pickle.
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, Protocol
 
@@ -51,6 +53,8 @@ from pydantic import Field, TypeAdapter, ValidationError
 
 from tandem.shared.protocol.base import SCHEMA_VERSION, ErrorCode, ErrorReply, ProtocolError, WireMessage
 from tandem.shared.protocol.kv import KVTransfer
+
+log = logging.getLogger("tandem.frames")
 
 _LEN = struct.Struct(">I")
 FRAME_OVERHEAD = 512  # room for the header and NATS's own framing under max_payload
@@ -165,8 +169,8 @@ class FramePublisher(Protocol):
         """Whether it can publish now (False: send over nats-py instead)."""
 
     async def publish(self, subject: str, parts: Sequence[Buffer], reply: str,
-                      prepare: Callable[[], None] | None = None) -> None:
-        """Run ``prepare`` then publish ``parts`` as one message, both off the event loop."""
+                      then: Callable[[], None] | None = None) -> None:
+        """Publish ``parts`` as one message, then run ``then``, both off the event loop."""
 
 
 class _Credits:
@@ -271,13 +275,15 @@ async def send_kv(nc, subject: str, transfer_id: str, blob: Buffer, *, window: i
                 sending.discard(task)
                 task.result()  # a failed publish fails the transfer now
             parts = (frame_head({**header, "offset": offset}), view[offset:end])
-            prepare = (lambda o=offset, e=end: checksum(o, e)) if block_bytes else None
+            # Checksums after the frame is out, so they overlap its landing at the receiver instead
+            # of delaying it; zlib lets go of the GIL, so they run beside the loop and each other.
+            then = (lambda o=offset, e=end: checksum(o, e)) if block_bytes else None
             if links is not None:
-                sending.add(asyncio.ensure_future(links.publish(subject, parts, inbox, prepare)))
+                sending.add(asyncio.ensure_future(links.publish(subject, parts, inbox, then)))
             else:
-                if prepare is not None:
-                    await asyncio.to_thread(prepare)  # zlib lets go of the GIL: the loop keeps serving
                 await nc.publish(subject, b"".join(parts), reply=inbox)
+                if then is not None:
+                    sending.add(asyncio.ensure_future(asyncio.to_thread(then)))
         if sending:
             await asyncio.gather(*sending)
         await credits.wait_for(total, timeout_s)
@@ -315,6 +321,33 @@ class _Assembly:
     received: int = 0  # bytes landed, with every block they completed checksummed
     credited: int = 0  # received // ack_every when the last credit went out
     started: float = field(default_factory=time.monotonic)
+
+
+class _FrameCheck:
+    """One streamed frame's blocks being checksummed on a pool: the last one checked lands the frame
+    and sends its reply (a frame that failed to arrive whole never has its last block checked)."""
+
+    def __init__(self, receiver: KVReceiver, assembly: _Assembly, form: FrameHeader, length: int, index: int,
+                 answer: Callable[[bytes], None], blocks: int) -> None:
+        self.receiver, self.assembly, self.form, self.length, self.index = receiver, assembly, form, length, index
+        self.answer, self.left = answer, blocks
+        self.sums: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def block(self, b: int, view: memoryview) -> None:
+        crc = zlib.crc32(view)
+        with self._lock:
+            self.sums[b] = crc
+            self.left -= 1
+            last = self.left == 0
+        if not last:
+            return
+        try:
+            reply = self.receiver._landed(self.assembly, self.form, self.length, self.index, self.sums)
+            if reply is not None:
+                self.answer(reply)
+        except Exception:  # the connection broke: its sender sees the transfer fail; nothing to answer on
+            log.warning("KV frame of transfer %s landed but its reply failed", self.form.transfer_id, exc_info=True)
 
 
 class KVReceiver:
@@ -361,9 +394,13 @@ class KVReceiver:
             raise
         return self._landed(assembly, form, len(payload), index, {})
 
-    def on_stream(self, size: int, reader: FrameReader) -> bytes | None:
+    def on_stream(self, size: int, reader: FrameReader, checker: Executor | None = None,
+                  answer: Callable[[bytes], None] | None = None) -> bytes | None:
         """Land one frame of ``size`` bytes read from ``reader``, its payload straight into the transfer's
-        buffer (the caller skips what is left unread when this raises); as :meth:`on_frame` otherwise."""
+        buffer (the caller skips what is left unread when this raises); as :meth:`on_frame` otherwise.
+        Given a ``checker`` pool and ``answer``, a frame of whole blocks returns None once its bytes are
+        in: the pool checksums each block as it lands while the caller reads on, and the frame's reply
+        goes to ``answer`` from the pool's thread that checks its last block."""
         if size < _LEN.size:
             raise ProtocolError(ErrorCode.BAD_FRAME, "frame shorter than its length prefix")
         (head_len,) = _LEN.unpack(reader.read(_LEN.size))
@@ -376,18 +413,27 @@ class KVReceiver:
         length = size - _LEN.size - head_len
         assembly, dest, index = self._claim(form, length)
         bb, sums = form.block_bytes, {}
+        whole_blocks = bb and form.offset % bb == 0 and (length % bb == 0 or form.offset + length == form.total_bytes)
+        check = None
+        if whole_blocks and checker is not None and answer is not None:
+            check = _FrameCheck(self, assembly, form, length, index, answer, blocks=-(-length // bb))
         try:
-            if bb and form.offset % bb == 0 and (length % bb == 0 or form.offset + length == form.total_bytes):
-                # Whole blocks: each checksummed right after it lands, while it is still in cache.
+            if whole_blocks:
+                # Each block checksummed right after it lands, while it is still in cache.
                 for start in range(0, length, bb):
-                    block = dest[start : start + bb]
+                    block, b = dest[start : start + bb], (form.offset + start) // bb
                     reader.readinto(block)
-                    sums[(form.offset + start) // bb] = zlib.crc32(block)
+                    if check is not None:
+                        checker.submit(check.block, b, block)
+                    else:
+                        sums[b] = zlib.crc32(block)
             else:
                 reader.readinto(dest)
         except BaseException:
             self._release(assembly, index)
             raise
+        if check is not None:
+            return None
         return self._landed(assembly, form, length, index, sums)
 
     def _probe(self, form: FrameHeader) -> bytes:

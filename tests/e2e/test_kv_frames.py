@@ -91,9 +91,9 @@ async def serve(nc, links, subject: str, receiver: KVReceiver, delay_s: float = 
         if delay_s:
             land = receiver.on_stream
 
-            def slow(size, reader):
+            def slow(size, reader, *deferred):
                 time.sleep(delay_s)
-                return land(size, reader)
+                return land(size, reader, *deferred)
             receiver.on_stream = slow
         return await links.serve_kv(subject, receiver)
 
@@ -147,13 +147,13 @@ class Tampering:
         changed = self.change(header["offset"], bytes(payload))
         return None if changed is None else pack_frame(header, changed)
 
-    async def publish(self, subject, payload, reply="", prepare=None):
+    async def publish(self, subject, payload, reply="", then=None):
         if self.links is not None:  # called as a FramePublisher: payload is (head, view)
             frame = self._frame(b"".join(payload))
             if frame is not None:
-                await self.links.publish(subject, [frame], reply, prepare)
-            elif prepare is not None:
-                prepare()
+                await self.links.publish(subject, [frame], reply, then)
+            elif then is not None:
+                then()
             return
         frame = self._frame(payload)
         if frame is not None:

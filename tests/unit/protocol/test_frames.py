@@ -7,7 +7,9 @@ nats-server, with flow control, bulk connections and auth, are in ``tests/e2e/te
 from __future__ import annotations
 
 import random
+import threading
 import zlib
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import msgpack
 import pytest
@@ -55,8 +57,22 @@ def frames_of(tid: str, blob: bytes, chunk: int, block_bytes: int, window: int =
     return [frame_head({**header, "offset": off}) + blob[off : off + chunk] for off in range(0, len(blob), chunk)]
 
 
-def land(receiver: KVReceiver, frame: bytes, streamed: bool) -> bytes | None:
-    return receiver.on_stream(len(frame), BytesReader(frame)) if streamed else receiver.on_frame(frame)
+# How a frame reaches the receiver: whole (a nats-py message), streamed from a bulk connection and
+# checked by the reading thread, or streamed with its blocks checked on a pool of threads.
+ARRIVALS = ["whole", "streamed", "pooled"]
+
+
+def land(receiver: KVReceiver, frame: bytes, arrival: str) -> bytes | None:
+    """Land one frame; its reply, waited for when it comes from the pool."""
+    if arrival == "whole":
+        return receiver.on_frame(frame)
+    if arrival == "streamed":
+        return receiver.on_stream(len(frame), BytesReader(frame))
+    answers: list[bytes] = []
+    with ThreadPoolExecutor(3) as pool:  # leaving it waits for the frame's checks
+        reply = receiver.on_stream(len(frame), BytesReader(frame), pool, answers.append)
+    assert reply is None or not answers, "a frame was answered twice: by on_stream and from the pool"
+    return answers[0] if answers else reply
 
 
 def transfer_for(tid: str, blob: bytes, block_bytes: int) -> KVTransfer:
@@ -72,11 +88,11 @@ def credit(reply: bytes | None) -> int | None:
 SHAPES = [(24 * 64 * KIB, 64 * KIB, 256 * KIB), (6 * 256 * KIB, 256 * KIB, 100 * KIB), (4 * 4 * KIB, 4 * KIB, 1 << 20)]
 
 
-@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("arrival", ARRIVALS)
 @pytest.mark.parametrize("order", ["in order", "shuffled", "reversed"])
 @pytest.mark.parametrize("total,block_bytes,max_payload", SHAPES, ids=["blocks-in-frames", "block-spans-frames",
                                                                        "one-frame"])
-def test_frames_reassemble_in_any_order(total, block_bytes, max_payload, order, streamed) -> None:
+def test_frames_reassemble_in_any_order(total, block_bytes, max_payload, order, arrival) -> None:
     blob = random.Random(total).randbytes(total)
     chunk = frame_payload_bytes(max_payload, block_bytes)
     frames = frames_of("t1", blob, chunk, block_bytes)
@@ -88,7 +104,7 @@ def test_frames_reassemble_in_any_order(total, block_bytes, max_payload, order, 
     receiver = KVReceiver(max_bytes_in_flight=total)
     credits = []
     for n, i in enumerate(sequence, 1):
-        got = credit(land(receiver, frames[i], streamed))
+        got = credit(land(receiver, frames[i], arrival))
         landed = sum(min(chunk, total - j * chunk) for j in sequence[:n])
         assert got is None or got == landed, f"a credit must count exactly the bytes landed ({got} != {landed})"
         credits.append(got)
@@ -115,22 +131,22 @@ def test_credits_come_at_whole_frame_steps_so_a_full_window_always_moves(window)
     assert credited == len(blob)
 
 
-@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
-def test_a_missing_frame_is_a_typed_error_at_take(streamed) -> None:
+@pytest.mark.parametrize("arrival", ARRIVALS)
+def test_a_missing_frame_is_a_typed_error_at_take(arrival) -> None:
     blob = random.Random(1).randbytes(8 * 16 * KIB)
     receiver = KVReceiver(max_bytes_in_flight=len(blob))
     for i, frame in enumerate(frames_of("gap", blob, 32 * KIB, 16 * KIB)):
         if i != 2:
-            land(receiver, frame, streamed)
+            land(receiver, frame, arrival)
     with pytest.raises(ProtocolError) as err:
         receiver.take(transfer_for("gap", blob, 16 * KIB))
     assert err.value.code == ErrorCode.BAD_FRAME and "bytes arrived" in err.value.message, err.value
     assert receiver.bytes_in_flight == 0, "a refused transfer must be forgotten too"
 
 
-@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("arrival", ARRIVALS)
 @pytest.mark.parametrize("where,block", [("first byte", 2), ("middle", 3), ("last byte", 3)])
-def test_a_corrupt_frame_is_a_typed_error_at_take(where, block, streamed) -> None:
+def test_a_corrupt_frame_is_a_typed_error_at_take(where, block, arrival) -> None:
     """Frame 1 holds blocks 2 and 3; the block a flipped bit lies in is named."""
     blob = random.Random(2).randbytes(8 * 16 * KIB)
     frames = frames_of("bent", blob, 32 * KIB, 16 * KIB)
@@ -141,7 +157,7 @@ def test_a_corrupt_frame_is_a_typed_error_at_take(where, block, streamed) -> Non
     frames[1] = bytes(victim)
     receiver = KVReceiver(max_bytes_in_flight=len(blob))
     for frame in frames:
-        land(receiver, frame, streamed)
+        land(receiver, frame, arrival)
     with pytest.raises(ProtocolError) as err:
         receiver.take(transfer_for("bent", blob, 16 * KIB))
     assert err.value.code == ErrorCode.BAD_FRAME and f"checksum mismatch in blocks [{block}]" in err.value.message, (
@@ -161,15 +177,57 @@ def test_a_repeated_frame_is_refused_and_the_transfer_still_completes() -> None:
     assert bytes(receiver.take(transfer_for("twice", blob, 16 * KIB))) == blob
 
 
-def test_a_frame_broken_off_mid_stream_can_be_sent_again() -> None:
+@pytest.mark.parametrize("arrival", ["streamed", "pooled"])
+def test_a_frame_broken_off_mid_stream_can_be_sent_again(arrival) -> None:
     blob = random.Random(4).randbytes(2 * 16 * KIB)
-    frames = frames_of("retry", blob, 16 * KIB, 16 * KIB)
+    frames = frames_of("retry", blob, 16 * KIB, 4 * KIB)  # four blocks a frame: three land before the break
     receiver = KVReceiver(max_bytes_in_flight=len(blob))
-    with pytest.raises(OSError):
-        receiver.on_stream(len(frames[0]), BytesReader(frames[0], fail_after=len(frames[0]) - 100))
+    with ThreadPoolExecutor(2) as pool, pytest.raises(OSError):
+        deferred = (pool, lambda reply: pytest.fail("a broken frame was answered")) if arrival == "pooled" else ()
+        receiver.on_stream(len(frames[0]), BytesReader(frames[0], fail_after=len(frames[0]) - 100), *deferred)
+    assert receiver.received("retry") == 0, "a frame broken off mid-stream must not count as landed"
     for frame in frames:
-        receiver.on_stream(len(frame), BytesReader(frame))
-    assert bytes(receiver.take(transfer_for("retry", blob, 16 * KIB))) == blob
+        land(receiver, frame, arrival)
+    assert receiver.received("retry") == len(blob), "the frame sent again must count once"
+    assert bytes(receiver.take(transfer_for("retry", blob, 4 * KIB))) == blob
+
+
+class HeldPool(Executor):
+    """A check pool that runs nothing until ``run``: what the receiver does before its checks finish."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple] = []
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        self.jobs.append((fn, args))
+        return Future()
+
+    def run(self) -> None:
+        threads = [threading.Thread(target=fn, args=args) for fn, args in self.jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.jobs.clear()
+
+
+def test_pooled_frames_count_and_are_credited_only_once_their_blocks_are_checked() -> None:
+    block = 8 * KIB
+    blob = random.Random(6).randbytes(8 * block)
+    frames = frames_of("held", blob, 2 * block, block, window=2)  # a credit every frame
+    receiver, pool, answers = KVReceiver(max_bytes_in_flight=len(blob)), HeldPool(), []
+    for frame in frames[:2]:
+        assert receiver.on_stream(len(frame), BytesReader(frame), pool, answers.append) is None, (
+            "a pooled frame of whole blocks is answered from the pool, not by the reading thread")
+    assert len(pool.jobs) == 4, "each landed block is handed to the pool"
+    assert receiver.received("held") == 0 and not answers, "bytes must not count before their blocks are checked"
+    pool.run()
+    assert sorted(credit(a) for a in answers) == [2 * block, 4 * block], "each checked frame is credited once"
+    for frame in frames[2:]:
+        receiver.on_stream(len(frame), BytesReader(frame), pool, answers.append)
+    pool.run()
+    assert max(map(credit, answers)) == len(blob), "the frames' credits must reach the whole transfer"
+    assert bytes(receiver.take(transfer_for("held", blob, block))) == blob
 
 
 def header(**changes) -> dict:
@@ -199,18 +257,18 @@ MALFORMED = [
 ]
 
 
-@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("arrival", ARRIVALS)
 @pytest.mark.parametrize("frame,code", MALFORMED, ids=[f"{i}-{c.value}" for i, (_, c) in enumerate(MALFORMED)])
-def test_a_malformed_frame_is_refused_with_its_code_and_hurts_no_other_transfer(frame, code, streamed) -> None:
+def test_a_malformed_frame_is_refused_with_its_code_and_hurts_no_other_transfer(frame, code, arrival) -> None:
     good = random.Random(5).randbytes(4 * 16 * KIB)
     good_frames = frames_of("good", good, 16 * KIB, 16 * KIB)
     receiver = KVReceiver(max_bytes_in_flight=1 << 20)
-    land(receiver, good_frames[0], streamed)
+    land(receiver, good_frames[0], arrival)
     with pytest.raises(ProtocolError) as err:
-        land(receiver, frame, streamed)
+        land(receiver, frame, arrival)
     assert err.value.code == code, f"expected {code.value}, got {err.value}"
     for f in good_frames[1:]:
-        land(receiver, f, streamed)
+        land(receiver, f, arrival)
     assert bytes(receiver.take(transfer_for("good", good, 16 * KIB))) == good, "the good transfer was disturbed"
 
 
@@ -237,15 +295,15 @@ def test_stale_assemblies_are_dropped() -> None:
     assert err.value.code == ErrorCode.INVALID_REQUEST and "no kv frames" in err.value.message, err.value
 
 
-@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
-def test_older_frames_are_acknowledged_one_by_one_and_checked_at_take(streamed) -> None:
+@pytest.mark.parametrize("arrival", ARRIVALS)
+def test_older_frames_are_acknowledged_one_by_one_and_checked_at_take(arrival) -> None:
     """An older sender's frames (no chunk, block_bytes or ack_every) still work, one ``ok`` each."""
     blob = random.Random(6).randbytes(3 * 8 * KIB)
     receiver = KVReceiver(max_bytes_in_flight=len(blob))
     for off in range(0, len(blob), 10 * KIB):
         frame = pack_frame({"v": SCHEMA_VERSION, "kind": "kv_chunk", "transfer_id": "old", "offset": off,
                             "total_bytes": len(blob)}, blob[off : off + 10 * KIB])
-        assert land(receiver, frame, streamed) == LEGACY_OK
+        assert land(receiver, frame, arrival) == LEGACY_OK
     assert bytes(receiver.take(transfer_for("old", blob, 8 * KIB))) == blob
     bent = transfer_for("old2", blob, 8 * KIB).model_copy(update={"checksums": [zlib.crc32(b"x")] * 3})
     receiver.on_frame(pack_frame({"v": SCHEMA_VERSION, "transfer_id": "old2", "offset": 0, "total_bytes": len(blob)},
