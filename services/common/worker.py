@@ -274,11 +274,11 @@ class EngineWorker(ServiceRuntime):
     async def fetch_prefix(self, spec: RequestSpec, store: str, blocks: int) -> torch.Tensor | None:
         """Up to ``blocks`` of ``spec``'s leading prompt blocks from the KV-store ``store``, or None
         (nothing to fetch, a miss or a failure: the engine computes them). Prompt logprobs score every
-        prompt token, so none of such a prompt may come from a store; a migrated request computes its
-        prompt too (the engine takes output tokens with a whole hand-off's KV only, not a prefix's)."""
+        prompt token, so none of such a prompt may come from a store. A migrated request fetches its
+        prefix too; its resumed tokens are computed with the rest of the prompt."""
         bs = self.engine_config.block_size
         want = min(blocks, (len(spec.prompt_token_ids) - 1) // bs)  # the last token is computed
-        if not store or want <= 0 or spec.params.prompt_logprobs is not None or spec.resume_output_token_ids:
+        if not store or want <= 0 or spec.params.prompt_logprobs is not None:
             return None
         hashes = prefix_hashes(spec.prompt_token_ids, bs)[:want]
         start = time.time()

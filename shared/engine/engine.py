@@ -589,9 +589,11 @@ class LLMEngine:
                 self._exported_hashes[seq.request_id] = prefix_hashes(seq.token_ids[:full], self.config.block_size)
 
     def _check_kv(self, kv: torch.Tensor, num_prompt_tokens: int, num_outputs: int) -> None:
-        """Imported K/V come in two kinds: a hand-off with output tokens (the one sampled after the
-        prompt, after a migrated request's resumed ones) covers every token but the last sampled
-        one; without a sampled token (a prefix fetched from a KV-store, or a group's prompt handed
+        """Imported K/V cover the first tokens of the request, whatever else is computed here: a
+        hand-off with output tokens (the one sampled after the prompt, after a migrated request's
+        resumed ones) covers every token but the last sampled one; a prefix fetched from a KV-store
+        covers leading whole blocks of the prompt (a migrated request's resumed tokens are then
+        computed with the rest of it); without a sampled token (a prefix, or a group's prompt handed
         off to sample its candidates here) it covers at most the whole prompt, and the last prompt
         token is computed here anyway so that there are logits to sample from."""
         layout = self.runner.kv_layout
@@ -600,9 +602,11 @@ class LLMEngine:
         whole = -(-num_prompt_tokens // self.config.block_size)
         if num_outputs:
             computed = -(-(num_prompt_tokens + num_outputs - 1) // self.config.block_size)
-            if kv.shape[0] != computed:
-                raise ValueError(f"a hand-off needs the {computed} blocks of kv of its prompt and its output tokens "
-                                 f"but the last, got {kv.shape[0]}")
+            prefix = num_prompt_tokens // self.config.block_size  # whole prompt blocks
+            if kv.shape[0] != computed and not 0 < kv.shape[0] <= prefix:
+                raise ValueError(f"kv for a request with output tokens is a hand-off's {computed} blocks (its prompt "
+                                 f"and its output tokens but the last) or a prefix of at most its prompt's {prefix} "
+                                 f"whole blocks, got {kv.shape[0]}")
         elif not 0 < kv.shape[0] <= whole:
             raise ValueError(f"an import without sampled tokens covers at most the prompt's {whole} blocks, "
                              f"got {kv.shape[0]}")

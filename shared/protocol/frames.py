@@ -17,7 +17,8 @@ arrives fails it with ``timeout`` after ``timeout_s`` without credit.
 
 The crc32 of each block is computed by the sender once the frame that starts it is out, and by the
 receiver as the block lands (on the bulk connection's reader thread, or on a pool of check threads
-beside it while the reader goes on to the next frame); a credit counts only checked bytes. :func:`send_kv` returns the sender's for the :class:`KVTransfer` that follows, and
+beside it while the reader goes on to the next frame); a credit counts only checked bytes.
+:func:`send_kv` returns the sender's for the :class:`KVTransfer` that follows, and
 :meth:`KVReceiver.take` compares them with its own before anything reaches the engine, so a lost,
 repeated or corrupted frame is a typed :class:`ProtocolError`, never wrong KV.
 

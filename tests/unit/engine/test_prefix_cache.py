@@ -191,6 +191,45 @@ def test_prefix_import_matches_fresh_computation(tiny, prompt_len: int, blocks: 
     assert_all_free(engine)
 
 
+@pytest.mark.parametrize("prompt_len,blocks,resumed", [(50, 3, 2), (48, 3, 1), (33, 1, 4)])
+def test_a_migrated_request_continues_exactly_from_a_prefix_import(tiny, prompt_len: int, blocks: int,
+                                                                    resumed: int) -> None:
+    """A migrated request comes back with the tokens its client already streamed and a KV-store's
+    leading prompt blocks: the rest of the prompt and the resumed tokens are computed, and it goes
+    on with the tokens it would have given, none of the imported ones computed again."""
+    prompt = (BASE + OTHER)[:prompt_len]
+    expected, _ = reference(tiny, prompt, 6)
+    donor = make_engine(tiny)
+    exported = run(donor, [EngineRequest("src", prompt, greedy(2), prefill_only=True)])["src"].kv
+    engine = make_engine(tiny)
+    computed = count_computed(engine)
+    migrated = EngineRequest("mig", prompt, greedy(6), kv=exported[:blocks].clone(),
+                             output_token_ids=expected[:resumed])
+    results = run(engine, [migrated])
+    assert expected[:resumed] + results["mig"].tokens == expected, (
+        f"a migrated request with {resumed} resumed tokens and {blocks} imported blocks diverged")
+    assert computed[0] == prompt_len - blocks * BS + 5, f"computed {computed[0]} tokens"
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("prompt_len,outputs,blocks,taken", [
+    (48, 1, 3, True),  # a hand-off: the prompt and the outputs but the last
+    (50, 2, 2, True),  # a prefix of whole prompt blocks
+    (48, 1, 4, False),  # past the hand-off's 3 blocks
+    (40, 10, 3, False),  # past the prompt's 2 whole blocks, short of the hand-off's 4
+])
+def test_kv_with_output_tokens_is_a_whole_hand_off_or_a_prompt_prefix(tiny, prompt_len: int, outputs: int,
+                                                                       blocks: int, taken: bool) -> None:
+    kv = torch.zeros(blocks, *make_engine(tiny).runner.kv_cache.shape[1:])
+    request = EngineRequest("x", (BASE + OTHER)[:prompt_len], greedy(outputs + 2), kv=kv,
+                            output_token_ids=[1] * outputs)
+    if taken:
+        make_engine(tiny).add_request(request)
+    else:
+        with pytest.raises(ValueError, match="a hand-off's .* or a prefix"):
+            make_engine(tiny).add_request(request)
+
+
 @pytest.mark.parametrize("prompt_len,blocks", [(48, 4), (33, 4), (20, 0)])
 def test_an_import_without_sampled_tokens_covers_at_most_the_prompt(tiny, prompt_len: int, blocks: int) -> None:
     kv = torch.zeros(blocks, *make_engine(tiny).runner.kv_cache.shape[1:])
