@@ -31,7 +31,7 @@ import torch
 from serving_gpu import greedy_tokens, hbm_read_gbps, make_engine, random_prompts, run_requests
 
 from tandem.shared.model.loader import load_model
-from tandem.shared.parallel.ranks import RankJob, lead
+from tandem.shared.parallel.ranks import RankJob, dismiss, lead
 
 
 def load(model: str, size: int, device: torch.device, threads: int, shared_memory_commands: bool = True):
@@ -48,13 +48,7 @@ def load(model: str, size: int, device: torch.device, threads: int, shared_memor
 
 def release(loaded, engine, followers, group) -> None:
     if group is not None:
-        followers.leaving = True
-        if engine is not None:
-            engine.runner.close()
-        else:
-            group.send_command(("stop",))
-            group.close()
-        followers.stop()
+        dismiss(group, followers)
     del engine, loaded
     gc.collect()
     if torch.cuda.is_available():

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch
 
 from tandem.shared.model.loader import LoadedModel, load_model
-from tandem.shared.parallel.ranks import RankJob, lead
+from tandem.shared.parallel.ranks import RankJob, dismiss, lead
 
 
 @contextmanager
@@ -27,8 +27,5 @@ def sharded_model(model: str, size: int, data_dir: str, device: str = "cpu",
         assert group.min_over_ranks(64) == 64
         yield loaded
     finally:
-        followers.leaving = True
-        group.send_command(("stop",))
-        group.close()
-        followers.stop()
+        dismiss(group, followers)
     assert all(p.returncode == 0 for p in followers.processes), "a follower rank ended with an error"

@@ -35,7 +35,7 @@ from tandem.shared.kvcache.cache import kv_namespace, size_kv_pool
 from tandem.shared.model.loader import LoadedModel, load_model, resolve_dtype
 from tandem.shared.model.meta import load_model_meta
 from tandem.shared.parallel.group import TensorParallelError, TensorParallelGroup
-from tandem.shared.parallel.ranks import Followers, RankJob, lead, rank_devices
+from tandem.shared.parallel.ranks import Followers, RankJob, dismiss, lead, rank_devices
 from tandem.shared.parallel.sharding import shard_config
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError, shortened
@@ -201,10 +201,8 @@ class EngineWorker(ServiceRuntime):
     async def teardown(self) -> None:
         if self.thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.thread.stop)
-        if self.followers is not None:
-            self.followers.leaving = True
-            self.engine.runner.close()  # the engine thread has stopped: nothing else talks to the ranks
-            await asyncio.get_running_loop().run_in_executor(None, self.followers.stop)
+        if self.followers is not None:  # the engine thread has stopped: nothing else talks to the ranks
+            await asyncio.get_running_loop().run_in_executor(None, dismiss, self.tensor_parallel, self.followers)
 
     async def drain(self) -> None:
         """A stop drains as a scale-down does (:mod:`tandem.services.common.drain`)."""

@@ -135,9 +135,6 @@ class ModelRunner:
         with torch.no_grad():
             self.model.load_state_dict(state_dict, strict=False)
 
-    def close(self) -> None:
-        """Release what the runner holds beyond its tensors (a tensor-parallel runner's ranks)."""
-
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flattened ``input_ids``/``positions`` ``[T]`` and the metadata for one batch."""
         input_ids: list[int] = []

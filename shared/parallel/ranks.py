@@ -89,6 +89,15 @@ class Followers:
                 proc.wait()
 
 
+def dismiss(group: TensorParallelGroup, followers: Followers) -> None:
+    """Rank 0's leaving: the followers are told to stop, this rank leaves the group, and the
+    followers are waited for (any still there after the timeout are killed)."""
+    followers.leaving = True
+    group.send_command(("stop",))
+    group.close()
+    followers.stop()
+
+
 def lead(job: RankJob, size: int, device: torch.device, shared_memory_commands: bool = True
          ) -> tuple[TensorParallelGroup, Followers]:
     """Rank 0: start ranks 1..``size``-1 and open the group with them. Commands travel through
@@ -165,6 +174,14 @@ def main(argv: list[str] | None = None) -> None:
     _exit_with_parent(os.getppid())
     channel = None if args.commands is None else commands.ChannelFds.decode(args.commands)
     run_follower(args.rank, args.size, args.port, torch.device(args.device), RankJob(**json.loads(args.job)), channel)
+    # Left cleanly: exit now, before the interpreter's and C++'s static teardown. On a CI machine a
+    # follower that had left its group died there with "terminate called without an active exception"
+    # (a joinable std::thread destroyed at exit), which turned a clean stop into an abort.
+    # An error before this line still exits through Python, with its traceback and code 1.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

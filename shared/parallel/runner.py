@@ -80,7 +80,6 @@ class TensorParallelRunner(ModelRunner):
                                       "swap_blocks": 0 if swap_space is None else swap_space.num_blocks,
                                       "quantization": kwargs.get("quantization", "none")}))
         super().__init__(model, num_blocks, block_size, device, dtype, **kwargs)
-        self._closed = False
 
     @property
     def kv_layout(self) -> tuple[int, ...]:
@@ -148,13 +147,6 @@ class TensorParallelRunner(ModelRunner):
             part = rank_part(name, self.group.broadcast(tensor.to(self.device).contiguous()), whole, 0, size)
             if part is not None:
                 super().load_weights({name: part})
-
-    def close(self) -> None:
-        """Tell the other ranks to leave, then leave the group."""
-        if not self._closed:
-            self._closed = True
-            self.group.send_command(("stop",))
-            self.group.close()
 
 
 @torch.inference_mode()
