@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from tandem.shared.model.config import ModelConfig
 from tandem.shared.model.llama import apply_rope, rope_inv_freq
@@ -81,17 +81,58 @@ def segment_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~allowed[:, None], float("-inf"))
 
 
+FLEX_TILE = 128  # FlexAttention's tile, queries and keys alike
+
+
 def segment_block_mask(segments: torch.Tensor) -> BlockMask:
     """:func:`segment_mask`'s rule (query i sees key j of its own segment, j <= i) as a FlexAttention
     block mask over ``segments`` ``[B, S]`` (on their device): which 128 x 128 tiles hold any allowed
-    pair, which hold only such pairs. Made once per step; building it evaluates the rule on every
-    (i, j) once, as booleans."""
+    pair (partial), which hold only such pairs (full). Made once per step from where each example
+    starts, in ``[B, tiles, tiles]`` work, never the ``[B, S, S]`` of the rule itself (at 524,288 tokens
+    a row about 1 GiB of tile work, where the pairs would be 256 GiB of booleans).
+
+    Each example is one contiguous run of its row (what packing makes; a ValueError otherwise). Then
+    query tile ``t``'s rows see keys from its first row's example start to its last row, every tile
+    in that range holds an allowed pair, and tile ``u < t`` is full when the example of ``t``'s last
+    row starts at or before ``u``'s first key (one example covers both tiles whole)."""
     bsz, seq = segments.shape
+    device = segments.device
+    position = torch.arange(seq, device=device)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    ordered = segments.sort(dim=1).values
+    distinct = 1 + (ordered[:, 1:] != ordered[:, :-1]).sum(dim=1)
+    if bool((starts.sum(dim=1) != distinct).any()):
+        raise ValueError("a packed row holds an example in two places: each example must be one contiguous run")
+    run_start = torch.where(starts, position, 0).cummax(dim=1).values  # [B, S]: where each token's example starts
+
+    tiles = -(-seq // FLEX_TILE)
+    tile = torch.arange(tiles, device=device)
+    first_row = tile * FLEX_TILE
+    last_row = (first_row + FLEX_TILE).clamp(max=seq) - 1
+    seen_from = run_start[:, first_row] // FLEX_TILE  # [B, tiles]: the first key tile a query tile sees
+    full_from = -(-run_start[:, last_row] // FLEX_TILE)  # the first key tile whole inside the last row's example
+    if seq % FLEX_TILE:  # the last query tile is cut short: never full (its rows past the end see nothing)
+        full_from[:, -1] = tiles
+    key_tile = tile[None, None, :]
+    full_to = torch.minimum(full_from, tile[None, :])[..., None]  # full tiles run up to, not into, the diagonal
+    full = (key_tile >= full_from[..., None]) & (key_tile < tile[None, :, None])
+    partial = ((key_tile >= seen_from[..., None]) & (key_tile < full_to)) | (key_tile == tile[None, :, None])
 
     def same_example(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - FlexAttention's mask_mod signature
         return (segments[b, q_idx] == segments[b, kv_idx]) & (kv_idx <= q_idx)
 
-    return create_block_mask(same_example, bsz, None, seq, seq, device=segments.device)
+    (partial_count, partial_index), (full_count, full_index) = _tile_lists(partial), _tile_lists(full)
+    return BlockMask.from_kv_blocks(partial_count, partial_index, full_count, full_index, BLOCK_SIZE=FLEX_TILE,
+                                    mask_mod=same_example, seq_lengths=(seq, seq))
+
+
+def _tile_lists(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chosen`` ``[B, query tiles, key tiles]`` as a block mask's (count, indices) ``[B, 1, ...]`` int32:
+    each query tile's chosen key tiles first, in increasing order (the order create_block_mask gives)."""
+    count = chosen.sum(dim=-1, dtype=torch.int32)
+    index = torch.argsort(chosen.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return count[:, None].contiguous(), index[:, None].contiguous()
 
 
 @functools.cache

@@ -291,8 +291,8 @@ def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int,
     """The bytes a job needs, from the same shapes the allocating code uses (module docstring).
     ``packed``: batches pack several examples a row, so each step also holds the attention mask and
     RoPE tables gathered per row: on CUDA without ``deterministic`` a FlexAttention block mask
-    (``functional.segment_block_mask``: eight int32 tensors over the 128 x 128 tiles, made from a
-    ``[B, S, S]`` boolean evaluation of the rule at the step's start), else ``functional.segment_mask``
+    (``functional.segment_block_mask``: eight int32 tensors over the 128 x 128 tiles, made at the step's
+    start from where the examples start, in ``[B, tiles, tiles]`` work), else ``functional.segment_mask``
     (``[B, 1, S, S]`` of the work dtype, the last dim padded to 16). ``deterministic`` (CUDA): the step
     runs deterministic kernels, whose flash backward needs more room on long sequences (:func:`flash_splits`,
     ``sm_count`` SMs)."""
@@ -338,7 +338,10 @@ def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int,
     working = activation_bytes(cfg, batch, seq, e, mlp_chunk, loss_chunk or default_loss_chunk(cfg), attention_chunk,
                                splits)
     if flex:
-        working["packed mask build"] = batch * seq * seq + 2 * batch * seq * 8
+        # Per token: the segment ids sorted and their run starts (int64); per tile pair: the chosen
+        # tiles, their orders and FlexAttention's transposition for the backward (the CPU allocator's
+        # peak measured 34-40 bytes a token and 40-45 a pair; CUDA's sort keeps a second buffer).
+        working["packed mask build"] = 56 * batch * seq + 64 * batch * tiles * tiles
     plan = MemoryPlan(cfg, device, batch, seq, e, placement, split, host, gpu, working, gpu_cap=gpu_cap,
                       host_available=host_available)
     if splits > 1:

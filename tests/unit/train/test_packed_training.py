@@ -131,6 +131,56 @@ def test_the_cuda_block_mask_attends_as_the_dense_mask(name):
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5, msg="block mask and dense mask disagree")
 
 
+def packed_rows(seq: int, rows: int, seed: int) -> torch.Tensor:
+    """``rows`` packed rows of ``seq`` segment ids: examples of lengths around and across the 128-token
+    tiles (1 to 700 tokens), some rows ending in padding (-1)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([1, 3, 50, 127, 128, 129, 200, 256, 300, 700])
+    out = []
+    for _ in range(rows):
+        row, example = [], 0
+        while len(row) < seq:
+            if torch.rand((), generator=gen) < 0.1:
+                row += [-1] * (seq - len(row))
+                break
+            row += [example] * int(lengths[torch.randint(len(lengths), (), generator=gen)])
+            example += 1
+        out.append(row[:seq])
+    return torch.tensor(out)
+
+
+def rule_block_mask(segments: torch.Tensor):
+    """The block mask FlexAttention makes by evaluating the rule on every (query, key) pair."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_example(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+        return (segments[b, q_idx] == segments[b, kv_idx]) & (kv_idx <= q_idx)
+
+    return create_block_mask(same_example, segments.shape[0], None, segments.shape[1], segments.shape[1],
+                             device=segments.device)
+
+
+@pytest.mark.parametrize("seq", [1, 5, 127, 128, 129, 300, 513, 1024])
+def test_the_block_mask_from_example_starts_is_the_rules_own(seq):
+    """:func:`segment_block_mask` builds the tiles from where examples start; FlexAttention's
+    create_block_mask evaluates the rule on every pair. Same tiles, partial and full, on both sides
+    (the backward's), in the same order, over 40 layouts at each length."""
+    for seed in range(40):
+        segments = packed_rows(seq, 1 + seed % 3, seed)
+        built, evaluated = fn.segment_block_mask(segments), rule_block_mask(segments)
+        assert built.seq_lengths == evaluated.seq_lengths
+        for side in ("kv", "full_kv", "q", "full_q"):
+            for part in ("num_blocks", "indices"):
+                got, want = getattr(built, f"{side}_{part}"), getattr(evaluated, f"{side}_{part}")
+                assert torch.equal(got, want), f"{side}_{part} differ at seq {seq}, layout {segments.tolist()}"
+
+
+def test_an_example_in_two_places_of_a_row_is_refused():
+    segments = torch.tensor([[0] * 100 + [1] * 100 + [0] * 56])
+    with pytest.raises(ValueError, match="contiguous"):
+        fn.segment_block_mask(segments)
+
+
 # --- the job path -----------------------------------------------------------------------------------
 
 
@@ -243,6 +293,25 @@ def test_memory_plan_counts_the_packed_mask(device, deterministic):
         mask = batch * seq * 304 * 2
     else:  # FlexAttention's block mask over 3 x 3 tiles: counts and indices, partial and full, both sides
         mask = 4 * (batch * 3 + batch * 3 * 3) * 4
-        assert packed.working["packed mask build"] >= batch * seq * seq, "the boolean evaluation of the rule"
+        assert "packed mask build" in packed.working
     assert packed.gpu["packed attention mask"] == mask
     assert packed.gpu_persistent - plain.gpu_persistent == mask + 2 * batch * seq * (cfg.head_dim // 2) * 4
+
+
+@pytest.mark.parametrize("batch,seq", [(8, 2048), (1, 65536)])
+def test_the_plan_bounds_what_building_the_block_mask_allocates(batch, seq):
+    """The plan's "packed mask build" against the CPU allocator's peak while the mask is built and
+    the mask it keeps: both covered, neither by more than 2x."""
+    from torch.profiler import ProfilerActivity, profile
+
+    segments = torch.arange(seq).div(1500, rounding_mode="floor")[None].repeat(batch, 1)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn.segment_block_mask(segments)
+    live = peak = 0
+    for event in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    plan = memory_plan(ModelConfig.tiny(), torch.bfloat16, batch, seq, Placement(), device="cuda", packed=True)
+    estimate = plan.working["packed mask build"]
+    assert peak <= estimate <= 2 * peak, f"building the mask peaked at {peak} bytes; the plan says {estimate}"
