@@ -3,8 +3,9 @@ modules run with a plain causal forward (``reference_loss``) and trained by ``to
 (decoupled weight decay on matrices, ``reference_optimizer``) with ``clip_grad_norm_``
 (``reference_step``, which can also bound how far two fp32 runs may drift apart), on seeded random
 ``batches``; and for fine-tuning, seeded chat and prompt/completion records (``finetune_records``)
-with the masked loss of their examples each run alone (``reference_masked_step``). The CPU parity
-tests and the CUDA ones share it."""
+with the masked loss of their examples each run alone (``reference_masked_step``); packed rows' segment
+ids (``packed_rows``) and the block mask of their rule evaluated pair by pair (``rule_block_mask``). The
+CPU parity tests and the CUDA ones share it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from tandem.shared.model.llama import LlamaForCausalLM, apply_rope
 from tandem.shared.train.host_state import HostState
@@ -164,3 +166,41 @@ def reference_masked_step(model: LlamaForCausalLM, examples) -> tuple[float, dic
         unit = f"layer.{name.split('.')[2]}" if name.startswith("model.layers.") else "extras"
         norms[unit] = norms.get(unit, 0.0) + p.grad.double().pow(2).sum().item()
     return loss.item(), norms
+
+
+def packed_rows(seq: int, rows: int, seed: int) -> torch.Tensor:
+    """``rows`` packed rows of ``seq`` segment ids: examples of lengths around and across the 128-token
+    tiles (1 to 700 tokens), some rows ending in padding (-1)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([1, 3, 50, 127, 128, 129, 200, 256, 300, 700])
+    out = []
+    for _ in range(rows):
+        row, example = [], 0
+        while len(row) < seq:
+            if torch.rand((), generator=gen) < 0.1:
+                row += [-1] * (seq - len(row))
+                break
+            row += [example] * int(lengths[torch.randint(len(lengths), (), generator=gen)])
+            example += 1
+        out.append(row[:seq])
+    return torch.tensor(out)
+
+
+def rule_block_mask(segments: torch.Tensor) -> BlockMask:
+    """The block mask FlexAttention makes by evaluating the packed rows' rule (a query sees the keys
+    of its own example up to itself) on every (query, key) pair, on the segments' device."""
+
+    def same_example(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+        return (segments[b, q_idx] == segments[b, kv_idx]) & (kv_idx <= q_idx)
+
+    return create_block_mask(same_example, segments.shape[0], None, segments.shape[1], segments.shape[1],
+                             device=segments.device)
+
+
+def assert_same_block_mask(built: BlockMask, evaluated: BlockMask, segments: torch.Tensor) -> None:
+    """Same tiles, partial and full, on both sides (the backward's), in the same order."""
+    assert built.seq_lengths == evaluated.seq_lengths
+    for side in ("kv", "full_kv", "q", "full_q"):
+        for part in ("num_blocks", "indices"):
+            got, want = getattr(built, f"{side}_{part}"), getattr(evaluated, f"{side}_{part}")
+            assert torch.equal(got, want), f"{side}_{part} differ at seq {segments.shape[1]}: {segments.tolist()}"

@@ -1,6 +1,7 @@
 """Packed fine-tuning batches on CUDA: the masked bf16 loss tracks each example run alone in fp32,
 unpacked rows keep the flash kernel while packed rows run FlexAttention under the block-diagonal
-block mask (never SDPA with a dense mask), and what a packed step costs next to an unpacked one.
+block mask (never SDPA with a dense mask), what a packed step costs next to an unpacked one, and the
+block mask built from the examples' starts against FlexAttention's own evaluation of the rule.
 
 Run: ``python -m pytest -q -s -m gpu tests/gpu/test_finetune_gpu.py`` (skipped without CUDA; ``-s``
 shows the measured step times).
@@ -121,3 +122,28 @@ def test_packed_step_cost_next_to_unpacked(seq, deterministic):
           f"{t_packed * 1e3:.1f} ms/step, ratio {t_packed / t_plain:.2f}, peak {peak:.2f} GiB")
     if not deterministic:  # FlexAttention; the deterministic steps' dense mask is only printed
         assert t_packed < 1.5 * t_plain, f"the packed step took {t_packed / t_plain:.2f}x the unpacked one"
+
+
+def test_the_block_mask_from_example_starts_is_the_rules_own_on_cuda():
+    """:func:`segment_block_mask` on CUDA against FlexAttention's create_block_mask evaluating the rule
+    pair by pair (as the CPU test does), then one 524,288-token row: its build stays inside the
+    plan's "packed mask build" (the rule's own evaluation would need 256 GiB of booleans)."""
+    from train_support import assert_same_block_mask, packed_rows, rule_block_mask
+
+    from tandem.shared.train import functional as fn
+    from tandem.shared.train.plan import Placement, memory_plan
+
+    for seq in (1, 127, 129, 300, 1024, 4096):
+        for seed in range(10):
+            segments = packed_rows(seq, 1 + seed % 3, seed).to(CUDA)
+            assert_same_block_mask(fn.segment_block_mask(segments), rule_block_mask(segments), segments)
+    seq = 524288
+    segments = (torch.arange(seq, device=CUDA) // 1500)[None]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn.segment_block_mask(segments)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    plan = memory_plan(ModelConfig.tiny(), torch.bfloat16, 1, seq, Placement(), device="cuda", packed=True)
+    assert peak <= plan.working["packed mask build"], f"the build peaked at {peak / 2**20:.0f} MiB, past the plan"

@@ -21,7 +21,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from train_support import CLIP, LR, WD, finetune_records, reference_masked_step, reference_model, write_jsonl
+from train_support import (
+    CLIP,
+    LR,
+    WD,
+    assert_same_block_mask,
+    finetune_records,
+    packed_rows,
+    reference_masked_step,
+    reference_model,
+    rule_block_mask,
+    write_jsonl,
+)
 
 from tandem.shared.model.config import ModelConfig
 from tandem.shared.protocol.training import TrainJob
@@ -131,35 +142,6 @@ def test_the_cuda_block_mask_attends_as_the_dense_mask(name):
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5, msg="block mask and dense mask disagree")
 
 
-def packed_rows(seq: int, rows: int, seed: int) -> torch.Tensor:
-    """``rows`` packed rows of ``seq`` segment ids: examples of lengths around and across the 128-token
-    tiles (1 to 700 tokens), some rows ending in padding (-1)."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor([1, 3, 50, 127, 128, 129, 200, 256, 300, 700])
-    out = []
-    for _ in range(rows):
-        row, example = [], 0
-        while len(row) < seq:
-            if torch.rand((), generator=gen) < 0.1:
-                row += [-1] * (seq - len(row))
-                break
-            row += [example] * int(lengths[torch.randint(len(lengths), (), generator=gen)])
-            example += 1
-        out.append(row[:seq])
-    return torch.tensor(out)
-
-
-def rule_block_mask(segments: torch.Tensor):
-    """The block mask FlexAttention makes by evaluating the rule on every (query, key) pair."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def same_example(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
-        return (segments[b, q_idx] == segments[b, kv_idx]) & (kv_idx <= q_idx)
-
-    return create_block_mask(same_example, segments.shape[0], None, segments.shape[1], segments.shape[1],
-                             device=segments.device)
-
-
 @pytest.mark.parametrize("seq", [1, 5, 127, 128, 129, 300, 513, 1024])
 def test_the_block_mask_from_example_starts_is_the_rules_own(seq):
     """:func:`segment_block_mask` builds the tiles from where examples start; FlexAttention's
@@ -167,12 +149,7 @@ def test_the_block_mask_from_example_starts_is_the_rules_own(seq):
     (the backward's), in the same order, over 40 layouts at each length."""
     for seed in range(40):
         segments = packed_rows(seq, 1 + seed % 3, seed)
-        built, evaluated = fn.segment_block_mask(segments), rule_block_mask(segments)
-        assert built.seq_lengths == evaluated.seq_lengths
-        for side in ("kv", "full_kv", "q", "full_q"):
-            for part in ("num_blocks", "indices"):
-                got, want = getattr(built, f"{side}_{part}"), getattr(evaluated, f"{side}_{part}")
-                assert torch.equal(got, want), f"{side}_{part} differ at seq {seq}, layout {segments.tolist()}"
+        assert_same_block_mask(fn.segment_block_mask(segments), rule_block_mask(segments), segments)
 
 
 def test_an_example_in_two_places_of_a_row_is_refused():
