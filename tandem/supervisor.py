@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -302,12 +302,13 @@ class Supervisor:
     async def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Until every child answers ``$SRV.PING`` and the router has heard from every worker; then
         the planner (it counts the workers when it starts) and every child's URLs."""
-        want = {s: sum(c.service == s for c in self.children) for s in SERVICE_ORDER}
+        want = {s: [c.instance_id for c in self.children if c.service == s] for s in SERVICE_ORDER}
         options = self.own_connect_options("tandem-up")
         await wait_until_ready(self.url, want, self.check_children, timeout_s, options)
         if self.wanted.get("planner") and not any(c.service == "planner" for c in self.children):
             self.spawn("planner")
-            await wait_until_ready(self.url, {"planner": 1}, self.check_children, timeout_s, options)
+            planners = [c.instance_id for c in self.children if c.service == "planner"]
+            await wait_until_ready(self.url, {"planner": planners}, self.check_children, timeout_s, options)
         nc = await nats.connect(self.url, **options)
         try:
             missing = await self.read_urls(nc)
@@ -438,29 +439,38 @@ class Supervisor:
         remove_state(self.settings.data_dir, os.getpid())
 
 
-async def wait_until_ready(url: str, want: dict[str, int], check: Callable[[], None], timeout_s: float,
-                           options: dict[str, Any] | None = None) -> None:
-    """Wait until ``want[service]`` instances of each service answer ``$SRV.PING`` and then until a
-    heartbeat from each worker arrives: the router was subscribed before it answered the ping, so it
-    has heard those heartbeats too and can place work (the router and the frontend send none).
-    ``check`` raises if a child died; ``options``: ``nats.connect``'s (the identity to ask with)."""
-    workers = sum(n for s, n in want.items() if s not in SILENT)
+async def wait_until_ready(url: str, want: Mapping[str, int | Collection[str]], check: Callable[[], None],
+                           timeout_s: float, options: dict[str, Any] | None = None) -> None:
+    """Wait until the instances in ``want`` answer ``$SRV.PING`` and then until a heartbeat from each
+    worker among them arrives: a router was subscribed before it answered the ping, so it has heard
+    those heartbeats too and can place work (the router and the frontend send none).
+
+    ``want[service]``: how many instances, or which (their instance ids). Give the ids wherever other
+    instances of the service may be on the bus (another system's, an earlier run's): by count they
+    would stand in for the new ones, and a new router that has heard no worker yet would be taken
+    as ready. ``check`` raises if a child died; ``options``: ``nats.connect``'s (the identity to ask with)."""
+    named = {s: set(w) for s, w in want.items() if not isinstance(w, int)}
+    counts = {s: w if isinstance(w, int) else len(w) for s, w in want.items()}
+    workers = sum(n for s, n in counts.items() if s not in SILENT)
     nc = await nats.connect(url, **(options or {}))
     try:
         deadline = time.monotonic() + timeout_s
         seen: dict[str, int] = {}
         while True:
             check()
-            seen = await ping_services(nc)
-            if all(seen.get(f"tandem-{s}", 0) >= n for s, n in want.items()):
+            seen = await ping_services(nc, named)
+            if all(seen.get(f"tandem-{s}", 0) >= n for s, n in counts.items()):
                 break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"services not ready after {timeout_s:.0f}s (want {want}, saw {seen})")
+                raise RuntimeError(f"services not ready after {timeout_s:.0f}s (want {counts}, saw {seen})")
             await asyncio.sleep(0.25)
+        beats = {subjects.heartbeat(s, i) for s, ids in named.items() for i in ids}
+        anyone = tuple(f"{subjects.heartbeat(s, '')}" for s in counts if s not in named)
         beating: set[str] = set()
 
         async def on_beat(msg) -> None:
-            beating.add(msg.subject)
+            if msg.subject in beats or msg.subject.startswith(anyone):
+                beating.add(msg.subject)
 
         sub = await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
         while len(beating) < workers:
@@ -473,12 +483,19 @@ async def wait_until_ready(url: str, want: dict[str, int], check: Callable[[], N
         await nc.close()
 
 
-async def ping_services(nc: nats.NATS, wait_s: float = 0.3) -> dict[str, int]:
-    """How many instances of each micro service answer ``$SRV.PING`` within ``wait_s``."""
+async def ping_services(nc: nats.NATS, named: Mapping[str, Collection[str]] | None = None,
+                        wait_s: float = 0.3) -> dict[str, int]:
+    """How many instances of each micro service answer ``$SRV.PING`` within ``wait_s``; of a service
+    in ``named`` (service -> instance ids), only those instances."""
     counts: dict[str, int] = {}
     for pong in await service_pongs(nc, wait_s):
-        if "name" in pong:
-            counts[pong["name"]] = counts.get(pong["name"], 0) + 1
+        name = pong.get("name")
+        if name is None:
+            continue
+        ids = (named or {}).get(name.removeprefix("tandem-"))
+        if ids is not None and (pong.get("metadata") or {}).get("instance_id") not in ids:
+            continue
+        counts[name] = counts.get(name, 0) + 1
     return counts
 
 

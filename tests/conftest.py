@@ -128,8 +128,10 @@ class System:
         self.stop(name)
         self.processes[name] = subprocess.Popen(proc.args, env=self.env, stdout=open(self.logdir / f"{name}.log", "ab"),
                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        service = name.split("-")[0]
-        want = {service: sum(n.startswith(service) for n in self.processes)}
+        # The whole system by name: a restarted router is ready once it has heard every worker here.
+        want: dict[str, list[str]] = {}
+        for instance in self.processes:
+            want.setdefault(instance.split("-")[0], []).append(instance)
         run_sync(wait_until_ready(self.url, want, self.check_alive, 120))
 
     def check_alive(self) -> None:
@@ -163,7 +165,8 @@ def start_system(nats_server, data_dir, tmp_path_factory):
                     extra = [*model_args, *{"prefill": prefill_args, "decode": decode_args,
                                             "router": router_args}.get(service, ())]
                 system.processes[name] = launch(nats_server.url, service, name, logdir, system.env, extra)
-        want = {s: n for s, n in plan if n}
+        # By name: the module's earlier systems share the server, and their instances must not stand in.
+        want = {s: [n for n in system.processes if n.startswith(f"{s}-{len(systems)}-")] for s, n in plan if n}
         try:
             run_sync(wait_until_ready(nats_server.url, want, system.check_alive, 120))
         except BaseException:

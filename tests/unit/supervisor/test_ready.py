@@ -1,6 +1,6 @@
 """Readiness and URLs against a real nats-server, with stand-in services registered in this process:
 ``wait_until_ready`` waits for heartbeats from the workers but not from the frontend (it sends
-none), and ``Supervisor.read_urls`` takes each child's ``metrics_url`` and the frontend's
+none), by count or for the instances it names (others on the bus do not stand in), and ``Supervisor.read_urls`` takes each child's ``metrics_url`` and the frontend's
 ``http_url`` from ``$SRV.INFO`` metadata, naming the children that have not answered yet.
 
 Run: ``python3 -m pytest -q tests/unit/supervisor/test_ready.py``.
@@ -69,6 +69,22 @@ async def test_a_worker_without_heartbeats_is_not_ready(nats_server, register):
     await register("prefill", "prefill-t2")  # answers PING, never beats
     with pytest.raises(RuntimeError, match="only 0 of 1 workers send heartbeats"):
         await wait_until_ready(nats_server.url, {"prefill": 1}, never_dies, timeout_s=2)
+
+
+async def test_instances_named_are_not_stood_in_for_by_others_on_the_bus(nats_server, register):
+    """Another system's router and decode worker answer and beat; waiting by name for new ones
+    is not satisfied by them, nor by a new worker that answers PING but has not beaten yet."""
+    await register("router", "router-old")
+    await register("decode", "decode-old", beats=True)
+    want = {"router": ["router-new"], "decode": ["decode-new"]}
+    with pytest.raises(RuntimeError, match="services not ready"):
+        await wait_until_ready(nats_server.url, want, never_dies, timeout_s=1.5)
+    await register("router", "router-new")
+    await register("decode", "decode-new")  # answers PING, no heartbeat yet
+    with pytest.raises(RuntimeError, match="only 0 of 1 workers send heartbeats"):
+        await wait_until_ready(nats_server.url, want, never_dies, timeout_s=2)
+    await register("decode", "decode-new", beats=True)  # a second registration of the id, beating
+    await asyncio.wait_for(wait_until_ready(nats_server.url, want, never_dies, timeout_s=10), 15)
 
 
 @pytest.fixture
