@@ -1,7 +1,8 @@
 """Readiness and URLs against a real nats-server, with stand-in services registered in this process:
 ``wait_until_ready`` waits for heartbeats from the workers but not from the frontend (it sends
-none), by count or for the instances it names (others on the bus do not stand in), and ``Supervisor.read_urls`` takes each child's ``metrics_url`` and the frontend's
-``http_url`` from ``$SRV.INFO`` metadata, naming the children that have not answered yet.
+none), by count or for the instances it names (others on the bus do not stand in), and
+``Supervisor.read_urls`` takes each child's ``metrics_url`` and the frontend's ``http_url`` from
+``$SRV.INFO`` metadata, naming the children that have not answered yet.
 
 Run: ``python3 -m pytest -q tests/unit/supervisor/test_ready.py``.
 """
