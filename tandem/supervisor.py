@@ -465,7 +465,7 @@ async def wait_until_ready(url: str, want: Mapping[str, int | Collection[str]], 
                 raise RuntimeError(f"services not ready after {timeout_s:.0f}s (want {counts}, saw {seen})")
             await asyncio.sleep(0.25)
         beats = {subjects.heartbeat(s, i) for s, ids in named.items() for i in ids}
-        anyone = tuple(f"{subjects.heartbeat(s, '')}" for s in counts if s not in named)
+        anyone = tuple(subjects.heartbeat(s, "") for s in counts if s not in named)
         beating: set[str] = set()
 
         async def on_beat(msg) -> None:

@@ -4,8 +4,9 @@ modules run with a plain causal forward (``reference_loss``) and trained by ``to
 (``reference_step``, which can also bound how far two fp32 runs may drift apart), on seeded random
 ``batches``; and for fine-tuning, seeded chat and prompt/completion records (``finetune_records``)
 with the masked loss of their examples each run alone (``reference_masked_step``); packed rows' segment
-ids (``packed_rows``) and the block mask of their rule evaluated pair by pair (``rule_block_mask``). The
-CPU parity tests and the CUDA ones share it."""
+ids (``packed_rows``) and the block mask of their rule evaluated pair by pair (``rule_block_mask``); the
+CPU allocator's peak under a profiler (``allocation_peak``). The CPU parity tests and the CUDA ones
+share it."""
 
 from __future__ import annotations
 
@@ -166,6 +167,16 @@ def reference_masked_step(model: LlamaForCausalLM, examples) -> tuple[float, dic
         unit = f"layer.{name.split('.')[2]}" if name.startswith("model.layers.") else "extras"
         norms[unit] = norms.get(unit, 0.0) + p.grad.double().pow(2).sum().item()
     return loss.item(), norms
+
+
+def allocation_peak(prof) -> int:  # noqa: ANN001 - a finished torch.profiler.profile(profile_memory=True)
+    """The most bytes the CPU allocator held at once over ``prof``'s window (its memory events in order)."""
+    live = peak = 0
+    for event in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
 
 
 def packed_rows(seq: int, rows: int, seed: int) -> torch.Tensor:

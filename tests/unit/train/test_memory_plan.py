@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from train_support import batches
+from train_support import allocation_peak, batches
 
 from tandem.shared.model.config import ModelConfig
 from tandem.shared.protocol.base import ProtocolError
@@ -127,13 +127,7 @@ def cpu_step_peak(cfg: ModelConfig, batch: int, seq: int, mlp_chunk: int, loss_c
         opt.wait_all(2)
     finally:
         opt.close()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak, engine.loss_chunk
+    return allocation_peak(prof), engine.loss_chunk
 
 
 WIDE = TINY.replace(num_layers=3, hidden_size=512, intermediate_size=1408, num_heads=8, num_kv_heads=2, head_dim=64,

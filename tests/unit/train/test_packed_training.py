@@ -25,6 +25,7 @@ from train_support import (
     CLIP,
     LR,
     WD,
+    allocation_peak,
     assert_same_block_mask,
     finetune_records,
     packed_rows,
@@ -284,11 +285,7 @@ def test_the_plan_bounds_what_building_the_block_mask_allocates(batch, seq):
     segments = torch.arange(seq).div(1500, rounding_mode="floor")[None].repeat(batch, 1)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn.segment_block_mask(segments)
-    live = peak = 0
-    for event in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                        key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
+    peak = allocation_peak(prof)
     plan = memory_plan(ModelConfig.tiny(), torch.bfloat16, batch, seq, Placement(), device="cuda", packed=True)
     estimate = plan.working["packed mask build"]
     assert peak <= estimate <= 2 * peak, f"building the mask peaked at {peak} bytes; the plan says {estimate}"
