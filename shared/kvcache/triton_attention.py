@@ -8,10 +8,10 @@ continues a cached context and a one-token decode are the same code. GQA maps qu
 head ``h // (Hq // Hkv)``. The cache is read in place through its strides
 (``[num_blocks, L, 2, block_size, Hkv, D]``), so no copy of the layer is made.
 
-Room to make it faster later (the structure allows it without changing the interface): skip the
-causal mask on key tiles wholly below the tile's first query, pack a GQA group's query heads into
-the M dimension for decode (one KV read per kv head), split long contexts across programs, and tune
-BLOCK_M/BLOCK_N/num_warps/num_stages per shape.
+Only the key tiles that cross the diagonal build a causal mask; the query tiles that attend to the
+most keys are launched first, so they do not make the tail; scores are scaled by log2(e) and go
+through exp2. Decode rows of a mixed step take ``triton_decode.py``'s split-K kernel instead; the
+tile per shape is :func:`prefill_tile`'s (``benchmarks/prefill_attention.py`` sweeps it).
 
 Importing this file never fails: without Triton (CPU builds) ``HAS_TRITON`` is False, the kernel is
 left as an unused plain function, and callers take the gather path.
@@ -40,11 +40,61 @@ except Exception:  # ImportError, or a Triton whose backend fails to initialise 
 
     triton = tl = _NoTriton()  # type: ignore[assignment]
 
+LOG2_E = 1.4426950408889634  # scores scaled by it go through exp2, the hardware's own exponential
+
+
+@triton.jit
+def _attend_key_tile(acc, l_i, m_i, q, kv_start, K_cache, V_cache, table_row, kv_head, query_pos, kv_end,
+                     qk_scale, stride_cache_block, stride_cache_slot, stride_cache_head,
+                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+                     BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, MASKED: tl.constexpr):
+    """One key tile's step of the online softmax (scores in the log2 domain). Unmasked tiles lie wholly
+    at or below the query tile's first position, so every row sees every key and no mask is built."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    dim_mask = offs_d < HEAD_DIM
+    key_pos = kv_start + offs_n
+    key_mask = key_pos < kv_end
+    if MASKED:
+        block_ids = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+    else:
+        block_ids = tl.load(table_row + key_pos // BLOCK_SIZE).to(tl.int64)
+    slot_offsets = (
+        block_ids * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
+    )
+    # K is loaded transposed, [D, BLOCK_N]; masked loads keep stale slots out entirely.
+    k_ptrs = K_cache + slot_offsets[None, :] + offs_d[:, None]
+    v_ptrs = V_cache + slot_offsets[:, None] + offs_d[None, :]
+    if MASKED or HEAD_DIM != HEAD_DIM_PADDED:
+        k = tl.load(k_ptrs, mask=key_mask[None, :] & dim_mask[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=key_mask[:, None] & dim_mask[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    if FP32_DOT:
+        scores = tl.dot(q, k, input_precision="ieee") * qk_scale
+    else:
+        scores = tl.dot(q, k) * qk_scale
+    if MASKED:
+        visible = (key_pos[None, :] <= query_pos[:, None]) & key_mask[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+    # Key 0 is visible to every row (real rows have position >= 0; padding rows sit past the
+    # context), and the first tile holds it, so m_new is finite from the first tile on.
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FP32_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
 
 @triton.jit
 def _paged_attention_kernel(
     Q, K_cache, V_cache, Out, BlockTables, QueryStartLoc, ContextLens,
-    scale,
+    qk_scale, num_query_tiles,
     stride_q_token, stride_q_head,
     stride_o_token, stride_o_head,
     stride_cache_block, stride_cache_slot, stride_cache_head,
@@ -59,7 +109,8 @@ def _paged_attention_kernel(
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    tile = tl.program_id(2)
+    # The last query tiles attend to the most keys: launched first, they do not make the tail.
+    tile = num_query_tiles - 1 - tl.program_id(2)
 
     query_start = tl.load(QueryStartLoc + seq)
     query_len = tl.load(QueryStartLoc + seq + 1) - query_start
@@ -70,11 +121,11 @@ def _paged_attention_kernel(
     kv_head = head // QUERIES_PER_KV
 
     offs_m = tile_start + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PADDED)
     row_mask = offs_m < query_len
     dim_mask = offs_d < HEAD_DIM
-    query_pos = context_len - query_len + offs_m  # absolute position of each query row
+    first_pos = context_len - query_len + tile_start
+    query_pos = first_pos + tl.arange(0, BLOCK_M)  # absolute position of each query row
 
     q_ptrs = (
         Q + (query_start + offs_m).to(tl.int64)[:, None] * stride_q_token
@@ -86,44 +137,21 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
 
-    # Keys past the tile's last query position are never visible: stop there.
+    # Keys past the tile's last query position are never visible: stop there. Keys up to its first
+    # position are visible to every row: tiles wholly among them need no mask.
     kv_end = context_len - query_len + tl.minimum(tile_start + BLOCK_M, query_len)
+    unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     table_row = BlockTables + seq.to(tl.int64) * stride_table_seq
-    for kv_start in range(0, kv_end, BLOCK_N):
-        key_pos = kv_start + offs_n
-        key_mask = key_pos < kv_end
-        block_ids = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        slot_offsets = (
-            block_ids * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot
-            + kv_head * stride_cache_head
-        )
-        # K is loaded transposed, [D, BLOCK_N]; masked loads keep stale slots out entirely.
-        k = tl.load(
-            K_cache + slot_offsets[None, :] + offs_d[:, None],
-            mask=key_mask[None, :] & dim_mask[:, None], other=0.0,
-        )
-        v = tl.load(
-            V_cache + slot_offsets[:, None] + offs_d[None, :],
-            mask=key_mask[:, None] & dim_mask[None, :], other=0.0,
-        )
-        if FP32_DOT:
-            scores = tl.dot(q, k, input_precision="ieee")
-        else:
-            scores = tl.dot(q, k)
-        scores = scores * scale
-        visible = (key_pos[None, :] <= query_pos[:, None]) & key_mask[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        # Key 0 is visible to every row (real rows have position >= 0; padding rows sit past the
-        # context), and the first tile holds it, so m_new is finite from the first iteration on.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if FP32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    for kv_start in range(0, unmasked_end, BLOCK_N):
+        acc, l_i, m_i = _attend_key_tile(
+            acc, l_i, m_i, q, kv_start, K_cache, V_cache, table_row, kv_head, query_pos, kv_end, qk_scale,
+            stride_cache_block, stride_cache_slot, stride_cache_head,
+            BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_N, FP32_DOT, False)
+    for kv_start in range(unmasked_end, kv_end, BLOCK_N):
+        acc, l_i, m_i = _attend_key_tile(
+            acc, l_i, m_i, q, kv_start, K_cache, V_cache, table_row, kv_head, query_pos, kv_end, qk_scale,
+            stride_cache_block, stride_cache_slot, stride_cache_head,
+            BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, BLOCK_N, FP32_DOT, True)
 
     acc = acc / l_i[:, None]
     out_ptrs = (
@@ -133,13 +161,31 @@ def _paged_attention_kernel(
     tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
 
+def prefill_tile(max_query_len: int, head_dim_padded: int, fp32: bool) -> dict[str, int]:
+    """The kernel's tile for a step: small query tiles for decode-heavy steps (query length <= 16),
+    larger ones for prefill chunks; fp32 (tests) and wide heads halve the key tile to fit shared memory.
+
+    The bf16 prefill tile is the fastest of ``benchmarks/prefill_attention.py``'s sweep on an H100
+    (2026-12-06) in two of its three cases (8 x 1,024 fresh tokens, 1 x 8,192, 8 x 512 after 1,536
+    cached) and within 4% of the best in the third; 8 warps won only with 128 x 128 tiles, which were slower."""
+    if max_query_len <= 16:
+        return {"block_m": 16, "block_n": 64 if head_dim_padded <= 128 and not fp32 else 32,
+                "num_warps": 4, "num_stages": 3}
+    if fp32 or head_dim_padded > 128:
+        return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3}
+    return {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3}
+
+
 def triton_paged_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta, scale: float  # noqa: ANN001
+    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta, scale: float,  # noqa: ANN001
+    block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attend ``q`` ``[T, Hq, D]`` over the cached context of each sequence -> ``[T, Hq, D]``.
 
     The cache must already hold this step's K/V (``paged_attention`` writes them first).
-    ``meta`` is an ``AttentionMetadata`` (untyped here to avoid an import cycle).
+    ``meta`` is an ``AttentionMetadata`` (untyped here to avoid an import cycle). The tile arguments
+    override :func:`prefill_tile`'s choice (``benchmarks/prefill_attention.py`` sweeps them).
     """
     if not HAS_TRITON:
         raise RuntimeError("Triton is not available")
@@ -159,15 +205,14 @@ def triton_paged_attention(
     context_lens = meta.context_lens.contiguous()
 
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
-    fp32 = q.dtype == torch.float32
-    # Small tiles for decode-heavy steps (query_len 1); bigger query tiles for prefill chunks.
-    block_m = 16 if meta.max_query_len <= 16 else 64
-    block_n = 64 if head_dim_padded <= 128 and not fp32 else 32
+    tile = prefill_tile(meta.max_query_len, head_dim_padded, q.dtype == torch.float32)
+    overrides = {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
+    tile.update({name: value for name, value in overrides.items() if value is not None})
     num_seqs = context_lens.shape[0]
-    grid = (num_seqs, num_q_heads, triton.cdiv(meta.max_query_len, block_m))
-    _paged_attention_kernel[grid](
+    num_query_tiles = triton.cdiv(meta.max_query_len, tile["block_m"])
+    _paged_attention_kernel[(num_seqs, num_q_heads, num_query_tiles)](
         q, key_cache, value_cache, out, block_tables, query_start_loc, context_lens,
-        float(scale),
+        float(scale) * LOG2_E, num_query_tiles,
         q.stride(0), q.stride(1),
         out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -176,9 +221,10 @@ def triton_paged_attention(
         BLOCK_SIZE=meta.block_size,
         HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=head_dim_padded,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        FP32_DOT=fp32,
-        num_warps=4,
+        BLOCK_M=tile["block_m"],
+        BLOCK_N=tile["block_n"],
+        FP32_DOT=q.dtype == torch.float32,
+        num_warps=tile["num_warps"],
+        num_stages=tile["num_stages"],
     )
     return out
