@@ -75,35 +75,41 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rope_and_cache_kernel(QKV, Positions, Cos, Sin, QOut, Cache, Slots, stride_qkv, stride_cos,
                            stride_cache_block, stride_cache_kv, stride_cache_slot, stride_cache_head,
-                           NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                           HALF_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                           NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           HALF: tl.constexpr, HALF_PADDED: tl.constexpr, HEADS: tl.constexpr,
+                           BLOCK_SIZE: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # q heads, then k heads
     offs = tl.arange(0, HALF_PADDED)
-    mask = offs < HALF
+    in_range = (heads < NUM_Q_HEADS + NUM_KV_HEADS)[:, None] & (offs < HALF)[None, :]
     pos = tl.load(Positions + token)
-    cos = tl.load(Cos + pos * stride_cos + offs, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(Sin + pos * stride_cos + offs, mask=mask, other=0.0).to(tl.float32)
-    row = QKV + token * stride_qkv + head * HEAD_DIM
-    x1 = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    cos = tl.load(Cos + pos * stride_cos + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(Sin + pos * stride_cos + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
+    row = QKV + token * stride_qkv + heads[:, None] * HEAD_DIM + offs[None, :]
+    x1 = tl.load(row, mask=in_range, other=0.0).to(tl.float32)
+    x2 = tl.load(row + HALF, mask=in_range, other=0.0).to(tl.float32)
     r1 = (x1 * cos - x2 * sin).to(QOut.dtype.element_ty)
     r2 = (x2 * cos + x1 * sin).to(QOut.dtype.element_ty)
-    if head < NUM_Q_HEADS:
-        out = QOut + (token * NUM_Q_HEADS + head) * HEAD_DIM
-        tl.store(out + offs, r1, mask=mask)
-        tl.store(out + HALF + offs, r2, mask=mask)
-    else:
-        kv_head = head - NUM_Q_HEADS
-        slot = tl.load(Slots + token)
-        base = (Cache + (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
-                + kv_head * stride_cache_head)
-        tl.store(base + offs, r1, mask=mask)
-        tl.store(base + HALF + offs, r2, mask=mask)
-        num_kv_heads = tl.num_programs(1) - NUM_Q_HEADS
-        v_row = row + num_kv_heads * HEAD_DIM  # V sits after all K heads
-        tl.store(base + stride_cache_kv + offs, tl.load(v_row + offs, mask=mask), mask=mask)
-        tl.store(base + stride_cache_kv + HALF + offs, tl.load(v_row + HALF + offs, mask=mask), mask=mask)
+    is_q = (heads < NUM_Q_HEADS)[:, None]
+    out = QOut + (token * NUM_Q_HEADS + heads)[:, None] * HEAD_DIM + offs[None, :]
+    tl.store(out, r1, mask=in_range & is_q)
+    tl.store(out + HALF, r2, mask=in_range & is_q)
+    is_k = in_range & ~is_q
+    kv_head = tl.where(heads < NUM_Q_HEADS, 0, heads - NUM_Q_HEADS)[:, None]
+    slot = tl.load(Slots + token)
+    base = (Cache + (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
+            + kv_head * stride_cache_head + offs[None, :])
+    tl.store(base, r1, mask=is_k)
+    tl.store(base + HALF, r2, mask=is_k)
+    v_row = QKV + token * stride_qkv + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + offs[None, :]
+    tl.store(base + stride_cache_kv, tl.load(v_row, mask=is_k), mask=is_k)
+    tl.store(base + stride_cache_kv + HALF, tl.load(v_row + HALF, mask=is_k), mask=is_k)
+
+
+# Heads one program rotates in a prefill step (from this many tokens): one program per head and
+# token, 64-element loads each, left 8,192 tokens x 40 heads at about a third of HBM's rate; a
+# decode step's few tokens keep one head per program, spread over the SMs.
+ROPE_HEADS_PER_PROGRAM, ROPE_WIDE_FROM_TOKENS = 8, 1024
 
 
 def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -119,12 +125,14 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     if tokens == 0:
         return q
     layer_cache = kv_cache[:, layer]  # [blocks, 2, bs, Hkv, D]
-    _rope_and_cache_kernel[(tokens, num_q_heads + num_kv_heads)](
+    heads = 1 if tokens < ROPE_WIDE_FROM_TOKENS else min(ROPE_HEADS_PER_PROGRAM,
+                                                          triton.next_power_of_2(num_q_heads + num_kv_heads))
+    _rope_and_cache_kernel[(tokens, triton.cdiv(num_q_heads + num_kv_heads, heads))](
         qkv, positions, cos, sin, q, layer_cache, slot_mapping, qkv.stride(0), cos.stride(0),
         layer_cache.stride(0), layer_cache.stride(1), layer_cache.stride(2), layer_cache.stride(3),
-        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
-        HALF_PADDED=triton.next_power_of_2(head_dim // 2), BLOCK_SIZE=kv_cache.shape[3],
-        num_warps=1,
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
+        HALF_PADDED=triton.next_power_of_2(head_dim // 2), HEADS=heads, BLOCK_SIZE=kv_cache.shape[3],
+        num_warps=2,
     )
     return q
 
