@@ -1,4 +1,4 @@
-"""Where a decode step's time goes: the host's side (cProfile) or the device's (torch profiler).
+"""Where a decode (or prefill) step's time goes: the host's side (cProfile) or the device's (torch profiler).
 
     python benchmarks/decode_profile.py [--model random:llama3-8b] [--batch 256] [--steps 30]
     python benchmarks/decode_profile.py --device-kernels [--batch 256] [--steps 10]
