@@ -66,6 +66,7 @@ def test_generate_json_against_up_then_ctrl_c_leaves_nothing(up):
     assert not (data_dir / "run" / "up.json").exists(), "the state file outlived tandem up"
 
 
+@pytest.mark.slow  # 12 s: a whole `tandem up` booted to be killed
 def test_children_die_with_a_killed_up(up):
     proc, data_dir = up
     children = processes_with_data_dir(data_dir)

@@ -62,6 +62,7 @@ async def test_a_decode_worker_prefilling_alone_takes_the_prefix_from_the_kvstor
     assert again.token_ids == fresh.token_ids, "with the prefix from the kvstore, the output changed"
 
 
+@pytest.mark.slow  # 10 s: a worker restarted under a request
 async def test_a_request_migrated_by_a_restart_takes_its_prefix_from_the_kvstore(system):
     store, name = system.instance("kvstore"), system.instance("decode")
     request = {"prompt": prompt_of(PROMPT_TOKENS, salt=23), "max_tokens": 300, "ignore_eos": True,

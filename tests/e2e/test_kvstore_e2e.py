@@ -16,7 +16,7 @@ PROMPT_TOKENS = 100  # six full blocks and a partial one
 NEW_TOKENS = 8
 
 
-@pytest.fixture(scope="module", params=["ram", "disk"])
+@pytest.fixture(scope="module", params=["ram", pytest.param("disk", marks=pytest.mark.slow)])
 def system(request, start_system):
     # A 64 KiB RAM tier holds one tiny-model block: the rest of the prefix is served from disk.
     ram = ["--kvstore-ram-mib", "64"] if request.param == "ram" else ["--kvstore-ram-mib", "0.0625"]

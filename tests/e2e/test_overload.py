@@ -62,6 +62,7 @@ async def one(client, salt: int) -> tuple[str, float, float]:
     return "ok", time.perf_counter() - start, stream.accepted.queue_wait_s
 
 
+@pytest.mark.slow  # 8 s: a burst of 48 requests run to the end
 async def test_a_burst_past_the_queue_gets_overloaded_at_once_and_the_rest_completes(system):
     async with connect(system.url) as client:
         await client.complete("warm up", max_tokens=2)  # the router has seen the worker's heartbeat

@@ -29,6 +29,7 @@ def system(start_system):
     return start_system(prefill=1, decode=2)  # the prefill worker drained, the decode one prefills later ones
 
 
+@pytest.mark.slow  # 11 s: workers drained to their exit
 async def test_drained_workers_finish_what_they_hold_and_exit(system):
     placements: list[RoutingDecision] = []
     nc = await nats.connect(system.url)

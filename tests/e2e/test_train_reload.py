@@ -51,6 +51,7 @@ async def namespaces(url: str) -> list[str]:
     return [b.kv_namespace for b in (await worker_beats(url, 0.4)).values() if b.service == "decode"]
 
 
+@pytest.mark.slow  # 10 s: a training job and a reload under load
 async def test_in_flight_finishes_on_old_weights_new_requests_use_new(solo, weights):
     path, old_long, new_short = weights
     before = await namespaces(solo.url)

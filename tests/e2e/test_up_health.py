@@ -72,6 +72,7 @@ def drain(up, instance: str, exit_after: bool) -> None:
     run_sync(ask())
 
 
+@pytest.mark.slow  # 20 s of a drain and a replacement's boot on 2 cores
 @pytest.mark.parametrize("exit_after", [False, True], ids=["stays-idle", "exits"])
 def test_an_outside_drain_gets_a_replacement(up, exit_after):
     (old,) = wait_for(lambda: decode_ids(up) if len(decode_ids(up)) == 1 else None, 30, "one decode worker")

@@ -19,6 +19,7 @@ def system(start_system):
     return start_system(prefill=0, decode=1)
 
 
+@pytest.mark.slow  # 13 s: a system booted to be killed
 async def test_killed_decode_worker_fails_its_requests_fast(system):
     name = system.instance("decode")
     async with connect(system.url, worker_timeout_s=1.5, max_migrations=0) as client:
