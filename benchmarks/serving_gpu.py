@@ -361,7 +361,9 @@ def main() -> None:
                         help="the closed part's concurrencies (max(16, 2C) requests each)")
     parser.add_argument("--max-num-seqs", type=int, default=0,
                         help="the throughput and closed engine's batch limit (0: the largest batch or concurrency)")
-    parser.add_argument("--kv-gib", type=float, default=60.0)
+    parser.add_argument("--kv-gib", type=float, default=None,
+                        help="the KV pool of the batch and prefill parts (default: 60 GiB, or 70%% of the memory "
+                             "left after the weights where that is less, as on an 80 GB card)")
     parser.add_argument("--prefill-prompts", type=int, default=256, help="the prefill part's 1024-token prompts")
     parser.add_argument("--prefill-chunks", type=int, nargs="+", default=[8192, 16384],
                         help="the prefill part's step token budgets (max_num_batched_tokens), one run each")
@@ -383,6 +385,9 @@ def main() -> None:
     loaded = load_model(model, device=device)
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     print(f"# loaded {model}: {weight_bytes / 1e9:.2f} GB of weights on {device}", flush=True)
+    if kv_gib is None:  # the pool, activations and graphs must fit beside the weights
+        kv_gib = min(60.0, 0.7 * torch.cuda.mem_get_info(device)[0] / 2**30)
+        print(f"# KV pool of the batch and prefill parts: {kv_gib:.1f} GiB", flush=True)
     if gbps:
         emit({"figure": "roofline", "weight_GB": round(weight_bytes / 1e9, 2),
               "batch1_roofline_tok_s": round(gbps * 1e9 / weight_bytes, 1)}, records)
