@@ -120,3 +120,21 @@ def test_tensor_parallel_benchmark_prints_each_size_against_one_rank() -> None:
     assert rows[(2, 1)]["over_one_rank"] > 0
     (channel,) = [r for r in printed if r["figure"] == "tp_commands"]
     assert channel["shared_memory_us"] > 0 and channel["gloo_us"] > 0, channel
+
+
+@pytest.mark.slow  # a whole benchmark script run
+def test_prefill_profile_splits_a_step_into_kernel_families_and_host_phases() -> None:
+    """``decode_profile.py --prefill-kernels`` on the CPU: the step's ops by family (matmuls and the
+    prefill attention among them, each rate against its FLOPs), and the host's phases nested as the
+    engine calls them (``launch`` holds ``prepare``, ``postprocess`` holds the wait)."""
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "decode_profile.py"), "--prefill-kernels", "--batch", "4",
+                          "--chunk", "512"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"decode_profile.py failed:\n{out.stderr[-2000:]}"
+    (row,) = [g for g in figures(out.stdout) if g["figure"] == "prefill_kernels"]
+    assert row["prompts"] == 4 and row["chunk_tokens"] == 512 and row["steps"] >= 8, row  # 4 x 1,024 tokens
+    assert {"matmuls", "prefill_attention"} <= set(row["families_ms"]), row["families_ms"]
+    assert row["matmuls_tflops"] >= 0 and row["prefill_attention_tflops"] >= 0, row  # 0.1 TFLOP/s or less here
+    phases = row["host_phases_ms"]
+    assert phases["launch"] >= phases["prepare"] > 0 and phases["postprocess"] >= phases["wait"], phases
+    assert abs(row["host_wait_ms"] + row["host_work_ms"] - row["step_ms"]) < 0.01, row
+    assert "the host's side of the same steps" in out.stdout, out.stdout[-2000:]
