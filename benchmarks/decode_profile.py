@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--device-kernels", action="store_true",
                         help="time the step with graphs, then profile its kernels eagerly (torch profiler)")
     parser.add_argument("--prefill-kernels", action="store_true",
-                        help="profile prefill steps of --batch 1024-token prompts instead (CUDA)")
+                        help="profile prefill steps of --batch 1024-token prompts instead")
     parser.add_argument("--chunk", type=int, default=8192, help="the prefill steps' token budget")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
