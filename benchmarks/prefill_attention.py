@@ -25,17 +25,13 @@ import json
 import math
 
 import torch
+from serving_gpu import matmul_tflops
 
 from tandem.shared.infra.device_timing import graph_microseconds
 from tandem.shared.kvcache.attention import build_attention_metadata
 from tandem.shared.kvcache.triton_attention import prefill_tile, triton_paged_attention
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 32, 8, 32, 128, 16  # the 8B preset's attention
-
-
-def matmul_tflops() -> float:
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    return 2 * 8192**3 / (graph_microseconds(lambda: a @ a, 5, replays=3) * 1e-6) / 1e12
 
 
 def parse_case(case: str) -> tuple[int, int, int]:
@@ -150,7 +146,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("prefill_attention.py times a CUDA kernel: run it on a GPU")
-    peak = matmul_tflops()
+    peak = matmul_tflops(torch.device("cuda"))
     print(json.dumps({"figure": "matmul_peak", "tflops": round(peak, 1),
                       "device": torch.cuda.get_device_name()}), flush=True)
     for case in args.cases:
