@@ -152,7 +152,7 @@ class ModelRunner:
             block_tables.append(seq.block_table)
         meta = build_attention_metadata(query_lens, context_lens, block_tables, self.block_size, self.device)
         # One host->device copy for ids and positions together; an int64 array is filled in C, where
-        # torch.tensor walks a prefill step's 16K Python ints one by one (1.7 against 0.6 ms).
+        # torch.tensor walks a prefill step's 16K Python ints one by one.
         flat = array.array("q", input_ids)
         flat.extend(positions)
         ids_and_positions = (torch.frombuffer(flat, dtype=torch.long) if flat else torch.empty(0, dtype=torch.long)
