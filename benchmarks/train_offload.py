@@ -303,8 +303,9 @@ def main() -> int:
             results.append({"run": "peer", "error": (proc.stderr or proc.stdout)[-3000:]})
         else:
             results.append({"run": "peer", **peer})
-            for r in results:
-                if r.get("model") == "3b" and "tokens_per_s" in r:
+            for r in results:  # only runs of the peer's own shape: a long-context 3B row is another job
+                if (r.get("model"), r.get("batch"), r.get("seq")) == ("3b", spec["batch_size"], spec["seq_len"]) \
+                        and "tokens_per_s" in r:
                     r["over_peer"] = round(r["tokens_per_s"] / peer["tokens_per_s"], 3)
         print(json.dumps(results[-1]), flush=True)
     shown = set()
