@@ -28,26 +28,13 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import torch
+from serving_gpu import matmul_tflops  # this folder's script: the same peak the serving rows use
 
 from tandem.runstate import find_running
-
-
-def matmul_tflops() -> float:
-    """Dense bf16 8192^3 matmul rate of GPU 0 (the anchors' method)."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ a
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        a @ a
-    torch.cuda.synchronize()
-    return 2 * 8192**3 * 20 / (time.perf_counter() - start) / 1e12
 
 
 def in_process(model: str, batch: int, closed: list[int]) -> dict[str, dict]:
@@ -115,7 +102,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     if cuda:
         gpus = torch.cuda.device_count()
-        tflops = matmul_tflops()
+        tflops = matmul_tflops(torch.device("cuda"))
         from tandem.shared.model.meta import load_model_meta
         from tandem.shared.train.layout import count_parameters
 
