@@ -144,7 +144,7 @@ def test_engine_bf16_matches_reference(tiny_cuda, tiny_fp32, overlap: bool):
     while engine.has_unfinished():
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
-    exact, worst, margins = 0, 0.0, []
+    exact, worst, margins, over, compared = 0, 0.0, [], [], 0
     for i, (ref_tokens, ref_logits) in enumerate(references(tiny_cuda.model, prompts)):
         got = tokens[f"p{i}"]
         exact += matches_up_to_ties(got, ref_tokens, ref_logits)
@@ -154,16 +154,18 @@ def test_engine_bf16_matches_reference(tiny_cuda, tiny_fp32, overlap: bool):
             engine_error = (row - truth[index]).abs().max().item()
             reference_error = (ref_row.float().cpu() - truth[index]).abs().max().item()
             bound = ERROR_RATIO * max(reference_error, 2 * bf16_ulp(truth[index].abs().max().item()))
-            worst = max(worst, engine_error / bound)
-            assert engine_error <= bound, (
-                f"prompt {len(prompts[i])} step {index}: the engine's logits are {engine_error:.4f} from float32's, "
-                f"the bf16 reference's {reference_error:.4f}: more than {ERROR_RATIO:g}x the reference's error")
+            worst, compared = max(worst, engine_error / bound), compared + 1
+            if engine_error > bound:  # all of them are reported: one outlier and a wrong kernel read differently
+                over.append(f"prompt {len(prompts[i])} step {index}: {engine_error:.4f} from float32's against the "
+                            f"bf16 reference's {reference_error:.4f}")
             if got[index] != ref_tokens[index]:
                 margins.append((truth[index][ref_tokens[index]] - truth[index][got[index]]).item())
                 break  # the contexts differ from here on
     print(f"\nengine bf16 on CUDA: {exact}/{len(prompts)} token-exact up to bf16 ties, "
           f"worst logit error {worst:.2f} of its bound ({ERROR_RATIO:g}x the bf16 reference's against float32), "
           f"float32 margins between the two tokens where diverged: {[round(m, 4) for m in margins]}")
+    assert not over, (f"{len(over)} of {compared} steps' logits are more than {ERROR_RATIO:g}x the bf16 "
+                      f"reference's error from float32's: " + "; ".join(over[:5]))
     assert exact >= MIN_EXACT, f"only {exact} of {len(prompts)} prompts token-exact up to bf16 ties"
 
 
