@@ -35,29 +35,40 @@ START_ORDER = ("decode", "prefill", "router", "frontend")  # with --kvstore 0
 METRICS_LINE = re.compile(r"^  metrics: (\S+) (http://\S+)$", re.M)
 
 
-def free_ports(n: int, block: int) -> list[int]:
-    """``n`` free single ports, then a base with ``block`` free consecutive ports (listened on to
-    check, then let go: the up under test takes them a moment later)."""
-    held, singles = [], []
+def outside_ephemeral_ports() -> range:
+    """Ports the kernel does not hand to outgoing connections: below its ephemeral range, else above it.
+
+    The up under test binds its metrics ports only once each child is on the bus, after every child
+    has opened connections of its own; a port chosen inside the ephemeral range can be taken by one of
+    those connections in between (a clean-clone run here found one of its metrics ports, 38840-38843,
+    already in use when the child bound it)."""
     try:
-        for _ in range(n):
-            held.append(listen_on("127.0.0.1", 0))
-            singles.append(held[-1].getsockname()[1])
-        for base in range(21000 + os.getpid() % 500 * 40, 60000, 101):
-            trial = []
-            try:
-                trial = [listen_on("127.0.0.1", base + i) for i in range(block)]
-            except OSError:
-                continue
-            finally:
-                for sock in trial:
-                    sock.close()
-            if not set(range(base, base + block)) & set(singles):
-                return [*singles, base]
-    finally:
-        for sock in held:
-            sock.close()
-    raise AssertionError(f"no {block} consecutive free ports")
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    below, above = range(10000, low), range(high + 1, 65536)
+    return below if len(below) >= len(above) else above
+
+
+def free_ports(n: int, block: int) -> list[int]:
+    """``n`` free single ports, then the base of ``block`` more: ``n + block`` consecutive ports outside
+    the ephemeral range, listened on to check, then let go (the up under test takes them a moment later)."""
+    ports = outside_ephemeral_ports()
+    span = len(ports) - (n + block)
+    assert span > 0, f"no room for {n + block} ports in {ports}"
+    offset = os.getpid() * 101 % span  # runs side by side start at different places
+    for step in range(0, span, n + block):
+        base = ports.start + (offset + step) % span
+        trial = []
+        try:
+            trial = [listen_on("127.0.0.1", base + i) for i in range(n + block)]
+        except OSError:
+            continue
+        finally:
+            for sock in trial:
+                sock.close()
+        return [base + i for i in range(n)] + [base + n]
+    raise AssertionError(f"no {n + block} consecutive free ports in {ports}")
 
 
 def env_for(data_dir: Path) -> dict[str, str]:
