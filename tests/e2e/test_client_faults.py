@@ -172,7 +172,8 @@ async def restart_after(server: NatsServer, delay_s: float) -> None:
     await asyncio.to_thread(server.restart)
 
 
-@pytest.mark.parametrize("callback_delay_s", [0.0, 2.0], ids=["prompt-callback", "late-callback"])
+@pytest.mark.parametrize("callback_delay_s", [pytest.param(0.0, id="prompt-callback"),
+                                              pytest.param(2.0, id="late-callback", marks=pytest.mark.slow)])
 async def test_a_stream_outlives_a_restart_of_the_server_under_it(private_server, callback_delay_s):
     """kill -9 of the nats-server mid-stream, then the server back on its port (as ``tandem up``
     restarts it): the stream waits for the connection, is placed again after the tokens it had,

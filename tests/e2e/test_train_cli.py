@@ -38,6 +38,7 @@ def test_train_runs_a_job_with_progress_lines(tmp_path):
     assert load_model(str(out)).config.num_layers == 4
 
 
+@pytest.mark.slow  # two CLI runs, 8 s on 2 cores
 def test_default_saves_where_tandem_up_finds_the_tiny_model(tmp_path):
     proc = run([*TANDEM, "train", "--default", "--steps", "2", "--batch-size", "2", "--seq-len", "32",
                 "--device", "cpu", "--threads", "1"], tmp_path)
@@ -68,6 +69,7 @@ def test_fine_tunes_on_a_jsonl_file(tmp_path):
     assert "finished at step 2" in proc.stdout and (out / "chat_template.jinja").is_file()
 
 
+@pytest.mark.slow  # 7 s on 2 cores
 def test_the_users_own_run_reads_their_files_wherever_they_are(tmp_path, monkeypatch):
     """``--trainer-read-dirs`` confines jobs from the bus; ``tandem train`` is the user's own process
     on the user's own files: a dataset and a model outside the data dir (one through a relative path

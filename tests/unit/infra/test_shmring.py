@@ -276,7 +276,7 @@ def test_live_producer_keeps_slots_until_stale_or_aborted(producer, make_ring):
         ring.read(lost)
 
 
-@pytest.mark.parametrize("num_producers,num_slots", [(3, 6), (2, 3)])
+@pytest.mark.parametrize("num_producers,num_slots", [pytest.param(3, 6, marks=pytest.mark.slow), (2, 3)])
 def test_concurrent_producers_never_collide(make_ring, num_producers, num_slots):
     ring = make_ring(4096, num_slots)
     lines: queue.Queue = queue.Queue()

@@ -91,6 +91,7 @@ def test_a_hand_off_from_one_rank_continues_on_two(plain, sharded) -> None:
         same_tokens(continued, reference, reference_logits)
 
 
+@pytest.mark.slow  # 5 s on 2 cores; the other sharded engine tests stay in the default run
 def test_preemption_by_swap_matches_one_rank(plain, sharded) -> None:
     """A pool of 8 blocks for 11 sequences: victims swap out and back on both ranks in step."""
     swap_gib = 64 * TINY_BLOCK_BYTES / 2**30

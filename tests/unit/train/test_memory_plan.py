@@ -138,7 +138,7 @@ WIDE = TINY.replace(num_layers=3, hidden_size=512, intermediate_size=1408, num_h
     (TINY.replace(num_layers=3), 2, 512, 256, None, ATTENTION_CHUNK),  # chunked MLP
     (TINY.replace(num_layers=3), 1, 2048, 1 << 20, None, ATTENTION_CHUNK),  # one MLP chunk
     (WIDE, 2, 512, 300, 128, ATTENTION_CHUNK),
-    (WIDE, 1, 2048, 512, 256, 256),  # the long-sequence path: attention staged
+    pytest.param(WIDE, 1, 2048, 512, 256, 256, marks=pytest.mark.slow),  # the long-sequence path: attention staged
 ], ids=["chunked-mlp", "one-mlp-chunk", "gqa-untied", "staged-attention"])
 def test_activation_estimate_bounds_what_a_cpu_step_allocates(cfg, batch, seq, mlp_chunk, loss_chunk, attention_chunk):
     measured, chunk = cpu_step_peak(cfg, batch, seq, mlp_chunk, loss_chunk, attention_chunk)
@@ -191,6 +191,7 @@ def test_runner_refuses_before_allocating(tmp_path, monkeypatch):
     assert "host RAM" in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.slow  # two CLI processes, 5 s on 2 cores
 def test_cli_plan_prints_the_plan_and_exits(tmp_path):
     args = [sys.executable, "-m", "tandem", "train", "--data-dir", str(tmp_path), "--device", "cpu",
             "--dataset", "random", "--batch-size", "2", "--seq-len", "64", "--plan"]
