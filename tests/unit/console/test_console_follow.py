@@ -74,7 +74,7 @@ async def sources():
         await source.stop()
 
 
-@pytest.mark.slow  # restarts a whole up: 6 s on 2 cores
+@pytest.mark.slow  # two nats-servers, one lost and waited for: 6 s on 2 cores
 async def test_the_console_follows_a_restarted_up_and_an_explicit_url_stays(tmp_path, servers, sources):
     first = await servers("router", "router-first")
     # The state file of a running up: this process's pid stands for the up (find_running wants it alive).
