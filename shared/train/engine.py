@@ -238,12 +238,14 @@ class StreamingEngine:
             del x
             if L and L - 1 not in resident:  # no resident tail: the top layer's input is a checkpoint too
                 self._pending[L - 1] = self._load_checkpoint(L - 1)
+            self.updater.arm_prefetch()
             for i in reversed(range(L)):
                 x_in, x_ready = (resident.pop(i), None) if i in resident else self._pending.pop(i)
                 if i - 1 >= 0:
                     self._load_layer(i - 1, version)
                     if i - 1 < L - self.tail:
                         self._pending[i - 1] = self._load_checkpoint(i - 1)
+                self.updater.prefetch(tl, after=lanes.record("h2d"))  # behind this layer's loads
                 grad = self._layer_backward(i, x_in, x_ready, grad, cos, sin, mask)
             with tl.op("compute", -1, "bwd"):
                 fn.embed_backward(self.extras_layout.views(self.extras_g)["model.embed_tokens.weight"], ids, grad)
