@@ -7,9 +7,10 @@ reference's top two logits are within one bf16 ulp counts as exact: bf16 cannot 
 at every step up to the first divergence the engine's logits as close to the float32 model's (the
 same weights, teacher-forced on the same tokens) as ERROR_RATIO times the bf16 reference's own
 error there. A fixed fraction of the row's largest logit was the bar before: the tiny model's
-training on the GPU is not deterministic, and on some trainings both bf16 paths were that far from
-each other (0.47 against 0.36) while neither was wrong; against float32 each path's error is
-measured, not guessed.
+training on the GPU was not deterministic then, and on some trainings both bf16 paths were that far
+from each other (0.47 against 0.36) while neither was wrong; against float32 each path's error is
+measured, not guessed. The training now runs with PyTorch's deterministic kernels, so a machine
+trains the same model on every run and a failure reproduces.
 The model is the tiny architecture trained for a few hundred steps (transformers, on this
 machine's Python standard library sources) and saved as a Hugging Face directory: a random model's
 logits are so flat that its top-2 gaps fall below bf16's resolution at many steps (measured: 9 of
@@ -37,6 +38,7 @@ from tandem.shared.model.config import ModelConfig
 from tandem.shared.model.loader import build_random_model, load_model, save_hf_checkpoint
 from tandem.shared.model.reference import reference_generate, reference_logits
 from tandem.shared.protocol.serving import SamplingParams
+from tandem.shared.train.determinism import deterministic_kernels, fix_cublas_workspace
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -72,14 +74,16 @@ def train_tiny(directory: Path, device: str = "cuda", steps: int = TRAIN_STEPS) 
     data = torch.frombuffer(bytearray(stdlib_bytes()), dtype=torch.uint8).long().to(device)
     optimizer = torch.optim.AdamW(hf.parameters(), lr=3e-3, weight_decay=0.01)
     generator = torch.Generator(device=device).manual_seed(0)
-    for _ in range(steps):
-        starts = torch.randint(0, data.numel() - TRAIN_SEQ, (TRAIN_BATCH,), device=device, generator=generator)
-        batch = data[starts[:, None] + torch.arange(TRAIN_SEQ, device=device)]
-        loss = hf(input_ids=batch, labels=batch).loss  # transformers shifts the labels itself
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    print(f"\ntrained tiny model: final loss {loss.item():.3f}")
+    fix_cublas_workspace()
+    with deterministic_kernels(True):  # the same model on every run on a machine: a failure reproduces
+        for _ in range(steps):
+            starts = torch.randint(0, data.numel() - TRAIN_SEQ, (TRAIN_BATCH,), device=device, generator=generator)
+            batch = data[starts[:, None] + torch.arange(TRAIN_SEQ, device=device)]
+            loss = hf(input_ids=batch, labels=batch).loss  # transformers shifts the labels itself
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    print(f"\ntrained tiny model: final loss {loss.item():.6f}")
     model = build_random_model(config)
     missing, _ = model.load_state_dict({k: v.float().cpu() for k, v in hf.state_dict().items()}, strict=False)
     assert not missing, f"trained weights lack {missing}"
