@@ -157,9 +157,16 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
                                                 device_resident_layers=placement.resident,
                                                 compile_layers=runner.compile_layers, deterministic=deterministic)
             placement = runner.placement
-            metrics, traces = [], []
+            metrics, traces, starts = [], [], {}
             first_step = runner.start_step
-            runner.run(on_step=metrics.append, trace_every_s=0, final_checkpoint=False,
+
+            def on_step(m, metrics=metrics, starts=starts) -> None:  # noqa: ANN001
+                metrics.append(m)
+                # the step was just issued after the previous backward ended, so its host start is
+                # its trace's origin on the GPU too: the dump puts every step on one clock with it
+                starts[m.step] = runner.engine.trace.t0
+
+            runner.run(on_step=on_step, trace_every_s=0, final_checkpoint=False,
                        on_trace=lambda step, ops, hidden, traces=traces: traces.append((step, ops, hidden)))
             result = summarize(runner, job, metrics, [t for t in traces if t[0] - first_step > warmup], warmup)
             label = variant_label(base, placement, variant is None, deterministic)
@@ -178,8 +185,10 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
                       "plan_peak_gpu_GiB": round(runner.setup.plan.gpu_peak / 2**30, 2) if index == 0 else None,
                       "rates": rates_row, "init_s": round(init_s, 1)}
             if (dump := os.environ.get("TANDEM_TIMELINE_DIR")) and traces:
-                ops = [op.model_dump() for op in traces[-1][1]]
-                Path(dump, f"{label.replace(':', '_')}.json").write_text(json.dumps(ops))
+                origin = starts.get(traces[0][0], 0.0)
+                steps = [{"step": step, "start_s": starts.get(step, origin) - origin,
+                          "ops": [op.model_dump() for op in ops]} for step, ops, _ in traces]
+                Path(dump, f"{label.replace(':', '_')}.json").write_text(json.dumps(steps))
             results.append(result)
             print("RESULT " + json.dumps(result), flush=True)
     return results
