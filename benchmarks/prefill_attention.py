@@ -6,8 +6,9 @@ For each case ``BxQ`` or ``BxQ+C`` (B sequences of Q query tokens each, after C 
 cached; blocks scattered over a pool laid out as the engine's, every layer of a block side by side)
 it times ``triton_paged_attention`` for one layer (device time: calls replayed from a CUDA graph),
 first with the engine's own tile (``prefill_tile``), then over ``--block-m`` x ``--block-n`` x
-``--warps`` x ``--stages``. Each line gives microseconds per call and TFLOP/s of causal attention
-(4 FLOPs per query head, head dimension and visible key), against the dense bf16 matmul rate
+``--warps`` x ``--stages`` x ``--pack`` (1: a GQA group's query heads share a tile and its K/V
+loads). Each line gives microseconds per call and TFLOP/s of causal attention (4 FLOPs per query
+head, head dimension and visible key), against the dense bf16 matmul rate
 measured in the same run. Two references: flash attention's varlen kernel as PyTorch ships it, over
 the same K/V gathered contiguous (fresh prompts only: it takes no block table of 16-token blocks),
 and ``--baseline``, an earlier version of ``shared/kvcache/triton_attention.py`` saved to a file
@@ -118,8 +119,10 @@ def sweep_case(args: argparse.Namespace, case: str, peak: float) -> None:
         emit({"kernel": "baseline"}, time_us(lambda: baseline(q, kv, 0, meta, scale)),
              (baseline(q, kv, 0, meta, scale).float() - reference).abs().max().item())
     results = [default]
-    for block_m, block_n, warps, stages in itertools.product(args.block_m, args.block_n, args.warps, args.stages):
-        tile = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
+    for block_m, block_n, warps, stages, pack in itertools.product(args.block_m, args.block_n, args.warps,
+                                                                   args.stages, args.pack):
+        tile = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages,
+                "pack_heads": bool(pack)}
         try:
             out = triton_paged_attention(q, kv, 0, meta, scale, **tile).float()
         except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses (shared memory): say so, go on
@@ -141,6 +144,7 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--pack", type=int, nargs="+", default=[0, 1], help="1: pack a GQA group's heads in a tile")
     parser.add_argument("--baseline", default=None, help="an earlier triton_attention.py to time beside this one")
     parser.add_argument("--iters", type=int, default=10, help="calls per captured graph")
     args = parser.parse_args()

@@ -104,32 +104,38 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    HEADS_PER_TILE: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
+    # A tile's BLOCK_M rows are HEADS_PER_TILE query heads of one GQA group times ROWS positions
+    # (BLOCK_M = HEADS_PER_TILE x ROWS), so each K/V tile loaded serves all of them.
     seq = tl.program_id(0)
-    head = tl.program_id(1)
+    first_head = tl.program_id(1) * HEADS_PER_TILE
     # The last query tiles attend to the most keys: launched first, they do not make the tail.
     tile = num_query_tiles - 1 - tl.program_id(2)
 
     query_start = tl.load(QueryStartLoc + seq)
     query_len = tl.load(QueryStartLoc + seq + 1) - query_start
-    tile_start = tile * BLOCK_M
+    tile_start = tile * ROWS
     if tile_start >= query_len:  # the grid is sized for the longest query; shorter ones stop here
         return
     context_len = tl.load(ContextLens + seq)
-    kv_head = head // QUERIES_PER_KV
+    kv_head = first_head // QUERIES_PER_KV
 
-    offs_m = tile_start + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    row_token = tile_start + rows % ROWS
+    row_head = first_head + rows // ROWS
     offs_d = tl.arange(0, HEAD_DIM_PADDED)
-    row_mask = offs_m < query_len
+    row_mask = row_token < query_len
     dim_mask = offs_d < HEAD_DIM
     first_pos = context_len - query_len + tile_start
-    query_pos = first_pos + tl.arange(0, BLOCK_M)  # absolute position of each query row
+    query_pos = first_pos + rows % ROWS  # absolute position of each query row
 
     q_ptrs = (
-        Q + (query_start + offs_m).to(tl.int64)[:, None] * stride_q_token
-        + head * stride_q_head + offs_d[None, :]
+        Q + (query_start + row_token).to(tl.int64)[:, None] * stride_q_token
+        + row_head[:, None] * stride_q_head + offs_d[None, :]
     )
     q = tl.load(q_ptrs, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
 
@@ -139,7 +145,7 @@ def _paged_attention_kernel(
 
     # Keys past the tile's last query position are never visible: stop there. Keys up to its first
     # position are visible to every row: tiles wholly among them need no mask.
-    kv_end = context_len - query_len + tl.minimum(tile_start + BLOCK_M, query_len)
+    kv_end = context_len - query_len + tl.minimum(tile_start + ROWS, query_len)
     unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     table_row = BlockTables + seq.to(tl.int64) * stride_table_seq
     for kv_start in range(0, unmasked_end, BLOCK_N):
@@ -155,13 +161,22 @@ def _paged_attention_kernel(
 
     acc = acc / l_i[:, None]
     out_ptrs = (
-        Out + (query_start + offs_m).to(tl.int64)[:, None] * stride_o_token
-        + head * stride_o_head + offs_d[None, :]
+        Out + (query_start + row_token).to(tl.int64)[:, None] * stride_o_token
+        + row_head[:, None] * stride_o_head + offs_d[None, :]
     )
     tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
 
-def prefill_tile(max_query_len: int, head_dim_padded: int, fp32: bool) -> dict[str, int]:
+def heads_per_tile(queries_per_kv: int, block_m: int, pack_heads: bool) -> int:
+    """How many of a GQA group's query heads share one tile: the largest power of two dividing the
+    group that leaves at least 16 positions a tile (1 without packing)."""
+    heads = 1
+    while pack_heads and queries_per_kv % (heads * 2) == 0 and block_m // (heads * 2) >= 16:
+        heads *= 2
+    return heads
+
+
+def prefill_tile(max_query_len: int, head_dim_padded: int, fp32: bool) -> dict[str, int | bool]:
     """The kernel's tile for a step: small query tiles for decode-heavy steps (query length <= 16),
     larger ones for prefill chunks; fp32 (tests) and wide heads halve the key tile to fit shared memory.
 
@@ -170,16 +185,16 @@ def prefill_tile(max_query_len: int, head_dim_padded: int, fp32: bool) -> dict[s
     cached) and within 4% of the best in the third; 8 warps won only with 128 x 128 tiles, which were slower."""
     if max_query_len <= 16:
         return {"block_m": 16, "block_n": 64 if head_dim_padded <= 128 and not fp32 else 32,
-                "num_warps": 4, "num_stages": 3}
+                "num_warps": 4, "num_stages": 3, "pack_heads": False}
     if fp32 or head_dim_padded > 128:
-        return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3}
-    return {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3}
+        return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3, "pack_heads": True}
+    return {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3, "pack_heads": True}
 
 
 def triton_paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta, scale: float,  # noqa: ANN001
     block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None,
+    num_stages: int | None = None, pack_heads: bool | None = None,
 ) -> torch.Tensor:
     """Attend ``q`` ``[T, Hq, D]`` over the cached context of each sequence -> ``[T, Hq, D]``.
 
@@ -206,22 +221,27 @@ def triton_paged_attention(
 
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     tile = prefill_tile(meta.max_query_len, head_dim_padded, q.dtype == torch.float32)
-    overrides = {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
+    overrides = {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
+                 "pack_heads": pack_heads}
     tile.update({name: value for name, value in overrides.items() if value is not None})
+    queries_per_kv = num_q_heads // num_kv_heads
+    heads = heads_per_tile(queries_per_kv, tile["block_m"], tile["pack_heads"])
     num_seqs = context_lens.shape[0]
-    num_query_tiles = triton.cdiv(meta.max_query_len, tile["block_m"])
-    _paged_attention_kernel[(num_seqs, num_q_heads, num_query_tiles)](
+    num_query_tiles = triton.cdiv(meta.max_query_len, tile["block_m"] // heads)
+    _paged_attention_kernel[(num_seqs, num_q_heads // heads, num_query_tiles)](
         q, key_cache, value_cache, out, block_tables, query_start_loc, context_lens,
         float(scale) * LOG2_E, num_query_tiles,
         q.stride(0), q.stride(1),
         out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0),
-        QUERIES_PER_KV=num_q_heads // num_kv_heads,
+        QUERIES_PER_KV=queries_per_kv,
         BLOCK_SIZE=meta.block_size,
         HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=head_dim_padded,
         BLOCK_M=tile["block_m"],
+        HEADS_PER_TILE=heads,
+        ROWS=tile["block_m"] // heads,
         BLOCK_N=tile["block_n"],
         FP32_DOT=q.dtype == torch.float32,
         num_warps=tile["num_warps"],

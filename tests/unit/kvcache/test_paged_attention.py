@@ -25,7 +25,7 @@ from tandem.shared.kvcache.cache import (
     num_blocks_for_memory,
     scatter_blocks,
 )
-from tandem.shared.kvcache.triton_attention import HAS_TRITON
+from tandem.shared.kvcache.triton_attention import HAS_TRITON, heads_per_tile
 
 NUM_LAYERS, LAYER = 2, 1
 
@@ -196,6 +196,24 @@ def test_gather_and_scatter_blocks_round_trip() -> None:
     assert not target[[1, 3]].any(), "other blocks untouched"
     with pytest.raises(ValueError):
         scatter_blocks(target, [0, 1], exported)
+
+
+@pytest.mark.parametrize(
+    ("queries_per_kv", "block_m", "pack", "expected"),
+    [
+        (4, 128, True, 4),  # the 8B's groups: 4 heads x 32 positions
+        (8, 128, True, 8),  # 8 heads x 16 positions
+        (16, 128, True, 8),  # never fewer than 16 positions a tile
+        (6, 128, True, 2),  # powers of two dividing the group
+        (1, 128, True, 1),  # no GQA: nothing to share
+        (4, 16, True, 1),  # decode tiles are 16 rows: no room
+        (4, 128, False, 1),
+    ],
+)
+def test_heads_sharing_a_prefill_tile(queries_per_kv: int, block_m: int, pack: bool, expected: int) -> None:
+    heads = heads_per_tile(queries_per_kv, block_m, pack)
+    assert heads == expected, f"{queries_per_kv} queries per KV head, {block_m} rows: {heads} heads a tile"
+    assert queries_per_kv % heads == 0 and block_m // heads >= 16 or heads == 1
 
 
 # --------------------------------------------------------------------------------- GPU (Triton)
