@@ -51,7 +51,7 @@ class DeviceUpdater:
         self.res = [tuple(getattr(state.units[j + 1], a).to(device, copy=True) for a in (*STATE, "work"))
                     for j in range(self.resident)]
         self.g32 = f32() if self.resident else None
-        # the first streamed layers' state loads, one tensor per backward layer (:meth:`prefetch`)
+        # the first streamed layers' state loads, one piece per backward layer (:meth:`prefetch`)
         self.prefetch_queue: list[tuple[int, int, int, int, int]] = []  # (layer, set, tensor, lo, hi)
         self.prefetched: dict[int, object] = {}  # layer -> xh2d event: its whole state is in its set
         self.done = [None] * self.layers  # layer j's new weights are ready (streamed: back in host RAM)
@@ -78,6 +78,7 @@ class DeviceUpdater:
     def arm_prefetch(self) -> None:
         """Queue the state loads of the first streamed layers (as many as there are buffer sets) in
         pieces of a working copy's size, for :meth:`prefetch` to submit during the coming backward."""
+        self.prefetched = {}  # a step that failed midway may have left events of its own
         n = self.sets[0][0].numel() if self.sets else 0
         piece = max(1, n * self.state.work_dtype.itemsize // 4)  # fp32 elements in a working copy's bytes
         self.prefetch_queue = [(j, (j - self.resident) % len(self.sets), index, lo, min(n, lo + piece))
