@@ -206,6 +206,10 @@ def summarize(runner, job, metrics, measured, warmup: int) -> dict:  # noqa: ANN
     busy = {lane: sum(b - a for a, b in _union([(o.start_s, o.end_s) for o in last_ops if o.lane == lane]))
             for lane in ("compute", "h2d", "d2h", "optimizer")}
     cuda = runner.device.type == "cuda"
+    # the host units' passes the next forward waits for: previews (split mode) or whole updates
+    passes = [o for o in last_ops if o.lane == "optimizer" and o.end_s > o.start_s]
+    pass_rate = (sum(o.bytes / 4 for o in passes) / sum(o.end_s - o.start_s for o in passes) / 1e9
+                 if passes else None)  # an op's bytes are its fp32 master's: 4 per parameter
     return {
         "model": job.model, "params_B": round(runner.num_params / 1e9, 3), "device": str(runner.device),
         "batch": job.batch_size, "seq": job.seq_len, "gpu_cap_GiB": job.gpu_memory_gib,
@@ -221,6 +225,8 @@ def summarize(runner, job, metrics, measured, warmup: int) -> dict:  # noqa: ANN
         "last_step_span_s": {lane: [round(min(o.start_s for o in ops), 3), round(max(o.end_s for o in ops), 3)]
                              for lane in ("compute", "h2d", "d2h", "optimizer")
                              if (ops := [o for o in last_ops if o.lane == lane])},
+        "host_pass": "preview" if runner.optimizer.split else "whole",
+        "host_pass_in_step_Gparams_per_s": round(pass_rate, 2) if pass_rate else None,
         "step_times": [round(m.step_time_s, 3) for m in metrics],
         "losses": [round(m.loss, 3) for m in metrics], "torch": torch.__version__,
     }
@@ -340,6 +346,10 @@ def main() -> int:
                       f"{r['over_bound']}x" + (f"; DeepSpeed at the bound would be "
                                                f"{round(r['over_peer'] * r['over_bound'], 2)}x"
                                                if "over_peer" in r else ""))
+            if r.get("host_pass_in_step_Gparams_per_s") and "rates" in r:
+                name = r["host_pass"]
+                print(f"        host AdamW {name} passes inside the step: {r['host_pass_in_step_Gparams_per_s']} G "
+                      f"parameters/s (alone: {r['rates'][name + '_Gparams_per_s']}; the bound assumes the latter)")
             if r.get("dataset") != "random" and r.get("losses"):
                 curve = " ".join(f"{loss:.2f}" for loss in r["losses"])
                 print(f"        learning on {r['dataset']}: loss {r['losses'][0]:.2f} -> {r['losses'][-1]:.2f} in "

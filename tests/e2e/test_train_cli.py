@@ -111,7 +111,8 @@ def test_benchmark_cpu_mode_prints_its_figures(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (result,) = json.loads(out.read_text())
     assert result["tokens_per_s"] > 0 and result["hidden_fraction"] is not None and len(result["losses"]) == 3
-    assert "tok/s" in proc.stdout
+    assert result["host_pass_in_step_Gparams_per_s"] > 0, "the host optimizer's in-step rate was not measured"
+    assert "tok/s" in proc.stdout and "passes inside the step" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("flags,expected", [
