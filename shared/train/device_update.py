@@ -81,22 +81,28 @@ class DeviceUpdater:
         self.prefetched = {}  # a step that failed midway may have left events of its own
         n = self.sets[0][0].numel() if self.sets else 0
         piece = max(1, n * self.state.work_dtype.itemsize // 4)  # fp32 elements in a working copy's bytes
-        self.prefetch_queue = [(j, (j - self.resident) % len(self.sets), index, lo, min(n, lo + piece))
+        self.prefetch_queue = [(j, self._set_of(j), index, lo, min(n, lo + piece))
                                for j in range(self.resident, self.resident + len(self.sets))
                                for index in range(len(STATE)) for lo in range(0, n, piece)]
 
-    def prefetch(self, trace: StepTrace, after) -> None:  # noqa: ANN001 - an event of the h2d lane
-        """Submit the next queued piece of state, to start once ``after`` (the backward layer's own
-        loads) has completed. The engine calls this once per backward layer: submitted at once, two
-        layers' state (2.4 GB at 3B) held the backward's next weight copy behind it for about 30 ms
-        on an H100, and pieces submitted without ``after`` ran ahead of a weight copy still waiting
-        for its slot. A piece is a working copy's size: it fits beside a layer's own loads."""
+    def _set_of(self, layer: int) -> int:
+        """The buffer set a streamed layer's update uses."""
+        return (layer - self.resident) % len(self.sets)
+
+    def prefetch(self, trace: StepTrace, behind_loads: bool = True) -> None:
+        """Submit the next queued piece of state, to start once the copies queued so far on the h2d
+        lane (the backward layer's own loads) have completed (``behind_loads``). The engine calls
+        this once per backward layer, after that layer's loads: submitted at once, two layers' state
+        (2.4 GB at 3B) held the backward's next weight copy behind it for about 30 ms on an H100, and
+        pieces submitted without the wait ran ahead of a weight copy still waiting for its slot. A
+        piece is a working copy's size: it fits beside a layer's own loads."""
         if not self.prefetch_queue:
             return
         j, s, index, lo, hi = self.prefetch_queue.pop(0)
         if index == 0 and lo == 0:
             self.lanes.wait("xh2d", self.set_free[s])
-        self.lanes.wait("xh2d", after)
+        if behind_loads:
+            self.lanes.wait("xh2d", self.lanes.record("h2d"))
         source = getattr(self.state.units[j + 1], STATE[index])
         with self.lanes.on("xh2d"), trace.op("h2d", j, "opt", (hi - lo) * 4, "xh2d"):
             self.sets[s][index][lo:hi].copy_(source[lo:hi], non_blocking=True)
@@ -109,7 +115,7 @@ class DeviceUpdater:
         if not self.layers:
             return
         while self.prefetch_queue:
-            self.prefetch(trace, None)
+            self.prefetch(trace, behind_loads=False)
         lanes, opt = self.lanes, self.opt
         lr = opt.lr_at(version)
         with lanes.on("opt"):
@@ -126,7 +132,7 @@ class DeviceUpdater:
                 self.read[j] = self.done[j] = lanes.record("opt")
                 unit.step += 1
                 continue
-            s = (j - self.resident) % len(self.sets)
+            s = self._set_of(j)
             master, m, v, g32, work = self.sets[s]
             loaded = self.prefetched.pop(j, None)
             if loaded is None:

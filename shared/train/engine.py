@@ -245,7 +245,7 @@ class StreamingEngine:
                     self._load_layer(i - 1, version)
                     if i - 1 < L - self.tail:
                         self._pending[i - 1] = self._load_checkpoint(i - 1)
-                self.updater.prefetch(tl, after=lanes.record("h2d"))  # behind this layer's loads
+                self.updater.prefetch(tl)  # behind this layer's loads
                 grad = self._layer_backward(i, x_in, x_ready, grad, cos, sin, mask)
             with tl.op("compute", -1, "bwd"):
                 fn.embed_backward(self.extras_layout.views(self.extras_g)["model.embed_tokens.weight"], ids, grad)

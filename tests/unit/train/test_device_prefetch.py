@@ -41,7 +41,7 @@ def test_prefetch_pieces_fill_each_set_with_its_layers_state(work_dtype, pieces_
     assert len(up.prefetch_queue) == used * len(STATE) * pieces_per_tensor, up.prefetch_queue
     trace = StepTrace(up.lanes, False)
     while up.prefetch_queue:
-        up.prefetch(trace, after=None)
+        up.prefetch(trace)
     assert sorted(up.prefetched) == list(range(resident, resident + used)), "one event per prefetched layer"
     for j in range(resident, resident + used):
         unit = up.state.units[j + 1]
@@ -63,7 +63,7 @@ def test_issue_sends_what_the_backward_left_and_consumes_the_prefetch():
         if prefetch_some:
             up.arm_prefetch()
             for _ in range(3):
-                up.prefetch(trace, after=None)
+                up.prefetch(trace)
             assert up.prefetch_queue, "the test means to leave pieces for issue"
         up.issue(1, sumsq, None, trace)
         assert not up.prefetch_queue and not up.prefetched, "issue sends and uses every prefetched piece"
