@@ -106,13 +106,25 @@ def test_a_bad_jsonl_line_is_refused_in_one_line(tmp_path):
 @pytest.mark.slow  # a whole benchmark script run
 def test_benchmark_cpu_mode_prints_its_figures(tmp_path):
     out = tmp_path / "bench.json"
+    timeline = tmp_path / "timeline"
+    timeline.mkdir()
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_offload.py"), "--device", "cpu",
-                           "--runs", "tiny", "--json-out", str(out)], capture_output=True, text=True, timeout=120)
+                           "--runs", "tiny", "--json-out", str(out)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TANDEM_TIMELINE_DIR": str(timeline)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (result,) = json.loads(out.read_text())
     assert result["tokens_per_s"] > 0 and result["hidden_fraction"] is not None and len(result["losses"]) == 3
     assert result["host_pass_in_step_Gparams_per_s"] > 0, "the host optimizer's in-step rate was not measured"
     assert "tok/s" in proc.stdout and "passes inside the step" in proc.stdout, proc.stdout
+    (dump,) = timeline.iterdir()
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_timeline.py"), str(dump)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    windows = [json.loads(line) for line in proc.stdout.splitlines()[1:]]
+    assert len(windows) == 2, f"3 measured steps give 2 windows between them: {proc.stdout}"
+    for w in windows:
+        assert w["backward_compute_ms"] > 0 and w["next_forward_last_ms"] > w["next_forward_first_ms"] > 0, w
+        assert len(w["host_pass_each_ms"]) > 0, f"the host optimizer's passes are missing: {w}"
 
 
 @pytest.mark.parametrize("flags,expected", [
