@@ -1,6 +1,6 @@
 """Where a decode (or prefill) step's time goes: the host's side (cProfile) or the device's (torch profiler).
 
-    python benchmarks/decode_profile.py [--model random:llama3-8b] [--batch 256] [--steps 30]
+    python benchmarks/decode_profile.py [--model random:llama3-8b] [--batch 256] [--steps 30] [--eager]
     python benchmarks/decode_profile.py --device-kernels [--batch 256] [--steps 10]
     python benchmarks/decode_profile.py --prefill-kernels [--batch 64] [--chunk 8192]
 
@@ -8,7 +8,9 @@ Submits ``--batch`` random 1024-token prompts, steps until every one has its fir
 profiles ``--steps`` pure decode steps and prints the mean step time (profiler included) and the
 functions by own time. On CUDA the time spent in ``synchronize`` (``SampledTokens.wait``) or
 ``tolist`` is the host waiting for the device; the rest is host work, which overlapped steps
-(``engine/overlap.py``) run while the device computes. Without CUDA it profiles ``random:llama-test`` on the CPU.
+(``engine/overlap.py``) run while the device computes. ``--eager`` profiles the engine without CUDA
+graphs, where the host launches every kernel itself and sets the pace at small batch. Without CUDA it
+profiles ``random:llama-test`` on the CPU.
 
 ``--device-kernels`` instead times the same steps with CUDA graphs (the served figure) and splits
 them into the host's wait for the device's tokens and its own work (``decode_host_split``), then runs
@@ -55,6 +57,8 @@ def main() -> None:
     parser.add_argument("--prefill-kernels", action="store_true",
                         help="profile prefill steps of --batch 1024-token prompts instead")
     parser.add_argument("--chunk", type=int, default=8192, help="the prefill steps' token budget")
+    parser.add_argument("--eager", action="store_true", help="profile the host without CUDA graphs")
+    parser.add_argument("--pstats-out", help="also write the host profile here (pstats format)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = args.model or ("random:llama3-8b" if device.type == "cuda" else "random:llama-test")
@@ -76,7 +80,7 @@ def main() -> None:
         eager_ms = timed_steps(eager, device, args.steps)
         print_kernel_families(eager, device, args.steps, model, args.batch, step_ms, eager_ms)
         return
-    engine = decoding_engine(loaded, device, args.batch, args.steps, False, kv_gib)
+    engine = decoding_engine(loaded, device, args.batch, args.steps, args.eager, kv_gib)
     start = time.perf_counter()
     profile = cProfile.Profile()
     profile.enable()
@@ -84,9 +88,11 @@ def main() -> None:
         engine.step()
     profile.disable()
     sync(device)
-    print(f"# {model}, batch {args.batch}: {(time.perf_counter() - start) / args.steps * 1e3:.1f} ms per decode "
-          f"step under the profiler", flush=True)
+    print(f"# {model}, batch {args.batch}{', eager' if args.eager else ''}: "
+          f"{(time.perf_counter() - start) / args.steps * 1e3:.1f} ms per decode step under the profiler", flush=True)
     pstats.Stats(profile).sort_stats("tottime").print_stats(22)
+    if args.pstats_out:
+        profile.dump_stats(args.pstats_out)
 
 
 def decoding_engine(loaded, device: torch.device, batch: int, steps: int, eager: bool, kv_gib: float):
