@@ -138,3 +138,19 @@ def test_prefill_profile_splits_a_step_into_kernel_families_and_host_phases() ->
     assert phases["launch"] >= phases["prepare"] > 0 and phases["postprocess"] >= phases["wait"], phases
     assert abs(row["host_wait_ms"] + row["host_work_ms"] - row["step_ms"]) < 0.01, row
     assert "the host's side of the same steps" in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.slow  # a whole benchmark script run
+def test_eager_host_profile_is_written_where_asked(tmp_path: Path) -> None:
+    """``decode_profile.py --eager --pstats-out``: the host's profile of decode steps without graphs,
+    printed by own time and kept in pstats form, the engine's step among its entries."""
+    import pstats
+
+    kept = tmp_path / "eager.prof"
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "decode_profile.py"), "--batch", "2", "--steps", "3",
+                          "--eager", "--pstats-out", str(kept)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"decode_profile.py failed:\n{out.stderr[-2000:]}"
+    assert "batch 2, eager:" in out.stdout and "ms per decode step" in out.stdout, out.stdout[:1000]
+    stats = pstats.Stats(str(kept))
+    steps = [key for key in stats.stats if key[2] == "step" and key[0].endswith("engine.py")]
+    assert steps and stats.stats[steps[0]][1] == 3, f"engine.step called 3 times in the profile: {steps}"
