@@ -4,9 +4,9 @@
 
 For each pair of consecutive steps it prints, in milliseconds after the first step's backward ended:
 when the next forward's first copy began and its first and last layer ran (the GPU idles until the
-first), when the host
-optimizer's passes started and ended and how long each unit's took, and the backward's own span,
-compute and the gaps inside it longer than ``--gap-ms`` (a layer waiting for its copies).
+first), when the host optimizer's passes started and ended and how long each unit's took, and the
+backward's own span, compute and the gaps inside it longer than ``--gap-ms`` (a layer waiting for its
+copies).
 
     python3 benchmarks/train_timeline.py DIR/3b_auto.json
 """

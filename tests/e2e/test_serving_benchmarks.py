@@ -9,6 +9,7 @@ These tests check that each prints its figures.
 from __future__ import annotations
 
 import json
+import pstats
 import subprocess
 import sys
 from pathlib import Path
@@ -144,7 +145,6 @@ def test_prefill_profile_splits_a_step_into_kernel_families_and_host_phases() ->
 def test_eager_host_profile_is_written_where_asked(tmp_path: Path) -> None:
     """``decode_profile.py --eager --pstats-out``: the host's profile of decode steps without graphs,
     printed by own time and kept in pstats form, the engine's step among its entries."""
-    import pstats
 
     kept = tmp_path / "eager.prof"
     out = subprocess.run([sys.executable, str(BENCHMARKS / "decode_profile.py"), "--batch", "2", "--steps", "3",
