@@ -41,6 +41,20 @@ def test_in_process_benchmark_prints_batch1_throughput_and_the_peer(tmp_path: Pa
 
 
 @pytest.mark.slow  # a whole benchmark script run
+def test_a_failing_peer_is_named_in_one_line_and_tandems_rows_are_kept(tmp_path: Path) -> None:
+    peer = tmp_path / "peer.py"
+    peer.write_text('import sys; sys.exit("CUDA out of memory in the peer")\n')
+    kept = tmp_path / "rows.json"
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "serving_gpu.py"), "--parts", "batch1",
+                          "--hf-anchor", str(peer), "--json-out", str(kept)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0, "a failed peer must fail the run"
+    assert "Traceback" not in out.stderr and "CUDA out of memory in the peer" in out.stderr, out.stderr[-2000:]
+    rows = json.loads(kept.read_text())
+    assert [r["cuda_graphs"] for r in rows if r["figure"] == "batch1"] == [True, False], f"rows kept: {rows}"
+
+
+@pytest.mark.slow  # a whole benchmark script run
 def test_prefill_part_prints_a_row_per_step_budget_after_the_closed_loop() -> None:
     """``--parts throughput,closed,prefill``: the prefill part makes its own engines, after the parts
     that share one, and counts the FLOPs it achieved."""
