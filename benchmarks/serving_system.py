@@ -127,7 +127,9 @@ def run_system(args: argparse.Namespace, model: str, placement: str, out_dir: Pa
     """One ``tandem up`` with ``placement``, every concurrency level against it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     data_dir = out_dir / "data"
-    env = {**os.environ, "TANDEM_DATA_DIR": str(data_dir)}
+    # PYTHONSAFEPATH: run from a checkout, ``-m tandem`` would otherwise find the checkout's partial
+    # tandem/ folder before the installed package (a wheel install then fails to import tandem.shared).
+    env = {**os.environ, "TANDEM_DATA_DIR": str(data_dir), "PYTHONSAFEPATH": "1"}
     up_args = [sys.executable, "-m", "tandem", "up", "--model", model, "--no-planner", "--http-port", "0",
                "--decode", "1", "--kvstore", str(args.kvstore), "--max-model-len", "2048", "--max-num-seqs", "256",
                "--max-num-batched-tokens", "8192"]
