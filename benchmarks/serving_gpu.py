@@ -461,28 +461,27 @@ def main() -> None:
                 record["of_matmul_peak"] = round(flops["total"] / result["total_s"] / 1e12 / tflops, 3)
             emit(record, records)
             del runner
-    if args.json_out:  # kept before the peer runs, so a failing peer loses none of tandem's own rows
-        Path(args.json_out).write_text(json.dumps(records, indent=1))
-    if args.hf_anchor:
-        # The peer needs the memory: drop the model, pool and graphs first. The engines' parts refer to
-        # each other, so only the collector frees them (with 40 GiB of KV left behind the peer ran out of
-        # memory on an 80 GB H100).
-        loaded = engine = None
-        gc.collect()
-        torch.cuda.empty_cache() if device.type == "cuda" else None
-        out = subprocess.run([sys.executable, args.hf_anchor], capture_output=True, text=True)
-        if out.returncode != 0:
-            raise SystemExit(f"the HF peer {args.hf_anchor} failed (exit {out.returncode}): "
-                             f"{(out.stderr.strip().splitlines() or ['no output'])[-1]}")
-        peer = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
-        record = {"figure": "hf_generate", **peer}
-        ours = next((r["decode_tok_s"] for r in records if r["figure"] == "batch1" and r["cuda_graphs"]), None)
-        if ours and peer.get("B1_decode_tok_s"):
-            record["tandem_batch1_over_hf"] = round(ours / peer["B1_decode_tok_s"], 1)
-        emit(record, records)
-        if args.json_out:
+    try:
+        if args.hf_anchor:
+            # The peer needs the memory: drop the model, pool and graphs first. The engines' parts refer
+            # to each other, so only the collector frees them (with 40 GiB of KV left behind the peer ran
+            # out of memory on an 80 GB H100).
+            loaded = engine = None
+            gc.collect()
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+            out = subprocess.run([sys.executable, args.hf_anchor], capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(f"the HF peer {args.hf_anchor} failed (exit {out.returncode}): "
+                                 f"{(out.stderr.strip().splitlines() or ['no output'])[-1]}")
+            peer = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
+            record = {"figure": "hf_generate", **peer}
+            ours = next((r["decode_tok_s"] for r in records if r["figure"] == "batch1" and r["cuda_graphs"]), None)
+            if ours and peer.get("B1_decode_tok_s"):
+                record["tandem_batch1_over_hf"] = round(ours / peer["B1_decode_tok_s"], 1)
+            emit(record, records)
+    finally:
+        if args.json_out:  # also when the peer fails: its failure loses none of tandem's own rows
             Path(args.json_out).write_text(json.dumps(records, indent=1))
-
 
 if __name__ == "__main__":
     main()
