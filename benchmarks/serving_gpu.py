@@ -483,5 +483,6 @@ def main() -> None:
         if args.json_out:  # also when the peer fails: its failure loses none of tandem's own rows
             Path(args.json_out).write_text(json.dumps(records, indent=1))
 
+
 if __name__ == "__main__":
     main()
