@@ -106,6 +106,13 @@ class PromptTooLongError(InvalidRequestError):
     code = ErrorCode.PROMPT_TOO_LONG
 
 
+class RequestTooLargeError(InvalidRequestError):
+    """The request does not fit in one bus message (the server's ``max_payload``): refused before it
+    is sent, so the connection is untouched. Send a shorter prompt (or its token ids)."""
+
+    code = ErrorCode.REQUEST_TOO_LARGE
+
+
 class WorkerFailureError(TandemError):
     code = ErrorCode.WORKER_FAILURE
 
@@ -143,6 +150,7 @@ _BY_CODE: dict[ErrorCode, type[TandemError]] = {
     ErrorCode.WORKER_FAILURE: WorkerFailureError,
     ErrorCode.OVERLOADED: OverloadedError,
     ErrorCode.SHUTTING_DOWN: ShuttingDownError,
+    ErrorCode.REQUEST_TOO_LARGE: RequestTooLargeError,
 }
 
 
@@ -804,6 +812,12 @@ class Client:
         second, or, ``patient`` and a router having answered this client before, for
         ``router_restart_wait_s`` (one is likely restarting); then :class:`NoWorkersError`."""
         payload = encode(request.model_copy(update={"ack_placement": True}))
+        if len(payload) > self.nc.max_payload:
+            # nats-py would raise MaxPayloadError; refused here, as the request's own fault, with the
+            # connection untouched.
+            raise RequestTooLargeError(f"the request is {len(payload):,} bytes on the bus, over the server's "
+                                       f"max_payload of {self.nc.max_payload:,}: send a shorter prompt",
+                                       request.request_id, "prompt")
         restarting = patient and self._router_answered and self.router_restart_wait_s > 0
         patience = self.router_restart_wait_s if restarting else PLACEMENT_TRIES * PLACEMENT_RETRY_S
         give_up = time.monotonic() + min(timeout, patience)

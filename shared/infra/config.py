@@ -122,6 +122,11 @@ class SupervisorSettings:
     insecure: bool = Field(False, description="tandem up: run the embedded nats-server without identities or "
                                               "permissions, so anyone who reaches its port may do anything "
                                               "(development only)")
+    nats_monitor_port: int = Field(-1, ge=-1, le=65535,
+                                   description="tandem up: the embedded nats-server's HTTP monitoring port on "
+                                               "127.0.0.1 (-1: off; 0: a free one); it has no authentication of its "
+                                               "own, so every user of this host can read every connection and "
+                                               "subscription on it")
 
 
 @dataclass(config=SECTION)
@@ -222,6 +227,10 @@ class RouterSettings:
     max_queue_wait_s: float = Field(20.0, gt=0, description="seconds a request may wait in the router's admission "
                                                             "queue before it gets 'overloaded' (below the clients' "
                                                             "--request-timeout-s)")
+    restart_wait_s: float = Field(15.0, ge=0, description="with no live decode worker, seconds a request waits in the "
+                                                          "admission queue for one that is starting, or that died this "
+                                                          "recently (a supervisor restarts it), before it gets "
+                                                          "'no_workers' (0: at once)")
 
 
 @dataclass(config=SECTION)
@@ -295,6 +304,12 @@ class FrontendSettings:
                                                             "name)", json_schema_extra={"flat": "served_model_name"})
     max_concurrent_requests: int = Field(512, ge=1, description="requests in flight at once; more get 429",
                                          json_schema_extra={"flat": "max_concurrent_requests"})
+    max_prompts: int = Field(128, ge=1, description="prompts one /v1/completions request may carry (each is one "
+                                                    "request on the bus); more get 400")
+    max_choices: int = Field(512, ge=1, description="choices one request may ask for, prompts times n (each holds "
+                                                    "a sequence on a decode worker); more get 400")
+    max_body_mib: float = Field(4.0, gt=0, le=64, description="size of a request body in MiB; a larger one gets 413 "
+                                                             "before it is read whole")
 
 
 @dataclass(config=SECTION)

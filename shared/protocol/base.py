@@ -28,6 +28,7 @@ class ErrorCode(str, Enum):
     WORKER_FAILURE = "worker_failure"
     OVERLOADED = "overloaded"  # every decode worker is saturated and the router's queue is full (or waited too long)
     SHUTTING_DOWN = "shutting_down"  # the worker holding it stopped before it finished (its shutdown timeout ran out)
+    REQUEST_TOO_LARGE = "request_too_large"  # over a size bound (the bus's max payload, the front end's body size)
 
 
 class ProtocolError(Exception):
