@@ -58,7 +58,7 @@ from tandem.runstate import find_running_url
 from tandem.shared.auth.credentials import CredentialsError
 from tandem.shared.infra.liveness import on_bus
 from tandem.shared.protocol import subjects
-from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError, first_error
+from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError, first_error, shortened
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.fleet import Heartbeat
 from tandem.shared.protocol.serving import (
@@ -362,10 +362,11 @@ class RequestStream:
     request is alive, so a long search does not time out.
 
     Leaving early cancels the request at once: :meth:`aclose` (``async with`` exit, or an exception
-    inside ``__anext__``) sends the cancel, and a stream dropped mid-way (``break`` out of
-    ``async for``) sends it from ``__del__``, which runs as soon as the loop lets go of it. (A plain
-    async generator would only be closed whenever the event loop's finalizer gets to it, usually
-    after the script has closed its connection.)
+    inside ``__anext__``) sends the cancel; so does leaving an ``async for`` with ``break`` (the
+    loop's iterator, :class:`_Iteration`, is dropped then, even while the caller still holds the
+    stream), and so does a stream dropped unfinished (``__del__``). (A plain async generator would
+    only be closed whenever the event loop's finalizer gets to it, usually after the script has
+    closed its connection.)
 
     A worker that dies mid-way (heartbeats stop, or a worker-failure error ends the stream) does not
     end a one-output request: it is placed again (:meth:`_migrate`) under its own placement id, going
@@ -392,8 +393,8 @@ class RequestStream:
         self._probed = False  # the decode worker has probed this held-output stream: it holds the request
         self._placed = self._last_output = 0.0
 
-    def __aiter__(self) -> RequestStream:
-        return self
+    def __aiter__(self) -> _Iteration:
+        return _Iteration(self)
 
     async def __aenter__(self) -> RequestStream:
         await self._ensure_open()
@@ -435,6 +436,10 @@ class RequestStream:
             self.client._release_soon(self._sub, self._cancel_id())
 
     def __del__(self) -> None:
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Nobody reads this stream any more: cancel its request unless it ended."""
         if not self._closed and self._sub is not None:
             self.close_nowait()
 
@@ -589,6 +594,10 @@ class RequestStream:
             chunk = decode(data, (StreamChunk, Probe))
             if isinstance(chunk, Probe):
                 continue
+            if chunk.request_id != self.placement_id:
+                client.foreign_chunks += 1
+                log.debug("%s: dropped a chunk naming request %r", self.request_id, shortened(chunk.request_id, 80))
+                continue
             if chunk.error is not None:
                 self.finished = True  # the workers ended it themselves (every output): nothing to cancel
                 raise error_from_reply(chunk.error)
@@ -608,6 +617,26 @@ class RequestStream:
                 self._next_index[sample] = index + len(ready.token_ids)
                 return ready
         return None
+
+
+class _Iteration:
+    """One ``async for`` over a :class:`RequestStream`. Python drops a loop's iterator when
+    ``break`` leaves the loop and tells it nothing; this one then cancels the request, so a caller
+    that keeps the stream (``stream = client.generate(...)``) still frees the workers at once."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream: RequestStream) -> None:
+        self.stream = stream
+
+    def __aiter__(self) -> _Iteration:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        return await self.stream.__anext__()
+
+    def __del__(self) -> None:
+        self.stream.abandon()
 
 
 class Client:
@@ -636,6 +665,8 @@ class Client:
         self._beats = None
         self._open: dict[str, asyncio.Queue] = {}  # placement id -> its stream's queue, while it streams
         self._cleanup: set[asyncio.Task] = set()  # cancels sent for streams dropped mid-way
+        # Chunks that came on a stream's subject naming another request: dropped, never delivered.
+        self.foreign_chunks = 0
 
     async def _watch_workers(self) -> None:
         """Follow every worker's heartbeats (once per client), so a request whose worker died
@@ -734,6 +765,12 @@ class Client:
         if not self._inbox_prefix:
             self._inbox_prefix = self.nc.new_inbox().rsplit(".", 1)[0]
         return self._inbox_prefix
+
+    @property
+    def owner(self) -> str:
+        """The token this client's requests and cancels are sent under, and its streams lie under:
+        the user key on a bus with identities (nats-server enforces both), else the client id."""
+        return subjects.stream_owner(f"{self.inbox_prefix}.{self.client_id}.x")
 
     def stream(self, prompt: str | list[int], *, model: str | None = None, request_id: str | None = None,
                timeout_s: float | None = None, priority: int = 0, **params) -> RequestStream:
@@ -835,7 +872,7 @@ class Client:
 
             try:
                 sub = await self.nc.subscribe(self.nc.new_inbox(), cb=on_reply)
-                await self.nc.publish(subjects.ROUTER_GENERATE, payload, reply=sub.subject)
+                await self.nc.publish(subjects.router_generate(self.owner), payload, reply=sub.subject)
             except NatsError as exc:
                 raise self._lost(exc, request.request_id) from None
             try:
@@ -912,7 +949,8 @@ class Client:
             if cancel_id is not None and self.nc.is_connected:
                 # The stream's subject is the owner's proof (see Cancel).
                 inbox = subjects.stream_inbox(self.inbox_prefix, self.client_id, cancel_id)
-                await self.nc.publish(subjects.CANCEL, encode(Cancel(request_id=cancel_id, stream_subject=inbox)))
+                await self.nc.publish(subjects.cancel(self.owner),
+                                      encode(Cancel(request_id=cancel_id, stream_subject=inbox)))
         except NatsError:
             pass  # the connection is gone: the workers find the client gone by their liveness probe
 

@@ -81,6 +81,29 @@ def nats_server():
     server.stop()
 
 
+@pytest.fixture
+async def scripted(nats_server):
+    """``await scripted(script, **connect_options)`` -> (a connected client, the router playing
+    ``script``: see ``scripted_router``), on the session's nats-server."""
+    from scripted_router import ScriptedRouter
+
+    from tandem.client import connect
+
+    routers, contexts = [], []
+
+    async def start(script, **options):
+        routers.append(await ScriptedRouter.start(nats_server.url, script))
+        context = connect(nats_server.url, **{"worker_timeout_s": 5, **options})
+        contexts.append(context)
+        return await context.__aenter__(), routers[-1]
+
+    yield start
+    for context in contexts:
+        await context.__aexit__(None, None, None)
+    for router in routers:
+        await router.close()
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory) -> Path:
     """An empty data dir, so a trained tiny checkpoint on this machine never changes test outputs."""

@@ -28,7 +28,7 @@ settings)::
 
     bus = FakeBus()
     async with serving(Router(bus_settings(tmp_path)), bus) as router:
-        reply = await bus.request(subjects.ROUTER_GENERATE, encode(request), timeout=5)
+        reply = await bus.request(subjects.router_generate("tandem"), encode(request), timeout=5)
 """
 
 from __future__ import annotations

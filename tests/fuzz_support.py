@@ -291,15 +291,25 @@ def spec(request_id: str = "fuzz-1") -> RequestSpec:
                        stream_subject="_INBOX.fuzz.nobody")
 
 
-def targets(system) -> list[Target]:
+OTHER_OWNER = "UFUZZOTHERCLIENTKEY"  # an owner token that is not the fuzzing connection's
+
+
+def targets(system, owner: str = "fuzz") -> list[Target]:
+    """Every request-reply subject of ``system``; a generate request is sent as ``owner`` (its
+    stream in ``owner``'s inbox), and once more under another owner's subject, which a bus with
+    identities must refuse."""
     pre, dec, kvs = system.instance("prefill"), system.instance("decode"), system.instance("kvstore")
     transfer = KVTransfer(transfer_id="fuzz-t", num_blocks=1, block_bytes=4, checksums=[0])
     probe = Probe(request_id="fuzz").model_dump()
     drain = DrainRequest(exit=False).model_dump()
     return [
-        Target("router.generate", subjects.ROUTER_GENERATE,
+        Target("router.generate", subjects.router_generate(owner),
                GenerateRequest(request_id="fuzz-g", prompt="hello", params=spec().params,
-                               stream_subject="_INBOX.fuzz.nobody").model_dump(), True, (GenerateAccepted,)),
+                               stream_subject=f"_INBOX.{owner}.nobody").model_dump(), True, (GenerateAccepted,)),
+        Target("router.generate.other", subjects.router_generate(OTHER_OWNER),
+               GenerateRequest(request_id="fuzz-o", prompt="hello", params=spec().params,
+                               stream_subject=f"_INBOX.{OTHER_OWNER}.victim").model_dump(), True,
+               (GenerateAccepted,)),  # a bus without identities cannot tell: only the secured one refuses it
         Target("prefill.prefill", subjects.prefill(pre),
                PrefillRequest(spec=spec("fuzz-p"), decode_worker=dec, kvstore=kvs).model_dump(), True, (Ack,)),
         Target("decode.admit", subjects.decode_admit(dec),
@@ -365,9 +375,10 @@ def classify(target: Target, data: bytes) -> str:
     return f"unexpected reply {type(reply).__name__}: {short(data)}"
 
 
-SUBJECT_NAMES = ["router.generate", "prefill.prefill", "decode.admit", "decode.kv", "kvstore.lookup", "kvstore.get",
-                 "kvstore.put", "kvstore.kv", "kvstore.stats", "prefill.blocks", "decode.blocks", "prefill.drain",
-                 "decode.drain", "planner.scale", "trainer.start", "trainer.stop", "trainer.status"]
+SUBJECT_NAMES = ["router.generate", "router.generate.other", "prefill.prefill", "decode.admit", "decode.kv",
+                 "kvstore.lookup", "kvstore.get", "kvstore.put", "kvstore.kv", "kvstore.stats", "prefill.blocks",
+                 "decode.blocks", "prefill.drain", "decode.drain", "planner.scale", "trainer.start", "trainer.stop",
+                 "trainer.status"]
 
 
 async def legit_round(url: str, n: int, tokens: int, salt: int, creds: str | None = None) -> list[list[int]]:

@@ -77,7 +77,7 @@ class ScriptedRouter:
     @classmethod
     async def start(cls, url: str, script: Script) -> ScriptedRouter:
         router = cls(await nats.connect(url), script)
-        await router.nc.subscribe(subjects.ROUTER_GENERATE, cb=router._on_generate)
+        await router.nc.subscribe(subjects.ROUTER_GENERATE_ALL, cb=router._on_generate)
         await flushed(router.nc)
         return router
 

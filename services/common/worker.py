@@ -193,7 +193,7 @@ class EngineWorker(ServiceRuntime):
         self.thread = EngineThread(self.engine, loop, self.on_outputs, self.on_failure, self.on_kv_events,
                                    on_scheduled=self.on_scheduled)
         self.thread.start()
-        await self.nc.subscribe(subjects.CANCEL, cb=self._on_cancel)
+        await self.nc.subscribe(subjects.CANCEL_ALL, cb=self._on_cancel)
         await self.drainer.register()
         await register_blocks_endpoint(self)  # the console's block-table view
         await subscribe_weight_updates(self)  # hot reload after a trainer's checkpoint
@@ -322,7 +322,10 @@ class EngineWorker(ServiceRuntime):
         stream = self.streams.get(cancel.request_id)
         if stream is None:
             return
-        if not hmac.compare_digest(stream.subject.encode(), cancel.stream_subject.encode()):
+        # Two checks: the cancel was sent under the stream's owner (on a bus with identities
+        # nats-server vouches for the sender's token), and it names the very stream.
+        owner_sent = subjects.stream_owner(stream.subject) == subjects.owner_of(msg.subject)
+        if not owner_sent or not hmac.compare_digest(stream.subject.encode(), cancel.stream_subject.encode()):
             self.log.warning("ignored a cancel of %s that does not name its stream (not its owner's)",
                              cancel.request_id)
             return

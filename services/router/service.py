@@ -113,6 +113,18 @@ def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
                             "logit_bias")
 
 
+def check_stream_owner(msg: GenerateRequest, owner: str) -> None:
+    """Refuse a request whose stream is not its sender's: ``owner`` is the token the request was
+    published under (on a bus with identities, the sender's user key, which nats-server enforces),
+    and the workers write the request's tokens to its stream subject, so that subject must lie
+    under the sender's own inbox, ``_INBOX.<owner>``. A resume (``resume_output_token_ids``) then
+    writes into the sender's own stream only."""
+    if subjects.stream_owner(msg.stream_subject) != owner:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST,
+                            f"stream_subject must be under this connection's own inbox (_INBOX.{owner}.), the "
+                            f"owner the request was sent as", "stream_subject")
+
+
 def prefill_request(spec: RequestSpec, dec: Heartbeat, store: str, fetch: int, held: int) -> PrefillRequest:
     """Prefill ``spec`` and hand it to the decode worker ``dec`` (through its ring when on its host);
     ``store``: a KV-store holding ``held`` leading blocks, ``fetch`` of them worth fetching."""
@@ -170,6 +182,20 @@ class PromptBlocks:
         return self._hashes[block_size]
 
 
+@dataclass
+class Placement:
+    """Where a request went: its decode worker (and the process that took it), its prefill worker
+    if one, why, and the decode workers as they were ranked for it."""
+
+    spec: RequestSpec
+    decode: Worker
+    decode_incarnation: str
+    prefill: Worker | None
+    prefill_incarnation: str | None
+    reason: str
+    ranked: list[tuple[Worker, Candidate]]
+
+
 class Router(ServiceRuntime):
     name = "router"
     description = "validates, tokenizes and places generation requests"
@@ -186,6 +212,9 @@ class Router(ServiceRuntime):
         self.serving = RouterMetrics(self.prom, lambda: {(s,): len(p) for s, p in self.workers.items()},
                                      lambda: self.admission.depth, lambda: self.admission.prompt_tokens)
         self.admission.observe_wait = self.serving.queue_wait.observe
+        # Until then, with no live decode worker, requests wait in the admission queue: one died
+        # (not drained) that recently, and a supervisor is likely bringing it back.
+        self.restart_deadline = 0.0
 
     def metadata(self) -> dict[str, str]:
         return {**super().metadata(), "model": self.meta.name, "vocab_size": str(self.meta.config.vocab_size)}
@@ -196,9 +225,9 @@ class Router(ServiceRuntime):
 
     async def setup(self) -> None:
         await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self.on_heartbeat)
-        await self.nc.subscribe(subjects.CANCEL, cb=self.on_cancel)
+        await self.nc.subscribe(subjects.CANCEL_ALL, cb=self.on_cancel)
         await self.follow_kv_events()
-        await self.add_endpoint("generate", subjects.ROUTER_GENERATE, self.on_generate, queue_group="router")
+        await self.add_endpoint("generate", subjects.ROUTER_GENERATE_ALL, self.on_generate, queue_group="router")
 
     async def teardown(self) -> None:
         if self.admission.depth:  # queued requests hear why now, not from their clients' timeouts
@@ -262,6 +291,8 @@ class Router(ServiceRuntime):
             cancel = decode(msg.data, Cancel)
         except ProtocolError:
             return
+        if subjects.stream_owner(cancel.stream_subject) != subjects.owner_of(msg.subject):
+            return  # not the sender's stream; the workers log it
         if self.admission.cancel(admission_key(cancel.request_id, cancel.stream_subject)):
             self.log.debug("cancelled %s while it was queued", cancel.request_id)
 
@@ -278,10 +309,35 @@ class Router(ServiceRuntime):
     def pump_admission(self) -> None:
         if not self.admission.depth:
             return
-        if not self.alive("decode", self.meta.name):  # nothing left to wait for
-            self.admission.fail_all(ProtocolError(ErrorCode.NO_WORKERS, f"no decode worker serves {self.meta.name!r}"))
+        if not self.alive("decode", self.meta.name):
+            if self.awaiting_restart():
+                return  # they wait for the decode worker being restarted
+            self.admission.fail_all(self.no_decode_workers())  # nothing left to wait for
             return
         self.admission.pump()
+
+    def no_decode_workers(self) -> ProtocolError:
+        waited = self.settings.router.restart_wait_s
+        return ProtocolError(ErrorCode.NO_WORKERS, f"no decode worker serves {self.meta.name!r}"
+                             + (f" (none came back within {waited:g} s)" if waited and self.restart_deadline else ""))
+
+    def awaiting_restart(self) -> bool:
+        """Whether requests wait for a decode worker instead of failing: one was lost without
+        draining less than ``--router-restart-wait-s`` ago (a supervisor, compose or Kubernetes
+        restarts a crashed worker within seconds)."""
+        return time.monotonic() < self.restart_deadline
+
+    def lost(self, worker: Worker) -> None:
+        """``worker`` left without draining: a decode worker's requests may wait for its restart."""
+        beat = worker.beat
+        wait = self.settings.router.restart_wait_s
+        if beat.service != "decode" or beat.draining or beat.model != self.meta.name or not wait:
+            return
+        self.restart_deadline = time.monotonic() + wait
+        if not self.alive("decode", self.meta.name):
+            self.log.info("no decode worker left; requests wait up to %g s for one to (re)start", wait)
+        # When the wait runs out with none back, the requests still queued hear it then.
+        asyncio.get_running_loop().call_later(wait + 0.05, self.pump_admission)
 
     def sweep(self) -> None:
         """Drop workers and stores silent for ``worker_timeout_s``, and what the index says they hold."""
@@ -289,7 +345,7 @@ class Router(ServiceRuntime):
         for service, pool in self.workers.items():
             for instance_id in [i for i, w in pool.items() if w.seen < deadline]:
                 self.log.info("%s %s left (no heartbeat)", service, instance_id)
-                del pool[instance_id]
+                self.lost(pool.pop(instance_id))
                 self.index.forget(instance_id)
 
     def alive(self, service: str, model: str, excluded: list[str] = ()) -> list[Worker]:
@@ -302,7 +358,9 @@ class Router(ServiceRuntime):
                 and not (w.beat.instance_id in excluded and w.seen < stale)]
 
     def forget(self, worker: Worker) -> None:
-        self.workers[worker.beat.service].pop(worker.beat.instance_id, None)
+        """Drop a worker found gone (off the bus, or silent past a forward)."""
+        if self.workers[worker.beat.service].pop(worker.beat.instance_id, None) is not None:
+            self.lost(worker)
         self.index.forget(worker.beat.instance_id)
 
     async def on_generate(self, request: Request) -> None:
@@ -315,6 +373,7 @@ class Router(ServiceRuntime):
         try:
             msg: GenerateRequest = decode(request.data, GenerateRequest)
             request_id = msg.request_id
+            check_stream_owner(msg, subjects.owner_of(request.subject))
             if msg.ack_placement:
                 await request.respond(encode(PlacementReceived(request_id=request_id, router=self.instance_id)))
             reply = await self.place_valid(msg, accepted_at)
@@ -366,29 +425,52 @@ class Router(ServiceRuntime):
         ids = await self.tokenize(msg)
         check_logit_bias(msg.params, self.meta.config.vocab_size)
         decoders = self.alive("decode", self.meta.name, msg.exclude_workers)
-        if not decoders:
+        if not decoders and not self.awaiting_restart():
             raise ProtocolError(ErrorCode.NO_WORKERS, f"no decode worker serves {self.meta.name!r}"
                                 + (f" (besides {', '.join(msg.exclude_workers)})" if msg.exclude_workers else ""))
-        longest = max(w.beat.max_model_len for w in decoders)
-        if len(ids) >= longest:  # before hashing a prompt no worker could hold
+        longest = max((w.beat.max_model_len for w in decoders), default=0)
+        if decoders and len(ids) >= longest:  # before hashing a prompt no worker could hold
             raise ProtocolError(ErrorCode.PROMPT_TOO_LONG,
                                 f"prompt has {len(ids)} tokens; the context holds {longest}", "prompt")
-        waited = await self.admission.admit(admission_key(msg.request_id, msg.stream_subject), len(ids), msg.priority)
-        # From here to decode_worker.reserve() nothing awaits: the next queued request is woken only
-        # after this one's load is on its worker (see AdmissionQueue.admit).
+        prompt = PromptBlocks(ids)
+        waited = 0.0
+        while True:
+            waited += await self.admission.admit(admission_key(msg.request_id, msg.stream_subject), len(ids),
+                                                 msg.priority)
+            # From here to decode_worker.reserve() nothing awaits: the next queued request is woken only
+            # after this one's load is on its worker (see AdmissionQueue.admit).
+            placed = await self.place_on_decode(msg, ids, prompt, accepted_at)
+            if placed is not None:
+                break
+            if not self.awaiting_restart():
+                raise ProtocolError(ErrorCode.NO_WORKERS, "no decode worker answered")
+            # Every decode worker it was tried on was gone: it waits again, for one restarting.
+        await self.publish_decision(msg, ids, placed.ranked, placed.decode, placed.prefill, placed.reason)
+        return GenerateAccepted(
+            request_id=msg.request_id, prompt_token_ids=ids, decode_worker=placed.decode.beat.instance_id,
+            prefill_worker=placed.prefill.beat.instance_id if placed.prefill else None,
+            decode_incarnation=placed.decode_incarnation, prefill_incarnation=placed.prefill_incarnation or "",
+            max_tokens=placed.spec.params.max_tokens, queue_wait_s=waited,
+        )
+
+    async def place_on_decode(self, msg: GenerateRequest, ids: list[int], prompt: PromptBlocks,
+                              accepted_at: float) -> Placement | None:
+        """Place an admitted request on the cheapest live decode worker that takes it (with a prefill
+        worker, or prefilled there); None when every one tried was gone. Raises a worker's refusal."""
         decoders = self.alive("decode", self.meta.name, msg.exclude_workers)  # they may have come or gone meanwhile
         if not decoders:
-            raise ProtocolError(ErrorCode.NO_WORKERS, f"no decode worker serves {self.meta.name!r}")
+            if self.awaiting_restart():
+                return None
+            raise self.no_decode_workers()
         limit = self.settings.router.max_inflight_per_worker
         decoders = [w for w in decoders if has_room(self.admission_load(w), limit)] or decoders
-        prompt = PromptBlocks(ids)
         ranked_decode = self.ranked(decoders, prompt)
         for decode_worker, choice in ranked_decode:
             spec = request_spec(msg, ids, self.meta.name, accepted_at, decode_worker.beat.max_model_len)
             # Counted before the round trips, so requests placed meanwhile already see this load.
             stamp = decode_worker.reserve()
             try:
-                decode_incarnation = prefill_incarnation = None
+                decode_incarnation = prefill_incarnation = prefill_worker = None
                 if await self.still_there(decode_worker):
                     prefill_worker, reason, prefill_incarnation = await self.place_prefill(
                         spec, prompt, decode_worker, choice, msg.exclude_workers)
@@ -401,17 +483,10 @@ class Router(ServiceRuntime):
                 decode_worker.release(stamp)
                 raise
             if decode_incarnation is not None:
-                break
+                return Placement(spec, decode_worker, decode_incarnation, prefill_worker, prefill_incarnation, reason,
+                                 ranked_decode)
             decode_worker.release(stamp)
-        else:
-            raise ProtocolError(ErrorCode.NO_WORKERS, "no decode worker answered")
-        await self.publish_decision(msg, ids, ranked_decode, decode_worker, prefill_worker, reason)
-        return GenerateAccepted(
-            request_id=msg.request_id, prompt_token_ids=ids, decode_worker=decode_worker.beat.instance_id,
-            prefill_worker=prefill_worker.beat.instance_id if prefill_worker else None,
-            decode_incarnation=decode_incarnation, prefill_incarnation=prefill_incarnation or "",
-            max_tokens=spec.params.max_tokens, queue_wait_s=waited,
-        )
+        return None
 
     async def place_prefill(self, spec: RequestSpec, prompt: PromptBlocks, dec: Worker, choice: Candidate,
                             excluded: list[str] = ()) -> tuple[Worker | None, str, str | None]:

@@ -269,9 +269,9 @@ class Probe(WireMessage):
 
 
 class Cancel(WireMessage):
-    """Stop a request. Only its owner can: it must name the request's stream subject too, which holds
-    the sending client's random id and appears in no message but the request itself (the routing
-    decisions everybody may read name request ids only)."""
+    """Stop a request. Only its owner can: a cancel is sent under its sender's owner token
+    (``subjects.cancel``; the user key nats-server lets the connection publish under) and stops a
+    stream only when the stream lies under that owner's inbox and is the one it names."""
 
     kind: Literal["cancel"] = "cancel"
     request_id: str

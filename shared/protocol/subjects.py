@@ -9,9 +9,9 @@ from __future__ import annotations
 
 PREFIX = "tandem.v1"
 
-ROUTER_GENERATE = f"{PREFIX}.router.generate"
+ROUTER_GENERATE_ALL = f"{PREFIX}.router.generate.*"  # every owner's requests (the routers' queue group)
 ROUTER_DECISIONS = f"{PREFIX}.router.decisions"  # one RoutingDecision per placed request
-CANCEL = f"{PREFIX}.cancel"
+CANCEL_ALL = f"{PREFIX}.cancel.*"  # every owner's cancels (the router's queue and every worker)
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.>"
 KV_EVENTS_ALL = f"{PREFIX}.kv.events.>"
 KV_EVENTS_STREAM = "TANDEM_KV_EVENTS"  # JetStream stream holding every KV event, for index rebuilds
@@ -28,6 +28,32 @@ TRAINER_STATUS = f"{PREFIX}.trainer.status"  # TrainStatusRequest
 TRAINER_STEPS_ALL = f"{PREFIX}.trainer.steps.>"
 TRAINER_TIMELINE_ALL = f"{PREFIX}.trainer.timeline.>"
 WEIGHTS_UPDATED = f"{PREFIX}.models.updated"  # WeightsUpdated
+
+
+def router_generate(owner: str) -> str:
+    """Where a client sends its :class:`GenerateRequest`: under its owner token. On a bus with
+    identities that token is the connection's user key and nats-server lets a connection publish
+    under its own key only, so the token a router reads off the subject is one the server vouched
+    for; the router then refuses a stream subject that is not under the same owner."""
+    return f"{PREFIX}.router.generate.{owner}"
+
+
+def cancel(owner: str) -> str:
+    """Where a client cancels its requests: under its owner token, as :func:`router_generate`, so
+    a cancel stops only streams that owner holds."""
+    return f"{PREFIX}.cancel.{owner}"
+
+
+def owner_of(subject: str) -> str:
+    """The owner token a :func:`router_generate` or :func:`cancel` subject was published under."""
+    return subject.rsplit(".", 1)[-1]
+
+
+def stream_owner(stream_subject: str) -> str:
+    """Who owns a stream: the token after ``_INBOX``, the connection's user key on a bus with
+    identities (the only inbox it may read), its client id on one without."""
+    parts = stream_subject.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "_INBOX" else ""
 
 
 def heartbeat(service: str, instance_id: str) -> str:
@@ -60,7 +86,8 @@ def decode_kv(instance_id: str) -> str:
 def stream_inbox(inbox_prefix: str, client_id: str, request_id: str) -> str:
     """A client's token stream for one request (the client subscribes before asking): under its
     connection's inbox prefix (``_INBOX.<user key>`` on a bus with identities, the only inbox it
-    may read), and the client's random id, which makes the subject its owner's secret (see Cancel)."""
+    may read), then the client's random id. Its owner (:func:`stream_owner`) is the first token
+    after ``_INBOX``: the user key, or with no identities the client id."""
     return f"{inbox_prefix}.{client_id}.{request_id}"
 
 

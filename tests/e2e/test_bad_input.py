@@ -50,7 +50,7 @@ def request_part(msg: dict) -> dict:
 
 def subject_for(kind: str, system) -> str:
     return {
-        "generate": subjects.ROUTER_GENERATE,
+        "generate": subjects.router_generate("nobody"),  # the owner of the requests' stream, _INBOX.nobody
         "prefill": subjects.prefill(system.instance("prefill")),
         "decode": subjects.decode_admit(system.instance("decode")),
     }[kind]

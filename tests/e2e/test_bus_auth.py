@@ -33,12 +33,15 @@ from tandem.console.state import ConsoleState
 from tandem.runstate import find_running, nats_dir
 from tandem.shared.auth.credentials import RoleKey, UserCreds, connect_options, load_credentials
 from tandem.shared.protocol import subjects
-from tandem.shared.protocol.codec import encode
+from tandem.shared.protocol.base import ErrorReply
+from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.fleet import DrainRequest, ScaleRequest
-from tandem.shared.protocol.serving import Cancel
+from tandem.shared.protocol.serving import Cancel, GenerateRequest, SamplingParams
 
 PROMPT = "def fibonacci(n):"
 VICTIM_TOKENS = 48
+# Where the trial's attacks went, before requests and cancels carried their sender's key.
+KEYLESS_GENERATE, KEYLESS_CANCEL = f"{subjects.PREFIX}.router.generate", f"{subjects.PREFIX}.cancel"
 
 
 @dataclass
@@ -172,13 +175,79 @@ async def test_every_abuse_fails_with_a_permission_error_and_the_victim_is_unhar
         not_refused += [what for what, (subject, _) in publishes.items()
                         if not await attacker.refused("publish", subject)]
         assert not not_refused, f"no permission error for: {not_refused}; the server said: {attacker.errors}"
-        # A cancel is a client's to send, but only its owner can name the stream (see Cancel).
-        await nc.publish(subjects.CANCEL, encode(Cancel(request_id=stream.request.request_id,
-                                                        stream_subject=victim_subject + "x")))
         rest = [chunk async for chunk in stream]
         await nc.close()
     tokens = [t for chunk in [first, *rest] for t in chunk.token_ids]
     assert tokens == alone, "the victim's stream changed under the attack"
+
+
+async def attack_mid_stream(up: Up, attack) -> tuple[list[int], str, list[int]]:
+    """The victim's greedy stream as it comes with ``attack(attacker, victim stream)`` run after
+    its first chunk; and the stream's finish reason, and the tokens it gives alone."""
+    alone = await victim_stream(up)
+    attacker = await attacker_for(up)
+    try:
+        async with connect(up.url, data_dir=str(up.data_dir)) as victim:
+            stream = victim.generate(PROMPT, max_tokens=VICTIM_TOKENS, temperature=0.0, ignore_eos=True)
+            chunks = [await stream.__anext__()]
+            await attack(attacker, stream)
+            chunks += [chunk async for chunk in stream]
+    finally:
+        await attacker.nc.close()
+    return [t for c in chunks for t in c.token_ids], chunks[-1].finish_reason, alone
+
+
+async def test_a_client_cannot_write_into_another_clients_stream(up):
+    """The trial's injection: a GenerateRequest naming the victim's stream subject, resuming after
+    its tokens so far with a logit bias forcing one token. Sent under the attacker's own key, the
+    router refuses it (the stream is not under the sender's inbox); under the victim's key, the
+    server refuses the publish. The victim's stream is untouched."""
+    replies: list = []
+
+    async def inject(attacker: Attacker, stream) -> None:
+        nc = attacker.nc
+        forced = 7
+        request = GenerateRequest(request_id="injected", prompt=PROMPT, stream_subject=stream.request.stream_subject,
+                                  resume_output_token_ids=[1] * 8, params=SamplingParams(
+                                      max_tokens=9, temperature=0.0, ignore_eos=True, logit_bias=[(forced, 100.0)]))
+        mine = subjects.stream_owner(nc.new_inbox())
+        replies.append(decode((await nc.request(subjects.router_generate(mine), encode(request), timeout=10)).data))
+        victims = subjects.router_generate(subjects.stream_owner(stream.request.stream_subject))
+        for subject in (victims, KEYLESS_GENERATE):
+            await nc.publish(subject, encode(request), reply=nc.new_inbox())
+        await flushed(nc)
+        assert await attacker.refused("publish", victims), f"sent as the victim; the server said {attacker.errors}"
+
+    tokens, finish, alone = await attack_mid_stream(up, inject)
+    reply = replies[0]
+    assert isinstance(reply, ErrorReply) and reply.param == "stream_subject", f"the router placed it: {reply}"
+    assert (tokens, finish) == (alone, "length"), f"the victim's stream changed: {len(tokens)} tokens, {finish}"
+
+
+async def test_knowing_a_stream_subject_is_not_enough_to_cancel_it(up):
+    """The trial leaked every stream subject through the monitoring port, and the subject was all a
+    cancel needed. The victim's exact subject, cancelled under the attacker's key, is ignored; under
+    the victim's key the server refuses the publish."""
+    async def cancel(attacker: Attacker, stream) -> None:
+        nc = attacker.nc
+        request = Cancel(request_id=stream.placement_id, stream_subject=stream.request.stream_subject)
+        await nc.publish(subjects.cancel(subjects.stream_owner(nc.new_inbox())), encode(request))
+        victims = subjects.cancel(subjects.stream_owner(stream.request.stream_subject))
+        for subject in (victims, KEYLESS_CANCEL):
+            await nc.publish(subject, encode(request))
+        await flushed(nc)
+        assert await attacker.refused("publish", victims), f"sent as the victim; the server said {attacker.errors}"
+
+    tokens, finish, alone = await attack_mid_stream(up, cancel)
+    assert (tokens, finish) == (alone, "length"), f"the victim stopped after {len(tokens)} tokens ({finish})"
+
+
+def test_the_nats_monitoring_port_is_off(up):
+    """What leaked every subscription to any user of the host."""
+    state = find_running(up.data_dir)
+    assert state.nats_monitor_url == "", f"tandem up serves nats-server's monitoring at {state.nats_monitor_url}"
+    ports = [json.loads(p.read_text()) for p in nats_dir(up.data_dir).glob("*.ports")]
+    assert ports and not any(p.get("monitoring") for p in ports), f"nats-server listens on {ports}"
 
 
 async def test_a_workers_credentials_speak_only_for_its_own_id(up):
@@ -192,13 +261,14 @@ async def test_a_workers_credentials_speak_only_for_its_own_id(up):
     nc = await nats.connect(up.url, error_cb=attacker.on_error, **connect_options(creds, "ignored"))
     decoder = up.instance("decode")
     await nc.publish(subjects.heartbeat("prefill", mine), b"x")  # its own: allowed
+    as_a_client = subjects.router_generate(subjects.stream_owner(nc.new_inbox()))  # even under its own key
     for subject in (subjects.heartbeat("prefill", "prefill-other"), subjects.heartbeat("decode", decoder),
-                    subjects.ROUTER_GENERATE):
+                    as_a_client):
         await nc.publish(subject, b"x")
     await nc.subscribe(subjects.decode_admit(decoder))
     await flushed(nc)
     for subject in (subjects.heartbeat("prefill", "prefill-other"), subjects.heartbeat("decode", decoder),
-                    subjects.ROUTER_GENERATE):
+                    as_a_client):
         assert await attacker.refused("publish", subject), (subject, attacker.errors)
     assert await attacker.refused("subscription", subjects.decode_admit(decoder)), attacker.errors
     assert not any(mine.lower() in e for e in attacker.errors), f"its own heartbeat was refused: {attacker.errors}"

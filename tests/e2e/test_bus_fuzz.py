@@ -130,7 +130,7 @@ async def fuzz(system) -> FuzzRun:
                                                      stored=[1]).model_dump(), False),
         (subjects.kv_events("kvstore", kvs), KVEvent(source=kvs, service="kvstore", namespace="fuzz", seq=1,
                                                       stored=[1]).model_dump(), False),
-        (subjects.CANCEL, {"v": SCHEMA_VERSION, "kind": "cancel", "request_id": "fuzz-c",
+        (subjects.cancel("fuzz"), {"v": SCHEMA_VERSION, "kind": "cancel", "request_id": "fuzz-c",
                            "stream_subject": "_INBOX.fuzz.c"}, True),
     ]
     published = Counter()
@@ -141,7 +141,7 @@ async def fuzz(system) -> FuzzRun:
             subject, base, huge = pub_targets[i % len(pub_targets)]
             cls, data = garbage_for_publish(prng, base, max_payload, allow_huge=huge)
             await nc.publish(subject, data)
-            published[subject.rsplit(".", 2)[-2] if subject != subjects.CANCEL else "cancel"] += 1
+            published[subject.rsplit(".", 2)[-2] if subject != subjects.cancel("fuzz") else "cancel"] += 1
             if i % 20 == 0:
                 await asyncio.sleep(0)
         await flushed(nc)

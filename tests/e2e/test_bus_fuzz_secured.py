@@ -1,10 +1,12 @@
 """The bus fuzz on a bus that requires identities, sent as a client (the role every user holds).
 
 The same seeded payloads as ``test_bus_fuzz.py`` go to every request-reply subject of a system whose
-services connect with their role keys (as under ``tandem up``). The router's generate subject is a
-client's to use: every payload gets a typed reply. Every other subject is not: nats-server refuses
-each publish with a permission error, so no payload reaches a service at all. Garbage heartbeats
-and KV events are refused the same way; garbage cancels are a client's to send and change nothing.
+services connect with their role keys (as under ``tandem up``). The router's generate subject under
+the client's own key is a client's to use: every payload gets a typed reply. Every other subject is
+not, the generate subject under another client's key included: nats-server refuses each publish
+with a permission error, so no payload reaches a service at all. Garbage heartbeats and KV events
+are refused the same way, and so are cancels under another client's key; garbage cancels under its
+own key are a client's to send and change nothing.
 Nothing dies, every worker keeps beating, and greedy completions running meanwhile give the tokens
 they gave before.
 """
@@ -21,7 +23,17 @@ from pathlib import Path
 import nats
 import pytest
 from cli_support import launch, run_sync, service_env
-from fuzz_support import SUBJECT_NAMES, Target, classify, garbage_for_publish, legit_round, payloads, short, targets
+from fuzz_support import (
+    OTHER_OWNER,
+    SUBJECT_NAMES,
+    Target,
+    classify,
+    garbage_for_publish,
+    legit_round,
+    payloads,
+    short,
+    targets,
+)
 from nats.errors import TimeoutError as NatsTimeoutError
 from support import flushed, worker_beats
 
@@ -110,6 +122,7 @@ class FuzzRun:
     after: list | str
     beats: dict
     seconds: float
+    own_cancel: str  # the fuzzing client's own cancel subject
 
 
 def refusals(errors: list[str], subject: str) -> int:
@@ -128,7 +141,9 @@ async def fuzz(secured) -> FuzzRun:
     nc = await nats.connect(secured.url, error_cb=on_error, pending_size=256 * 1024 * 1024,
                             **connect_options(load_credentials(secured.keys["client"]), "fuzz-client"))
     rng = random.Random(SEED)
-    tgts = targets(secured)
+    owner = subjects.stream_owner(nc.new_inbox())  # the connection's user key
+    own = subjects.router_generate(owner)
+    tgts = targets(secured, owner)
     outcomes = {t.name: Outcome() for t in tgts}
     work = [(t, cls, data) for t in tgts for cls, data in payloads(t, rng, nc.max_payload)]
     rng.shuffle(work)
@@ -138,7 +153,7 @@ async def fuzz(secured) -> FuzzRun:
         out = outcomes[target.name]
         out.sent += 1
         async with sem:  # paced as the open fuzz's requests are (a flush waits for the server)
-            if target.subject != subjects.ROUTER_GENERATE:  # not a client's: the server must refuse it
+            if target.subject != own:  # not this client's: the server must refuse it
                 await nc.publish(target.subject, data, reply=nc.new_inbox())
                 await flushed(nc, REPLY_TIMEOUT_S)
                 return
@@ -156,8 +171,10 @@ async def fuzz(secured) -> FuzzRun:
     dec, kvs = secured.instance("decode"), secured.instance("kvstore")
     garbage_targets = {subjects.heartbeat("decode", dec): {"v": SCHEMA_VERSION, "kind": "heartbeat"},
                        subjects.kv_events("kvstore", kvs): {"v": SCHEMA_VERSION, "kind": "kv_event"},
-                       subjects.CANCEL: {"v": SCHEMA_VERSION, "kind": "cancel", "request_id": "x",
-                                        "stream_subject": "_INBOX.x"}}
+                       subjects.cancel(owner): {"v": SCHEMA_VERSION, "kind": "cancel", "request_id": "x",
+                                                "stream_subject": f"_INBOX.{owner}.x"},
+                       subjects.cancel(OTHER_OWNER): {"v": SCHEMA_VERSION, "kind": "cancel", "request_id": "x",
+                                                      "stream_subject": f"_INBOX.{OTHER_OWNER}.x"}}
     sent = Counter()
 
     async def publish_garbage() -> None:
@@ -182,13 +199,13 @@ async def fuzz(secured) -> FuzzRun:
     legit = asyncio.create_task(legit_loop())
     await asyncio.gather(publish_garbage(), *(send(t, cls, d) for t, cls, d in work))
     await flushed(nc)
-    expected = sum(o.sent for t, o in ((t, outcomes[t.name]) for t in tgts) if t.subject != subjects.ROUTER_GENERATE)
+    expected = sum(o.sent for t, o in ((t, outcomes[t.name]) for t in tgts) if t.subject != own)
     for _ in range(100):  # the refusals trail the flush a little
         if sum(refusals(errors, t.subject) for t in tgts) >= expected:
             break
         await asyncio.sleep(0.1)
     for t in tgts:
-        if t.subject != subjects.ROUTER_GENERATE:
+        if t.subject != own:
             outcomes[t.name].refused = refusals(errors, t.subject)
     done.set()
     await legit
@@ -199,7 +216,14 @@ async def fuzz(secured) -> FuzzRun:
         after = f"{type(exc).__name__}: {exc}"
     beats = await worker_beats(secured.url, wait_s=1.5, options=secured.operator)
     published = {s: (n, refusals(errors, s)) for s, n in sent.items()}
-    return FuzzRun(outcomes, tgts, published, baseline, during, after, beats, time.monotonic() - start)
+    return FuzzRun(outcomes, tgts, published, baseline, during, after, beats, time.monotonic() - start,
+                   subjects.cancel(owner))
+
+
+def name_of(subject: str, own_cancel: str) -> str:
+    if subject.startswith(subjects.CANCEL_ALL[:-1]):
+        return "cancel" if subject == own_cancel else "cancel (another key)"
+    return subject.rsplit(".", 2)[-2]
 
 
 def table(run: FuzzRun) -> str:
@@ -209,7 +233,7 @@ def table(run: FuzzRun) -> str:
         o = run.outcomes[t.name]
         rows.append(f"{t.name:<18}{o.sent:>6}{o.error:>12}{o.valid:>7}{o.refused:>9}{len(o.failures):>5}")
     rows.append("published garbage (sent, refused): " + ", ".join(
-        f"{s.rsplit('.', 2)[-2] if s != subjects.CANCEL else 'cancel'} {v}" for s, v in run.published.items()))
+        f"{name_of(s, run.own_cancel)} {v}" for s, v in run.published.items()))
     rows.append(f"legit rounds during the fuzz: {len(run.during)}")
     return "\n".join(rows)
 
@@ -230,9 +254,10 @@ def test_a_client_reaches_only_its_own_subject(fuzz, name):
         assert out.refused == out.sent, f"{name}: {out.sent} sent, only {out.refused} refused by the server"
 
 
-def test_garbage_heartbeats_and_kv_events_are_refused_cancels_are_not(fuzz):
+def test_garbage_heartbeats_kv_events_and_others_cancels_are_refused_own_cancels_are_not(fuzz):
+    assert fuzz.own_cancel in fuzz.published and len(fuzz.published) == 4, sorted(fuzz.published)
     for subject, (sent, refused) in fuzz.published.items():
-        assert refused == (0 if subject == subjects.CANCEL else sent), (subject, sent, refused)
+        assert refused == (0 if subject == fuzz.own_cancel else sent), (subject, sent, refused)
 
 
 def test_nothing_died_every_worker_beats_and_legit_requests_are_unharmed(fuzz, secured):

@@ -29,10 +29,16 @@ from tandem.shared.protocol import subjects as s
 
 PUB, SUB = "publish", "subscription"
 ALLOWED, REFUSED = True, False
+MINE = "MYKEY"  # stands for the connection's own user key (known once it connects)
+SOMEONE = "UBSOMEONEELSESKEY"  # another connection's key
 # (role, its user's name, action, subject, allowed): the policy of shared/auth/roles.py, row by row.
 TABLE = [
-    ("client", "c", PUB, s.ROUTER_GENERATE, ALLOWED),
-    ("client", "c", PUB, s.CANCEL, ALLOWED),
+    ("client", "c", PUB, s.router_generate(MINE), ALLOWED),
+    ("client", "c", PUB, s.cancel(MINE), ALLOWED),
+    ("client", "c", PUB, s.router_generate(SOMEONE), REFUSED),  # a request as another client
+    ("client", "c", PUB, s.cancel(SOMEONE), REFUSED),  # a cancel as another client
+    ("client", "c", PUB, s.ROUTER_GENERATE_ALL, REFUSED),
+    ("client", "c", SUB, f"_INBOX.{SOMEONE}.>", REFUSED),  # another client's streams
     ("client", "c", PUB, "$SRV.INFO.tandem-router", ALLOWED),
     ("client", "c", SUB, s.HEARTBEAT_ALL, ALLOWED),
     ("client", "c", PUB, "$SRV.INFO", REFUSED),
@@ -42,13 +48,15 @@ TABLE = [
     ("client", "c", PUB, "_INBOX.someone.x", REFUSED),
     ("client", "c", SUB, s.METRICS_ALL, REFUSED),
     ("client", "c", SUB, s.KV_EVENTS_ALL, REFUSED),
-    ("client", "c", SUB, s.CANCEL, REFUSED),
+    ("client", "c", SUB, s.CANCEL_ALL, REFUSED),
     ("client", "c", SUB, s.PLANNER_DECISIONS, REFUSED),
     ("client", "c", SUB, s.TRAINER_STEPS_ALL, REFUSED),
     ("router", "r-1", PUB, s.prefill("p-1"), ALLOWED),
     ("router", "r-1", PUB, s.decode_admit("d-1"), ALLOWED),
     ("router", "r-1", PUB, s.ROUTER_DECISIONS, ALLOWED),
-    ("router", "r-1", SUB, s.ROUTER_GENERATE, ALLOWED),
+    ("router", "r-1", SUB, s.ROUTER_GENERATE_ALL, ALLOWED),
+    ("router", "r-1", SUB, s.CANCEL_ALL, ALLOWED),
+    ("decode", "d-1", SUB, s.CANCEL_ALL, ALLOWED),
     ("router", "r-1", PUB, s.heartbeat("decode", "d-1"), REFUSED),
     ("router", "r-1", PUB, s.drain("decode", "d-1"), REFUSED),
     ("router", "r-1", PUB, f"$JS.API.STREAM.PURGE.{s.KV_EVENTS_STREAM}", REFUSED),
@@ -66,13 +74,16 @@ TABLE = [
     ("planner", "pl-1", PUB, s.PLANNER_DECISIONS, ALLOWED),
     ("planner", "pl-1", PUB, s.drain("decode", "d-1"), ALLOWED),  # its actuator drains before a scale-down
     ("planner", "pl-1", PUB, s.drain("router", "r-1"), REFUSED),
-    ("planner", "pl-1", PUB, s.ROUTER_GENERATE, REFUSED),
+    ("planner", "pl-1", PUB, s.router_generate(MINE), REFUSED),
     ("client", "c", PUB, s.alive("decode", "d-1"), ALLOWED),  # is the worker holding my stream there?
     ("client", "c", PUB, s.alive("kvstore", "k-1"), REFUSED),
     ("router", "r-1", PUB, s.alive("prefill", "p-1"), ALLOWED),
     ("trainer", "t-1", PUB, s.WEIGHTS_UPDATED, ALLOWED),
-    ("trainer", "t-1", PUB, s.ROUTER_GENERATE, REFUSED),
-    ("frontend", "f-1", PUB, s.ROUTER_GENERATE, ALLOWED),
+    ("trainer", "t-1", PUB, s.router_generate(MINE), REFUSED),
+    ("frontend", "f-1", PUB, s.router_generate(MINE), ALLOWED),
+    ("frontend", "f-1", PUB, s.cancel(MINE), ALLOWED),
+    ("frontend", "f-1", PUB, s.router_generate(SOMEONE), REFUSED),
+    ("frontend", "f-1", PUB, s.cancel(SOMEONE), REFUSED),
     ("frontend", "f-1", PUB, s.decode_admit("d-1"), REFUSED),
     ("operator", "op", PUB, s.drain("decode", "d-1"), ALLOWED),
     ("operator", "op", PUB, f"$JS.API.STREAM.PURGE.{s.KV_EVENTS_STREAM}", ALLOWED),
@@ -99,6 +110,7 @@ async def test_the_server_enforces_each_roles_permissions(secured, role, name, a
         errors.append(str(exc).lower())
 
     nc = await nats.connect(server.url, error_cb=on_error, **connect_options(ring.role_key(role), name))
+    subject = subject.replace(MINE, s.stream_owner(nc.new_inbox()))
     try:
         if action == PUB:
             await nc.publish(subject, b"x")

@@ -35,7 +35,7 @@ async def accepting_router(url: str) -> nats.NATS:
         await msg.respond(encode(GenerateAccepted(request_id=request.request_id, prompt_token_ids=[1, 2],
                                                   prefill_worker=None, decode_worker="decode-x")))
 
-    await nc.subscribe(subjects.ROUTER_GENERATE, cb=on_generate)
+    await nc.subscribe(subjects.ROUTER_GENERATE_ALL, cb=on_generate)
     return nc
 
 
@@ -81,7 +81,7 @@ async def test_breaking_out_sends_the_cancel_at_once_while_connected(start_syste
     async def on_cancel(msg) -> None:
         cancels.append(decode(msg.data, Cancel).request_id)
 
-    await watcher.subscribe(subjects.CANCEL, cb=on_cancel)
+    await watcher.subscribe(subjects.CANCEL_ALL, cb=on_cancel)
     await flushed(watcher)
     try:
         async with connect(system.url) as client:
@@ -109,9 +109,11 @@ async def test_only_the_owner_can_cancel_a_request(start_system):
             async for chunk in client.generate(prompt_of(20), max_tokens=40, temperature=0.0, ignore_eos=True,
                                                request_id="victim-1"):
                 if not tokens:
-                    for forged in ("_INBOX.tandem.attacker.victim-1", "victim-1"):
-                        await attacker.publish(subjects.CANCEL, encode(Cancel(request_id="victim-1",
-                                                                              stream_subject=forged)))
+                    for owner, forged in (("attacker", "_INBOX.attacker.x.victim-1"),
+                                          (client.owner, f"_INBOX.{client.owner}.attacker.victim-1"),
+                                          (client.owner, "victim-1")):
+                        await attacker.publish(subjects.cancel(owner), encode(Cancel(request_id="victim-1",
+                                                                                     stream_subject=forged)))
                     await flushed(attacker)
                 tokens += chunk.token_ids
         assert len(tokens) == 40, f"a forged cancel stopped the request after {len(tokens)} tokens"
@@ -150,7 +152,7 @@ async def counting_router(url: str, requests: list[GenerateRequest], every_s: fl
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    await nc.subscribe(subjects.ROUTER_GENERATE, cb=on_generate)
+    await nc.subscribe(subjects.ROUTER_GENERATE_ALL, cb=on_generate)
     await flushed(nc)
     return nc
 
@@ -216,7 +218,7 @@ async def holding_router(url: str, name: str, held: list[GenerateRequest]) -> na
     async def on_alive(msg) -> None:
         await msg.respond(b"ok")
 
-    await nc.subscribe(subjects.ROUTER_GENERATE, cb=on_generate)
+    await nc.subscribe(subjects.ROUTER_GENERATE_ALL, cb=on_generate)
     await nc.subscribe(subjects.alive("router", name), cb=on_alive)
     await flushed(nc)
     return nc
@@ -236,7 +238,7 @@ async def test_a_router_dying_with_a_placement_is_noticed_within_a_second(privat
     async def on_cancel(msg) -> None:
         cancels.append(decode(msg.data, Cancel).request_id)
 
-    await watcher.subscribe(subjects.CANCEL, cb=on_cancel)
+    await watcher.subscribe(subjects.CANCEL_ALL, cb=on_cancel)
     try:
         async with connect(private_server.url, worker_timeout_s=60) as client:
             stream = client.generate("hello", max_tokens=20, temperature=0.0, request_id="held-1")
@@ -274,7 +276,7 @@ async def test_no_acknowledgement_from_any_router_fails_typed_not_by_timeout(pri
     async def on_generate(msg) -> None:
         taken.append(msg.data)
 
-    await silent.subscribe(subjects.ROUTER_GENERATE, cb=on_generate)
+    await silent.subscribe(subjects.ROUTER_GENERATE_ALL, cb=on_generate)
     await flushed(silent)
     try:
         async with connect(private_server.url, request_timeout_s=60, max_migrations=2) as client:

@@ -24,24 +24,6 @@ from tandem.shared.protocol.codec import decode
 from tandem.shared.protocol.serving import Cancel, GenerateAccepted, GenerateRequest, StreamChunk, TokenLogprobs
 
 
-@pytest.fixture
-async def scripted(nats_server):
-    """``await scripted(script, **connect_options)`` -> (a connected client, the router playing ``script``)."""
-    routers, contexts = [], []
-
-    async def start(script, **options):
-        routers.append(await ScriptedRouter.start(nats_server.url, script))
-        context = connect(nats_server.url, **{"worker_timeout_s": 5, **options})
-        contexts.append(context)
-        return await context.__aenter__(), routers[-1]
-
-    yield start
-    for context in contexts:
-        await context.__aexit__(None, None, None)
-    for router in routers:
-        await router.close()
-
-
 def resumed(request: GenerateRequest) -> int:
     return len(request.resume_output_token_ids)
 
@@ -224,7 +206,7 @@ async def test_a_cancel_reaches_the_placement_streaming_now(scripted, nats_serve
     async def on_cancel(msg) -> None:
         cancels.append(decode(msg.data, Cancel))
 
-    await watcher.subscribe(subjects.CANCEL, cb=on_cancel)
+    await watcher.subscribe(subjects.CANCEL_ALL, cb=on_cancel)
     try:
         client, router = await scripted(slow_after_migration)
         async for piece in client.generate("abc", max_tokens=3):

@@ -11,26 +11,8 @@ from __future__ import annotations
 import pytest
 from scripted_router import PROBE, ScriptedRouter, chunk, entries, error_chunk
 
-from tandem.client import Chunk, InvalidRequestError, RequestTimeoutError, WorkerFailureError, connect
+from tandem.client import Chunk, InvalidRequestError, RequestTimeoutError, WorkerFailureError
 from tandem.shared.protocol.serving import TokenLogprobs
-
-
-@pytest.fixture
-async def scripted(nats_server):
-    """``await scripted(script)`` -> (a connected client, the router playing ``script``)."""
-    routers, contexts = [], []
-
-    async def start(script):
-        routers.append(await ScriptedRouter.start(nats_server.url, script))
-        context = connect(nats_server.url, worker_timeout_s=5)
-        contexts.append(context)
-        return await context.__aenter__(), routers[-1]
-
-    yield start
-    for context in contexts:
-        await context.__aexit__(None, None, None)
-    for router in routers:
-        await router.close()
 
 
 def three_samples(request):

@@ -241,12 +241,12 @@ async def saturated(tmp_path):
 
 async def test_the_router_queues_behind_a_saturated_worker_and_places_on_room(saturated):
     bus, router, taken = saturated
-    first = asyncio.ensure_future(bus.request(subjects.ROUTER_GENERATE, generate("r1"), timeout=10))
-    second = asyncio.ensure_future(bus.request(subjects.ROUTER_GENERATE, generate("r2"), timeout=10))
+    first = asyncio.ensure_future(bus.request(subjects.router_generate("tandem"), generate("r1"), timeout=10))
+    second = asyncio.ensure_future(bus.request(subjects.router_generate("tandem"), generate("r2"), timeout=10))
     await bus.settle()
     assert router.admission.depth == 2 and not taken and router.metrics()["queue_depth"] == 2
 
-    refused = decode((await bus.request(subjects.ROUTER_GENERATE, generate("r3"), timeout=10)).data)
+    refused = decode((await bus.request(subjects.router_generate("tandem"), generate("r3"), timeout=10)).data)
     assert isinstance(refused, ErrorReply) and refused.code is ErrorCode.OVERLOADED, refused
 
     await bus.publish(subjects.heartbeat("decode", "decode-a"), beat(router.meta.name, running=1))
@@ -266,14 +266,16 @@ async def test_the_router_queues_behind_a_saturated_worker_and_places_on_room(sa
 
 async def test_a_cancel_from_its_client_takes_a_request_out_of_the_routers_queue(saturated):
     bus, router, taken = saturated
-    pending = asyncio.ensure_future(bus.request(subjects.ROUTER_GENERATE, generate("r1"), timeout=10))
+    pending = asyncio.ensure_future(bus.request(subjects.router_generate("tandem"), generate("r1"), timeout=10))
     await bus.settle()
     assert router.admission.depth == 1
-    wrong_owner = Cancel(request_id="r1", stream_subject="_INBOX.someone.else.r1")
-    await bus.publish(subjects.CANCEL, encode(wrong_owner))
+    wrong_stream = Cancel(request_id="r1", stream_subject="_INBOX.someone.else.r1")
+    await bus.publish(subjects.cancel("tandem"), encode(wrong_stream))
+    right_stream = Cancel(request_id="r1", stream_subject="_INBOX.tandem.client.r1")
+    await bus.publish(subjects.cancel("someone"), encode(right_stream))  # the stream named, but not by its owner
     await bus.settle()
-    assert router.admission.depth == 1, "only the owner's cancel (its stream subject) counts"
-    await bus.publish(subjects.CANCEL, encode(Cancel(request_id="r1", stream_subject="_INBOX.tandem.client.r1")))
+    assert router.admission.depth == 1, "only the owner's cancel (under its key, naming its stream) counts"
+    await bus.publish(subjects.cancel("tandem"), encode(right_stream))
     await bus.settle()
     assert router.admission.depth == 0 and router.admission.prompt_tokens == 0
     await bus.publish(subjects.heartbeat("decode", "decode-a"), beat(router.meta.name, running=1))

@@ -83,7 +83,7 @@ async def test_the_router_places_by_the_heartbeats_devices(tmp_path, prefill_dev
         await bus.settle()
         request = GenerateRequest(request_id="r1", prompt_token_ids=PROMPT, stream_subject="_INBOX.tandem.client.r1",
                                   params=SamplingParams(max_tokens=4, temperature=0.0))
-        reply = decode((await bus.request(subjects.ROUTER_GENERATE, encode(request), timeout=10)).data)
+        reply = decode((await bus.request(subjects.router_generate("tandem"), encode(request), timeout=10)).data)
         assert isinstance(reply, GenerateAccepted), reply
         assert reply.prefill_worker == ("prefill-p" if remote else None)
         assert (len(work["prefill"]), len(work["decode"])) == ((1, 0) if remote else (0, 1)), work

@@ -85,7 +85,7 @@ def generate(request_id: str = "r1", **fields) -> bytes:
 
 async def place(bus: FakeBus, payload: bytes) -> GenerateAccepted | ErrorReply:
     await bus.settle()  # the router has taken in every heartbeat and KV event sent so far
-    return decode((await bus.request(subjects.ROUTER_GENERATE, payload, timeout=10)).data)
+    return decode((await bus.request(subjects.router_generate("tandem"), payload, timeout=10)).data)
 
 
 def decisions(bus: FakeBus) -> list[RoutingDecision]:
