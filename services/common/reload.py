@@ -38,14 +38,15 @@ async def subscribe_weight_updates(worker) -> None:  # noqa: ANN001 - an EngineW
         try:
             update = decode(msg.data, WeightsUpdated)
         except ProtocolError as exc:
-            worker.log.warning("ignored bad weights-updated event: %s", exc)
+            worker.limited.warning("ignored weights-updated events", "ignored bad weights-updated event: %s", exc)
             return
         if update.model != worker.model_name:
             return
         try:
             under_data_dir(update.path, worker.settings.data_dir, "path")
         except ProtocolError as exc:
-            worker.log.warning("ignored weights-updated event %s: %s", update.version, exc.message)
+            worker.limited.warning("ignored weights-updated events", "ignored weights-updated event %s: %s",
+                                   update.version, exc.message)
             return
         worker.spawn(reload_weights(worker, update, lock), f"weights reload {update.version}")
 

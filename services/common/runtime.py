@@ -37,6 +37,7 @@ from tandem import __version__
 from tandem.shared.auth.credentials import CredentialsError, connect_options, load_credentials, tls_context
 from tandem.shared.infra.bulklinks import BulkLinks
 from tandem.shared.infra.config import Settings
+from tandem.shared.infra.log_limit import LimitedLog, flush_all
 from tandem.shared.infra.metrics import MetricsPublisher, MetricsRegistry
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ProtocolError
@@ -72,6 +73,7 @@ class ServiceRuntime:
         self.host = socket.gethostname()
         self.incarnation = uuid.uuid4().hex[:16]  # see Heartbeat.incarnation
         self.log = logging.getLogger(f"tandem.{self.name}")
+        self.limited = LimitedLog(self.log)  # lines a bus message causes: at most one per kind and interval
         self.nc: nats.NATS | None = None
         self.links: BulkLinks | None = None  # bulk connections for KV frames, when moves_kv
         self.started_at = time.time()
@@ -137,7 +139,8 @@ class ServiceRuntime:
                 await handler(request)
             except Exception as exc:  # the service outlives any one bad message
                 reply = error_reply(exc)
-                self.log.warning("%s: replied %s (%s)", name, reply.code.value, reply.message)
+                self.limited.warning(f"{name} replies {reply.code.value}", "%s: replied %s (%s)", name,
+                                     reply.code.value, reply.message)
                 try:
                     await request.respond(encode(reply))
                 except Exception:
@@ -384,6 +387,7 @@ class ServiceRuntime:
             beat = self.heartbeat()
             if beat is not None:
                 await self.nc.publish(subject, encode(beat))
+            flush_all()  # what rate-limited logs held back, once their interval is over
             await asyncio.sleep(self.settings.bus.heartbeat_interval_s)
 
 

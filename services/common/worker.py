@@ -317,7 +317,7 @@ class EngineWorker(ServiceRuntime):
         try:
             cancel = decode(msg.data, Cancel)
         except ProtocolError as exc:
-            self.log.warning("ignored bad cancel: %s", exc)
+            self.limited.warning("ignored cancels", "ignored bad cancel: %s", exc)
             return
         stream = self.streams.get(cancel.request_id)
         if stream is None:
@@ -326,8 +326,8 @@ class EngineWorker(ServiceRuntime):
         # nats-server vouches for the sender's token), and it names the very stream.
         owner_sent = subjects.stream_owner(stream.subject) == subjects.owner_of(msg.subject)
         if not owner_sent or not hmac.compare_digest(stream.subject.encode(), cancel.stream_subject.encode()):
-            self.log.warning("ignored a cancel of %s that does not name its stream (not its owner's)",
-                             cancel.request_id)
+            self.limited.warning("ignored cancels", "ignored a cancel of %s from %s: not its owner's",
+                                 shortened(cancel.request_id, 80), subjects.owner_of(msg.subject))
             return
         self.log.debug("cancel %s", cancel.request_id)
         self.thread.abort(cancel.request_id)
@@ -386,8 +386,8 @@ class EngineWorker(ServiceRuntime):
                 await self.nc.publish(subject, payload)
             except Exception as exc:  # one request's bad subject must not drop the other requests' chunks
                 if request_id in self.streams:
-                    self.log.warning("cannot publish to %s's stream (%s: %s); aborting it", request_id,
-                                     type(exc).__name__, exc)
+                    self.limited.warning("unpublishable streams", "cannot publish to %s's stream (%s: %s); "
+                                         "aborting it", request_id, type(exc).__name__, exc)
                     self.thread.abort(request_id)
 
     def fail(self, request_id: str, stream: Stream, exc: BaseException) -> None:

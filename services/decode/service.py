@@ -109,7 +109,8 @@ class DecodeService(EngineWorker):
             await self.admit(request)
         except Exception as exc:
             reply = error_reply(exc)
-            self.log.warning("admit: replied %s (%s)", reply.code.value, reply.message)
+            self.limited.warning(f"admit replies {reply.code.value}", "admit: replied %s (%s)", reply.code.value,
+                                 reply.message)
             await request.respond(encode(reply))
 
     async def admit(self, request: Request) -> None:

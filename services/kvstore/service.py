@@ -124,7 +124,8 @@ class KVStoreService(ServiceRuntime):
             await request.respond(encode(await self._get(msg)))
         except Exception as exc:
             reply = error_reply(exc, msg.request_id)
-            self.log.warning("get: replied %s (%s)", reply.code.value, reply.message)
+            self.limited.warning(f"get replies {reply.code.value}", "get: replied %s (%s)", reply.code.value,
+                                 reply.message)
             await request.respond(encode(reply))
         finally:
             self._gets.release()

@@ -16,9 +16,11 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tandem.shared.infra.log_limit import LimitedLog
 from tandem.shared.protocol.kv import KVEvent
 
 log = logging.getLogger("tandem.router.index")
+limited = LimitedLog(log)
 
 
 @dataclass
@@ -45,7 +47,8 @@ class KVIndex:
             return  # a replayed event this index has already applied
         if source.last_seq >= 0 and event.seq != source.last_seq + 1:
             self.gaps += 1
-            log.warning("kv events of %s jumped from %d to %d", event.source, source.last_seq, event.seq)
+            limited.warning("kv event gaps", "kv events of %s jumped from %d to %d", event.source,
+                            source.last_seq, event.seq)
         source.last_seq = event.seq
         held = source.blocks.setdefault(event.namespace, set())
         for block in event.stored:

@@ -262,7 +262,7 @@ class Router(ServiceRuntime):
         try:
             self.index.apply(decode(msg.data, KVEvent))
         except ProtocolError as exc:
-            self.log.warning("ignored bad KV event on %s: %s", msg.subject, exc)
+            self.limited.warning("ignored KV events", "ignored bad KV event on %s: %s", msg.subject, exc)
 
     async def on_heartbeat(self, msg) -> None:
         try:

@@ -31,10 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.shared.infra.bulkconn import Buffer, BulkConnection, BulkConnectionError, Delivery, Handler, PayloadReader
+from tandem.shared.infra.log_limit import LimitedLog
 from tandem.shared.protocol.base import ErrorCode, ProtocolError
 from tandem.shared.protocol.frames import KVReceiver, error_payload
 
 log = logging.getLogger("tandem.bulklinks")
+limited = LimitedLog(log)  # a sender's frames can repeat a refusal's line
 
 REOPEN_S = 1.0  # how often the keeper looks for broken connections
 
@@ -151,7 +153,7 @@ class BulkLinks:
                 try:
                     reply = receiver.on_stream(delivery.size, reader, self._checker, answer)
                 except ProtocolError as exc:
-                    log.warning("KV frame on %s refused: %s", delivery.subject, exc)
+                    limited.warning("refused KV frames", "KV frame on %s refused: %s", delivery.subject, exc)
                     reply = error_payload(exc)
                 except (OSError, BulkConnectionError):
                     raise  # the connection broke mid-frame: nothing can be answered on it

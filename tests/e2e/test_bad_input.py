@@ -7,7 +7,7 @@ import asyncio
 import msgpack
 import nats
 import pytest
-from support import BAD_PROMPT_TOKEN_IDS, BAD_SAMPLING, prompt_of, value_id, worker_beats
+from support import BAD_PROMPT_TOKEN_IDS, BAD_SAMPLING, flushed, prompt_of, value_id, worker_beats
 
 from tandem.client import connect
 from tandem.shared.protocol import subjects
@@ -15,7 +15,14 @@ from tandem.shared.protocol.base import SCHEMA_VERSION, ErrorReply
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.frames import pack_frame
 from tandem.shared.protocol.kv import KVTransfer
-from tandem.shared.protocol.serving import DecodeRequest, GenerateRequest, PrefillRequest, RequestSpec, SamplingParams
+from tandem.shared.protocol.serving import (
+    Cancel,
+    DecodeRequest,
+    GenerateRequest,
+    PrefillRequest,
+    RequestSpec,
+    SamplingParams,
+)
 
 MAX_MODEL_LEN = 256
 
@@ -204,6 +211,31 @@ async def test_a_bad_stream_subject_hurts_no_other_request(system):
     assert all(isinstance(r, ErrorReply) and r.code.value == "invalid_request" for r in results[8:]), results[8:]
     beats = await worker_beats(system.url, wait_s=1.0)
     assert {system.instance("prefill"), system.instance("decode")} <= set(beats), "a worker left the bus"
+
+
+async def test_a_flood_of_bad_cancels_costs_each_worker_one_log_line(system):
+    """The trial's 200 bad cancels wrote 603 WARNING lines (one per worker per cancel). A stream
+    runs meanwhile, so the workers hold a request the cancels name (the kind of cancel that is
+    logged): each worker writes at most one line for the flood, and the stream is unharmed."""
+    logs = {name: system.logdir / f"{name}.log" for name in (system.instance("prefill"), system.instance("decode"))}
+    def cancel_lines(path) -> int:  # not the count a flush writes once the interval is over
+        return sum(line.count("ignored bad cancel") + line.count("ignored a cancel") for line in open(path))
+
+    before = {name: cancel_lines(path) for name, path in logs.items()}
+    nc = await nats.connect(system.url)
+    async with connect(system.url) as client:
+        stream = client.generate(prompt_of(20, salt=11), max_tokens=40, temperature=0.0, ignore_eos=True)
+        tokens = list((await stream.__anext__()).token_ids)
+        for i in range(100):  # undecodable ones, and well-formed ones naming the live request under another owner
+            await nc.publish(subjects.cancel("flood"), b"\xc1 not msgpack")
+            await nc.publish(subjects.cancel("flood"), encode(Cancel(request_id=stream.placement_id,
+                                                                     stream_subject=f"_INBOX.flood.x{i}")))
+        await flushed(nc)
+        tokens += [t async for chunk in stream for t in chunk.token_ids]
+    await nc.close()
+    assert len(tokens) == 40, f"the stream ended after {len(tokens)} tokens beside the flood"
+    written = {name: cancel_lines(path) - before[name] for name, path in logs.items()}
+    assert all(n <= 1 for n in written.values()), f"200 bad cancels wrote {written} lines per worker"
 
 
 async def test_services_still_answer_after_bad_input(system):
