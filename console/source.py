@@ -202,7 +202,7 @@ class NatsSource(Source):
         st = self.state
         replies = await self._gather("$SRV.STATS")
         st.now = time.time()
-        rows = [service_row(r, st.now) for r in replies if str(r.get("name", "")).startswith("tandem-")]
+        rows = [service_row(r, st.now, st.metrics) for r in replies if str(r.get("name", "")).startswith("tandem-")]
         st.services = sorted(rows, key=lambda r: (r.service, r.instance_id))
         st.discovered = True
         for store in st.instances("kvstore"):

@@ -18,6 +18,11 @@ from tandem.shared.protocol.views import BlockSnapshot, KVTransferEvent
 
 WORKER_SERVICES = ("decode", "prefill")
 CONSOLE_ENDPOINTS = {"blocks", "stats", "drain"}  # polled by the console itself: not counted as traffic
+# The front end's answers by route and status (services/frontend/metrics.py): its traffic is HTTP,
+# which no $SRV endpoint counts, so its row takes requests and errors from its metrics snapshots.
+HTTP_ANSWERS = "tandem:http_requests_total"
+HTTP_LATENCY = "tandem:e2e_request_latency_seconds"
+HTTP_POLLS = ("/health", "/metrics")  # probes and scrapes, like the console's own polls: not traffic
 LATENCY_KINDS = ("ttft", "tpot")
 # The services' histogram of each kind (tandem.services.common.service_metrics); other names that contain
 # the kind ("ttft", "tpot") are taken too, for services that name theirs so.
@@ -46,8 +51,10 @@ class ServiceRow:
         return any(text in v.lower() for v in (self.service, self.instance_id, self.host, self.last_error))
 
 
-def service_row(stats: dict, now: float) -> ServiceRow:
-    """A row from one ``$SRV.STATS`` reply (JSON already parsed); the console's own polls are left out."""
+def service_row(stats: dict, now: float, snapshots: dict[tuple[str, str], MetricsSnapshot] | None = None) -> ServiceRow:
+    """A row from one ``$SRV.STATS`` reply (JSON already parsed); the console's own polls are left out.
+    ``snapshots``: the latest metrics of each (service, instance id), whose HTTP answers (the front
+    end's) count as requests too, those of status 5xx as errors."""
     meta = stats.get("metadata") or {}
     try:
         started = datetime.strptime(stats["started"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
@@ -58,14 +65,43 @@ def service_row(stats: dict, now: float) -> ServiceRow:
     busy_ns = sum(int(e.get("processing_time", 0)) for e in traffic)
     errors = [e for e in traffic if e.get("last_error")]
     data = next((e.get("data") for e in stats.get("endpoints") or [] if isinstance(e.get("data"), dict)), {}) or {}
+    service = str(stats.get("name", "?")).removeprefix("tandem-")
+    instance_id = meta.get("instance_id", stats.get("id", "?"))
+    http = http_traffic((snapshots or {}).get((service, instance_id)))
+    timed = requests + http.timed
     return ServiceRow(
-        service=str(stats.get("name", "?")).removeprefix("tandem-"),
-        instance_id=meta.get("instance_id", stats.get("id", "?")),
-        host=meta.get("host", "?"), started=started, requests=requests,
-        errors=sum(int(e.get("num_errors", 0)) for e in traffic),
-        mean_latency_s=busy_ns / requests / 1e9 if requests else 0.0,
+        service=service, instance_id=instance_id,
+        host=meta.get("host", "?"), started=started, requests=requests + http.answers,
+        errors=sum(int(e.get("num_errors", 0)) for e in traffic) + http.errors,
+        mean_latency_s=(busy_ns / 1e9 + http.busy_s) / timed if timed else 0.0,
         last_error=errors[-1]["last_error"] if errors else "", version=str(stats.get("version", "")), data=data,
     )
+
+
+@dataclass
+class HTTPTraffic:
+    """What one instance answered over HTTP, from its metrics snapshot."""
+
+    answers: int = 0
+    errors: int = 0  # answers of status 5xx (a client's mistake, 4xx, is no error of the service)
+    timed: int = 0  # generation requests whose end-to-end time is known
+    busy_s: float = 0.0  # their time together
+
+
+def http_traffic(snapshot: MetricsSnapshot | None) -> HTTPTraffic:
+    if snapshot is None:
+        return HTTPTraffic()
+    traffic = HTTPTraffic()
+    for key, value in snapshot.counters.items():
+        if not key.startswith(HTTP_ANSWERS + "{") or any(f'handler="{poll}"' in key for poll in HTTP_POLLS):
+            continue
+        traffic.answers += int(value)
+        if 'status="5' in key:
+            traffic.errors += int(value)
+    latency = snapshot.histograms.get(HTTP_LATENCY)
+    if latency is not None:
+        traffic.timed, traffic.busy_s = latency.count, latency.sum
+    return traffic
 
 
 @dataclass

@@ -121,3 +121,26 @@ async def greedy_complete(url: str, prompt: str, max_tokens: int):
     """One greedy completion of exactly ``max_tokens`` tokens through a fresh client."""
     async with connect(url) as client:
         return await client.complete(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def service_metadata(url: str, name: str) -> dict[str, dict[str, str]]:
+    """Each running instance of the micro service ``name`` (``tandem-frontend``): its instance id ->
+    its ``$SRV.INFO`` metadata (``pid``, a frontend's ``http_url``, ...)."""
+    from tandem.discovery import service_infos
+
+    nc = await nats.connect(url)
+    try:
+        infos = await service_infos(nc, name=name)
+    finally:
+        await nc.close()
+    return {i["metadata"]["instance_id"]: i["metadata"] for i in infos}
+
+
+async def bus_connections(monitor_port: int) -> dict[str, int]:
+    """Every client connection the nats-server holds now, by name -> its connection id (a client
+    whose connection was reset comes back under a new id) from the server's monitoring ``/connz``."""
+    import httpx
+
+    async with httpx.AsyncClient() as http:
+        page = (await http.get(f"http://127.0.0.1:{monitor_port}/connz", params={"limit": 4096})).json()
+    return {c.get("name", ""): c["cid"] for c in page.get("connections", [])}

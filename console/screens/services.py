@@ -1,7 +1,8 @@
 """Pane 1, Services: every live instance found by ``$SRV.STATS`` discovery (every 2 s).
 
 Columns: service, instance id, host, uptime, requests, errors, mean latency and last error (the
-console's own polls left out); below, the highlighted instance's ``metrics()`` figures. ``d``
+console's own polls left out; the front end's HTTP answers, from its metrics snapshots, count too);
+below, the highlighted instance's ``metrics()`` figures. ``d``
 drains the highlighted prefill or decode worker after a confirmation; Enter opens its block table.
 """
 

@@ -5,7 +5,9 @@ library user's would: the router tokenizes and places it, the workers stream its
 ``n`` outputs come on its one bus request; choice ``p * n + i`` is prompt ``p``'s output ``i`` (as
 vLLM numbers them), streamed or not. A request is
 placed before its HTTP answer starts, so every refusal (a bad value, an unknown model, no workers)
-comes back with its status code and OpenAI's error body, never as a broken stream. A client that
+comes back with its status code and OpenAI's error body, never as a broken stream. Every bound a
+request meets here (its body's size, its prompts, its choices, its lists, the requests in flight)
+is checked by :mod:`.limits` before any bus work. A client that
 disconnects cancels its requests on the workers: a stream's generator is cancelled by the server, a
 non-streamed request's disconnect is watched for while it runs.
 """
@@ -23,11 +25,20 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from tandem import __version__
 from tandem.client import Client, RequestStream, TandemError
 from tandem.services.frontend import schemas
-from tandem.services.frontend.errors import APIError, bad_request, from_tandem, unknown_model
+from tandem.services.frontend.errors import (
+    APIError,
+    bad_request,
+    from_body_errors,
+    from_http_status,
+    from_tandem,
+    unknown_model,
+)
+from tandem.services.frontend.limits import BodyLimit, HTTPLimits, check_in_flight
 from tandem.services.frontend.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from tandem.services.frontend.metrics import FrontendMetrics
 from tandem.services.frontend.sampling import sampling_params
@@ -47,6 +58,15 @@ class ServedModel:
     tokenizer: Tokenizer
     template: ChatTemplate | None
     template_error: str = ""  # why there is no template, for the 400 a chat request gets
+    spec: str = ""  # the --model value as given (a directory's path): a client may send it as its name
+
+    def names(self) -> list[str]:
+        """What a request's ``model`` may be: the served name first, then the bus name (the --model
+        value is taken too, but never shown: a path on the server is no client's business)."""
+        return list(dict.fromkeys((self.served_name, self.bus_name)))
+
+    def answers_to(self, model: str | None) -> bool:
+        return not model or model in self.names() or (bool(self.spec) and model == self.spec)
 
 
 @dataclass
@@ -60,6 +80,7 @@ class Frontend:
     router_models: Callable[[], Awaitable[dict[str, int | None]]]  # the routers' models -> their vocab sizes
     max_model_len: Callable[[str], int | None]  # a bus model's context, from its decode workers' heartbeats
     router_alive: Callable[[], Awaitable[bool]]
+    limits: HTTPLimits = field(default_factory=HTTPLimits)
     metrics: FrontendMetrics | None = None
     metrics_page: Callable[[], str] = lambda: ""
     running: int = 0
@@ -68,8 +89,8 @@ class Frontend:
 
     # -- request building -----------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model not in (None, "", self.model.served_name, self.model.bus_name):
-            raise unknown_model(model, [self.model.served_name])
+        if not self.model.answers_to(model):
+            raise unknown_model(model, self.model.names())
 
     def chat_prompt(self, request: schemas.ChatCompletionRequest) -> list[int]:
         """The conversation rendered by the model's chat template, as token ids (the template writes
@@ -91,9 +112,7 @@ class Frontend:
 
     # -- running requests -----------------------------------------------------------------------
     def admit(self) -> None:
-        if self.running >= self.max_concurrent_requests:
-            raise APIError(429, f"too many requests in flight ({self.max_concurrent_requests}); retry shortly",
-                           "rate_limit_error", None, "too_many_requests")
+        check_in_flight(self.running, self.max_concurrent_requests)
 
     async def open_streams(self, prompts: list[str | list[int]], params: dict, chat: bool,
                            priority: int = 0) -> list[RequestStream]:
@@ -156,8 +175,8 @@ def sse(payload: schemas.BaseModel | dict) -> str:
     return f"data: {data}\n\n"
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body.model_dump(), status_code=error.status)
+def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.body.model_dump(), status_code=error.status, headers=headers)
 
 
 @dataclass
@@ -271,14 +290,14 @@ def build_app(frontend: Frontend) -> FastAPI:
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def on_bad_body(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request body"}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        where = loc[0] if loc else ""  # the request's own field; deeper parts name pydantic's union branches
-        message = first.get("msg", "invalid request body")
-        if first.get("type") == "json_invalid":
-            return error_response(bad_request(f"the body is not valid JSON: {message}", None, "invalid_json"))
-        return error_response(bad_request(f"{where}: {message}" if where else message, where or None))
+    async def on_bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(from_body_errors(list(exc.errors()), request.headers.get("content-type")))
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:  # Starlette's: 404, 405, ...
+        error = from_http_status(exc.status_code, str(exc.detail), request.method, request.url.path, KNOWN_PATHS,
+                                 (exc.headers or {}).get("Allow"))
+        return error_response(error, exc.headers)
 
     @app.exception_handler(Exception)
     async def on_crash(_request: Request, exc: Exception) -> JSONResponse:  # the last line of defence
@@ -286,6 +305,8 @@ def build_app(frontend: Frontend) -> FastAPI:
             frontend.log.exception("unhandled error")
         return error_response(APIError(500, f"internal error: {type(exc).__name__}", "server_error"))
 
+    # The last added runs first: the Gate counts every answer, the body limit's 413 included.
+    app.add_middleware(BodyLimit, limits=frontend.limits)
     app.add_middleware(Gate, frontend=frontend)
 
     @app.get("/health")
@@ -315,9 +336,10 @@ def build_app(frontend: Frontend) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         frontend.check_model(body.model)
+        prompts = body.prompts()
+        frontend.limits.check(body, len(prompts))
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = sampling_params(body, max_tokens, "max_tokens")
-        prompts = body.prompts()
         if not prompts or any(isinstance(p, str | list) and len(p) == 0 for p in prompts):
             raise bad_request("prompt: the prompt is empty", "prompt")
         return await run(request, body, prompts, params, chat=False)
@@ -325,6 +347,7 @@ def build_app(frontend: Frontend) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         frontend.check_model(body.model)
+        frontend.limits.check(body, 1)
         field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         params = sampling_params(body, body.asked_max_tokens(), field_name)
         return await run(request, body, [frontend.chat_prompt(body)], params, chat=True)

@@ -19,6 +19,7 @@ from tandem.client import Client
 from tandem.discovery import service_infos
 from tandem.services.common.runtime import ServiceRuntime, run_service
 from tandem.services.frontend.app import Frontend, ServedModel, build_app
+from tandem.services.frontend.limits import HTTPLimits
 from tandem.services.frontend.metrics import FrontendMetrics
 from tandem.shared.infra.config import Settings
 from tandem.shared.model.meta import load_model_meta
@@ -81,7 +82,7 @@ class FrontendService(ServiceRuntime):
             self.log.warning("chat: %s", exc)
         frontend_settings = settings.frontend
         self.model = ServedModel(frontend_settings.served_model_name or self.meta.name, self.meta.name,
-                                 self.meta.tokenizer, template, template_error)
+                                 self.meta.tokenizer, template, template_error, spec=str(settings.model))
         self.sock = bind(frontend_settings.host, frontend_settings.port)
         host, port = self.sock.getsockname()[:2]
         shown = frontend_settings.host if frontend_settings.host not in ("0.0.0.0", "::") else socket.gethostname()
@@ -107,7 +108,8 @@ class FrontendService(ServiceRuntime):
         self.frontend = Frontend(client=client, model=self.model, api_key=self.settings.frontend.api_key,
                                  max_concurrent_requests=self.settings.frontend.max_concurrent_requests,
                                  router_models=self.router_models, max_model_len=self.context.get,
-                                 router_alive=self.router_alive, metrics_page=self.prom.text, log=self.log)
+                                 router_alive=self.router_alive, limits=HTTPLimits.of(self.settings.frontend),
+                                 metrics_page=self.prom.text, log=self.log)
         self.frontend.metrics = FrontendMetrics(self.prom, lambda: self.frontend.running)
         await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self.on_beat)
         config = uvicorn.Config(build_app(self.frontend), log_level="warning", access_log=False, lifespan="off",
