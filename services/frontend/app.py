@@ -47,6 +47,7 @@ from tandem.shared.text.tokenizer import HFTokenizer, Tokenizer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is "what the context leaves"
 DISCONNECT_POLL_S = 0.25
+THREAD_RENDER_CHARS = 32768  # a longer conversation is rendered and tokenized off the event loop
 
 
 @dataclass
@@ -92,15 +93,21 @@ class Frontend:
         if not self.model.answers_to(model):
             raise unknown_model(model, self.model.names())
 
-    def chat_prompt(self, request: schemas.ChatCompletionRequest) -> list[int]:
-        """The conversation rendered by the model's chat template, as token ids (the template writes
-        the special tokens itself, so the tokenizer adds none)."""
+    async def chat_prompt(self, request: schemas.ChatCompletionRequest) -> list[int]:
+        """The conversation rendered by the model's chat template, as token ids; a long one off the
+        event loop, so the requests beside it never wait for it."""
+        messages = request.template_messages()
+        if sum(len(str(m.get("content") or "")) for m in messages) > THREAD_RENDER_CHARS:
+            return await asyncio.to_thread(self.render_chat, request, messages)
+        return self.render_chat(request, messages)
+
+    def render_chat(self, request: schemas.ChatCompletionRequest, messages: list[dict]) -> list[int]:
+        """The template writes the special tokens itself, so the tokenizer adds none."""
         if self.model.template is None:
             raise bad_request(self.model.template_error, "messages",
                               "no_chat_template")
         try:
-            text = self.model.template.render(request.template_messages(),
-                                              add_generation_prompt=request.add_generation_prompt)
+            text = self.model.template.render(messages, add_generation_prompt=request.add_generation_prompt)
         except ChatTemplateError as exc:
             raise bad_request(f"messages: {exc}", "messages") from None
         tokenizer = self.model.tokenizer
@@ -111,8 +118,10 @@ class Frontend:
         return ids
 
     # -- running requests -----------------------------------------------------------------------
-    def admit(self) -> None:
-        check_in_flight(self.running, self.max_concurrent_requests)
+    def admit(self, prompts: int) -> None:
+        """Take ``prompts`` more requests on the bus, or 429."""
+        check_in_flight(self.running, prompts, self.max_concurrent_requests)
+        self.running += prompts
 
     async def open_streams(self, prompts: list[str | list[int]], params: dict, chat: bool,
                            priority: int = 0) -> list[RequestStream]:
@@ -350,18 +359,17 @@ def build_app(frontend: Frontend) -> FastAPI:
         frontend.limits.check(body, 1)
         field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         params = sampling_params(body, body.asked_max_tokens(), field_name)
-        return await run(request, body, [frontend.chat_prompt(body)], params, chat=True)
+        return await run(request, body, [await frontend.chat_prompt(body)], params, chat=True)
 
     async def run(request: Request, body: schemas.SamplingFields, prompts: list, params: dict, chat: bool) -> Response:
-        frontend.admit()
-        frontend.running += 1
+        frontend.admit(len(prompts))
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                frontend.running -= 1
+                frontend.running -= len(prompts)
 
         n = params.get("n", 1)
         try:

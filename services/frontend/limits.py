@@ -7,7 +7,8 @@
 - choices per request (``--http-max-choices``): prompts times each prompt's candidates (its ``n``,
   or ``best_of`` / the beam width where larger), since each candidate holds a sequence on a decode
   worker;
-- requests in flight (``--max-concurrent-requests``): 429;
+- requests in flight (``--max-concurrent-requests``, counting each prompt, one request on the bus
+  each): 429;
 - stop strings, stop token ids and logit-bias entries: the bus's own bounds
   (:mod:`tandem.shared.protocol.serving`), checked here first so that an over-long list is a 400
   naming its field, not a long validation of every entry.
@@ -106,9 +107,10 @@ def check_lists(request: schemas.SamplingFields) -> None:
         raise bad_request(f"logit_bias: {biased:,} entries; at most {MAX_LOGIT_BIAS}: bias fewer tokens", "logit_bias")
 
 
-def check_in_flight(running: int, max_concurrent_requests: int) -> None:
-    """A 429 when the front end already runs its most requests at once."""
-    if running >= max_concurrent_requests:
+def check_in_flight(running: int, asked: int, max_concurrent_requests: int) -> None:
+    """A 429 when ``asked`` more bus requests would take the front end past its most at once
+    (``running`` now); an idle front end takes any one HTTP request, whatever its prompts."""
+    if running and running + asked > max_concurrent_requests:
         raise APIError(429, f"too many requests in flight ({max_concurrent_requests}, "
                             f"{flag('max_concurrent_requests')}); retry shortly",
                        "rate_limit_error", None, "too_many_requests")
@@ -140,7 +142,7 @@ class BodyLimit:
         declared = declared_length(headers)
         waits_to_send = headers.get(b"expect", b"").lower() == b"100-continue"
         if declared is not None and declared > self.limits.max_body_bytes:
-            await self.refuse(send, self.limits.body_too_large(declared), None if waits_to_send else receive)
+            await refuse(send, self.limits.body_too_large(declared), None if waits_to_send else receive)
             return
         received = 0
         over = False
@@ -173,20 +175,21 @@ class BodyLimit:
             if not over:
                 raise
         if over:
-            await self.refuse(send, self.limits.body_too_large(None), receive if body_left else None)
+            await refuse(send, self.limits.body_too_large(None), receive if body_left else None)
 
-    @staticmethod
-    async def refuse(send, error: APIError, discard_from) -> None:  # noqa: ANN001 - ASGI callables
-        """Send ``error`` whole, then (``discard_from``: the request's ``receive``) read what is left
-        of the body and drop it, then end the answer; the connection closes after it."""
-        body = json.dumps(error.body.model_dump()).encode()
-        await send({"type": "http.response.start", "status": error.status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body, "more_body": True})
-        if discard_from is not None:
-            await discard(discard_from)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+async def refuse(send, error: APIError, discard_from) -> None:  # noqa: ANN001 - ASGI callables
+    """Answer ``error`` before the app reads the body: send it whole, then (``discard_from``: the
+    request's ``receive``) read what is left of the body and drop it, then end the answer; the
+    connection closes after it."""
+    body = json.dumps(error.body.model_dump()).encode()
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+    if discard_from is not None:
+        await discard(discard_from)
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def discard(receive) -> None:  # noqa: ANN001 - an ASGI receive

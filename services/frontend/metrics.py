@@ -10,7 +10,7 @@ the workers' figures of the same name (see :mod:`tandem.services.common.service_
 - ``tandem:request_prompt_tokens`` / ``tandem:request_generation_tokens`` per finished request,
   ``tandem:prompt_tokens_total`` / ``tandem:generation_tokens_total``;
 - ``tandem:request_success_total{finished_reason}``: requests that ran to their end;
-- ``tandem:num_requests_running``: generation requests in flight here;
+- ``tandem:num_requests_running``: generation requests in flight here (one per prompt, as on the bus);
 - ``tandem:http_requests_total{handler,status}``: every HTTP answer (the name the instrumentator
   that vLLM's API server uses gives it), errors included.
 """
@@ -35,7 +35,7 @@ class FrontendMetrics:
         self.generation_tokens = prom.counter("tandem:generation_tokens_total", "output tokens of finished requests")
         self.success = prom.counter("tandem:request_success_total", "requests run to their end", ("finished_reason",))
         self.http = prom.counter("tandem:http_requests_total", "HTTP answers", ("handler", "status"))
-        prom.gauge_fn("tandem:num_requests_running", "generation requests in flight here", running)
+        prom.gauge_fn("tandem:num_requests_running", "generation requests in flight here (one per prompt)", running)
 
     def finished(self, prompt_tokens: int, output_tokens: int, reason: str | None) -> None:
         self.prompt_len.observe(prompt_tokens)

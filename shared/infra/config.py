@@ -302,7 +302,9 @@ class FrontendSettings:
                                 json_schema_extra={"flat": "api_key"})
     served_model_name: str | None = Field(None, description="the model's name in the API (unset: the router's model "
                                                             "name)", json_schema_extra={"flat": "served_model_name"})
-    max_concurrent_requests: int = Field(512, ge=1, description="requests in flight at once; more get 429",
+    max_concurrent_requests: int = Field(512, ge=1, description="requests in flight at once, each prompt of a "
+                                                                "request counted (one request on the bus each); "
+                                                                "more get 429",
                                          json_schema_extra={"flat": "max_concurrent_requests"})
     max_prompts: int = Field(128, ge=1, description="prompts one /v1/completions request may carry (each is one "
                                                     "request on the bus); more get 400")

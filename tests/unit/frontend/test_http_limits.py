@@ -229,3 +229,15 @@ async def test_the_consoles_services_pane_counts_the_answers_the_gate_counted(ap
     assert (row.service, row.requests, row.errors) == ("frontend", 3, 0), row
     assert row.mean_latency_s > 0, "the finished completion's time is the row's mean latency"
     assert service_row(stats, 0.0).requests == 0, "no snapshot yet: nothing counted"
+
+
+def test_the_in_flight_bound_counts_prompts():
+    from tandem.services.frontend.errors import APIError
+    from tandem.services.frontend.limits import check_in_flight
+
+    check_in_flight(0, 100, 8)  # idle: any one request
+    check_in_flight(5, 3, 8)
+    with pytest.raises(APIError) as refused:
+        check_in_flight(6, 3, 8)
+    assert refused.value.status == 429 and "--max-concurrent-requests" in refused.value.message
+
