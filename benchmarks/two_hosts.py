@@ -365,7 +365,8 @@ def _agent_nats(args: argparse.Namespace) -> None:
     from tandem.shared.infra.natsserver import Cluster, NatsServer
 
     cluster = Cluster(routes=tuple(args.route), host=args.ip, port=ROUTE_PORT, server_name=args.server_name)
-    server = NatsServer.start(workdir=Path(args.workdir), cluster=cluster)
+    # Its monitoring port, on a free port, tells when the routes are up and JetStream is healthy.
+    server = NatsServer.start(workdir=Path(args.workdir), cluster=cluster, monitor_port=0)
     try:
         _say({"url": server.url, "cluster_url": server.cluster_url})
         monitor = f"http://127.0.0.1:{server.monitor_port}"

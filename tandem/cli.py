@@ -43,8 +43,10 @@ from tandem.flags import (
     CLIENT,
     SERVICE_SETTINGS,
     Parser,
+    SettingsError,
     add_settings,
     given,
+    int_at_least,
     invalid_value,
     settings_from,
     show_defaults,
@@ -202,11 +204,12 @@ def parser() -> argparse.ArgumentParser:
     add_bench_serve(serve_bench)
     compare = bench.add_parser("compare", help="bus path versus in-process engine, same run", epilog=SETTINGS_NOTE)
     add_settings(compare, "model", *CLIENT, "engine", "kv_ring")
-    compare.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64],
+    compare.add_argument("--concurrency", type=int_at_least(1), nargs="+", default=[1, 8, 32, 64],
                          help="requests in flight, one level each")
-    compare.add_argument("--requests", type=int, default=0, help="requests per level (default: 4x concurrency, >= 32)")
-    compare.add_argument("--input-len", type=int, default=64, help="prompt tokens")
-    compare.add_argument("--output-len", type=int, default=64, help="output tokens, exactly")
+    compare.add_argument("--requests", type=int_at_least(0), default=0,
+                         help="requests per level (default: 4x concurrency, >= 32)")
+    compare.add_argument("--input-len", type=int_at_least(1), default=64, help="prompt tokens")
+    compare.add_argument("--output-len", type=int_at_least(1), default=64, help="output tokens, exactly")
     compare.add_argument("--json-out", help="write the figures here (default: not written)")
     show_defaults(root)
     return root
@@ -246,6 +249,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tandem.services.common.runtime import setup_logging
 
     settings = settings_from(args)
+    if not settings.bus.nats_url:  # every service is on a bus: nothing would run without one
+        raise SettingsError("--nats-url (or TANDEM_NATS_URL) is required: the NATS server to serve on")
     setup_logging(settings.log_level)
     if args.service == "planner":
         from tandem.services.planner.service import main
@@ -625,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
                "ping": cmd_ping, "bundle": cmd_bundle}[args.command]
     try:
         return handler(args)
+    except SettingsError as exc:  # a bad value from a flag or a TANDEM_ variable: a usage error, as argparse's
+        command.error(str(exc))
     except KeyboardInterrupt:
         print(f"{command.prog}: interrupted", file=sys.stderr)
         return INTERRUPTED

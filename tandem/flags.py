@@ -12,20 +12,22 @@ ones and the precedence stays flags, then ``TANDEM_*`` variables, then defaults.
 
 Every ``tandem`` parser is a :class:`Parser` (no abbreviated flags, errors in one line), every
 option's help ends with its default (:func:`show_defaults`), and a value a pydantic model refuses is
-reported as the flag and the bound the model declares (:func:`invalid_value`).
+reported as the flag and the bound the model declares (:func:`invalid_value`; a settings value:
+:func:`settings_problem`, naming the flag or the ``TANDEM_*`` variable it came from). Every such
+refusal is a usage error: exit status 2, as argparse's own.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, NoReturn
 
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from tandem.shared.infra.config import FIELDS, Knob, Settings, describe_errors, load_settings
+from tandem.shared.infra.config import FIELDS, Knob, Settings, knob_at, load_settings
 
 PROCESS = ("model", "data_dir", "instance_id", "log_level")  # every service's own fields
 # commands that talk to a running tandem: where, and who they are there (credentials, TLS)
@@ -42,6 +44,8 @@ SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
 UP_SETTINGS = ("model", "data_dir", "log_level", "bus", "supervisor", "engine", "kv_ring", "router", "metrics",
                "planner", "kvstore", "frontend")
 REGISTERED = "settings_flags"  # namespace attribute: the flat names of the settings flags a parser has
+# pydantic's error types for a value past a numeric bound (field_bounds then says the bound)
+BOUND_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"})
 
 
 def select(*specs: str) -> list[Knob]:
@@ -100,13 +104,54 @@ def given(args: argparse.Namespace) -> dict[str, Any]:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
+class SettingsError(SystemExit):
+    """A settings value that cannot work: a usage error, so the process exits with status 2.
+    ``str()`` is one line naming the flag or variable to change; ``tandem``'s ``main`` prints it
+    as the command's error (``tandem serve decode: --num-blocks must be >= 0, not -5``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def settings_from(args: argparse.Namespace, **extra: Any) -> Settings:
-    """Settings: the flags given, then ``TANDEM_*`` variables, then defaults; a bad value exits
-    with the flag and the variable it came from."""
+    """Settings: the flags given, then ``TANDEM_*`` variables, then defaults; a bad value raises
+    :class:`SettingsError` naming the flag or the variable it came from."""
+    flags = given(args)
     try:
-        return load_settings(**given(args), **extra)
+        return load_settings(**flags, **extra)
     except ValidationError as exc:
-        raise SystemExit(f"tandem: {describe_errors(exc)}") from None
+        raise SettingsError(settings_problem(exc, flags)) from None
+
+
+def settings_problem(exc: ValidationError, from_flags: Collection[str]) -> str:
+    """``exc`` in one line, each finding named where its value came from: the flag when it was given
+    as one (``from_flags``: flat names), else its ``TANDEM_*`` variable. A bounded field says its
+    bound (``--num-blocks must be >= 0, not -5``); a field's own check keeps its words, which say
+    what to change (``--quantization fp8: ... change --dtype, or use --quantization none``)."""
+    found = []
+    for err in exc.errors():
+        loc = err["loc"]
+        msg = err["msg"].removeprefix("Value error, ")
+        knob = knob_at(loc) if loc else None
+        if knob is None or len(loc) != (2 if knob.section else 1):  # a section's own check, or inside a value
+            found.append(f"{'.'.join(map(str, loc)) or 'settings'}: {msg}")
+            continue
+        from_flag = knob.flat in from_flags
+        where = knob.flag if from_flag else knob.env
+        value = err.get("input")
+        shown = str(value) if from_flag else repr(value)
+        bounds = field_bounds(knob.info)
+        if bounds and err["type"] in BOUND_ERRORS:
+            found.append(f"{where} must be {bounds}, not {shown}")
+        elif err["type"] == "value_error":
+            found.append(f"{where} {shown}: {msg}")
+        else:
+            found.append(f"{must(where, msg)}, not {shown}")
+    return "; ".join(found)
 
 
 def argv(values: dict[str, Any], *specs: str, skip: Iterable[str] = ()) -> list[str]:
@@ -122,6 +167,22 @@ def argv(values: dict[str, Any], *specs: str, skip: Iterable[str] = ()) -> list[
         else:
             out += [knob.flag, str(value)]
     return out
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer of at least ``minimum``; anything else is the flag's one-line
+    usage error (``argument --decode: must be >= 0, not -1``), exit status 2."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, not {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, not {value}")
+        return value
+
+    return parse
 
 
 class Parser(argparse.ArgumentParser):
@@ -231,8 +292,13 @@ def invalid_value(exc: ValidationError, model: type[BaseModel], flags: Mapping[s
     bounds = field_bounds(info) if info is not None and len(err["loc"]) == 1 else None
     if bounds:
         return f"{flag} must be {bounds}"
-    msg = err["msg"].replace(" after validation", "")
+    return must(flag, err["msg"])
+
+
+def must(name: str, msg: str) -> str:
+    """pydantic's ``Input should be ...`` about ``name`` as ``NAME must be ...``; other words as ``NAME: msg``."""
+    msg = msg.replace(" after validation", "")
     for lead in ("Input should ", "String should ", "List should ", "Value should "):
         if msg.startswith(lead):
-            return f"{flag} must {msg.removeprefix(lead)}"
-    return f"{flag}: {msg}"
+            return f"{name} must {msg.removeprefix(lead)}"
+    return f"{name}: {msg}"

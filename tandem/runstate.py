@@ -40,7 +40,7 @@ class RunState:
     nats_url: str
     http_url: str = ""  # the frontend's OpenAI-compatible API ("" when none runs)
     metrics_urls: dict[str, str] = field(default_factory=dict)  # instance id -> its /metrics page
-    nats_monitor_url: str = ""  # the embedded nats-server's monitoring port ("" with --nats-url)
+    nats_monitor_url: str = ""  # the embedded nats-server's monitoring port ("": off, the default, or --nats-url)
     data_dir: str = ""
     # role -> its role key (RoleKey.to_text's fields), for the commands that connect to this up
     # (tandem.access); empty with --insecure. Why the file is written 0600.

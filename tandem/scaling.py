@@ -23,6 +23,9 @@
   ``drain_timeout_s`` if it does not leave by itself. A child that exits with code 0 unasked
   (``EXIT_DRAINED``: it drained and left, after a ``DrainRequest`` with ``exit`` or a SIGTERM from
   outside) is no crash: it is replaced without the crash back-off;
+- a child that listens on a fixed port (the frontend: the port it was given, or the one its first
+  instance got with ``--http-port 0``) is restarted on that port, once it can be listened on: the
+  child it replaces may still be leaving;
 - the embedded nats-server, if it died, is started again on its port with its JetStream store
   (:meth:`Supervisor.ensure_server`); the children reconnect by themselves.
 
@@ -73,6 +76,7 @@ class Scaler:
         self.draining: set[str] = set()  # instance ids whose heartbeats say they drain
         self.load: dict[str, int] = {}  # worker instance id -> running + waiting, from its last heartbeat
         self.stale_after_s = sup.settings.supervisor.health_timeout_s
+        self.port_waits: dict[str, int] = {}  # service -> the fixed port its next child waits for
 
     async def run(self) -> None:
         nc = await self.connect()
@@ -229,11 +233,26 @@ class Scaler:
                 self.crashed(child, code, now)
         for service, want in self.sup.wanted.items():
             live = [c for c in self.sup.children if c.service == service and not c.leaving]
-            if len(live) < want and now >= self.not_before.get(service, 0.0):
+            if len(live) < want and now >= self.not_before.get(service, 0.0) and self.port_free(service):
                 for _ in range(want - len(live)):
                     self.sup.spawn(service)
             for child in reversed(live[want:]):  # the newest go first
                 await self.drain(nc, child)
+
+    def port_free(self, service: str) -> bool:
+        """Whether a ``service`` child may start now: not while its fixed port (the frontend's) is
+        still held, by the child it replaces or by anyone, so the new one starts on that port, where
+        clients look for it, instead of failing to bind it and counting as a crash (one line when the
+        wait begins and one when it ends)."""
+        port = self.sup.port_in_use(service)
+        if port is not None:
+            if self.port_waits.get(service) != port:
+                log.warning("%s: port %d is still in use; its replacement starts once it is free", service, port)
+                self.port_waits[service] = port
+            return False
+        if self.port_waits.pop(service, None) is not None:
+            log.info("%s: its port is free again; starting its replacement", service)
+        return True
 
     def crashed(self, child: Child, code: int, now: float) -> None:
         recent = [t for t in self.crashes.get(child.service, []) if now - t < CRASH_WINDOW_S] + [now]

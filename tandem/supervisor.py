@@ -15,9 +15,18 @@ server last) and removes the state file and the server's folder. Children die wi
 is killed with SIGKILL (Linux PDEATHSIG: SIGHUP, which a service takes as "stop at once"). GPUs:
 see :mod:`tandem.gpus`.
 
-Metrics ports: ``--metrics-port 0`` gives every child a free port, ``-1`` none, and ``N`` is a base:
-the i-th child in start order gets ``N + i``, and a restarted child the lowest slot free again (so
-its URL stays the same), since one fixed port cannot serve several children.
+Ports a client may hold stay the same across restarts. The frontend's HTTP port: with ``--http-port
+0`` the first frontend takes a free port, and every later one (a crashed one restarted, a hung one
+replaced) is started on that same port, so a client holding the URL finds it again; a replacement
+waits until the port can be listened on (the one it replaces may still be leaving) rather than
+crash on it. Metrics ports: ``--metrics-port 0`` gives every child a free port, ``-1`` none, and
+``N`` is a base: the i-th child in start order gets ``N + i``, since one fixed port cannot serve
+several children. A restarted child takes the lowest slot free again and that slot's port (``N``
+plus the slot; with ``0``, the port the slot's previous child got, unless something else took it
+meanwhile), so its URL stays the same.
+
+The embedded nats-server's HTTP monitoring port is off unless ``--nats-monitor-port`` asks for it:
+it has no authentication, and it lists every connection and subscription to any user of the host.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import nats
 
@@ -118,6 +128,8 @@ class Supervisor:
     frontend: bool = False  # one HTTP frontend too (tandem up; the benchmarks talk NATS and need none)
     nats_workdir: Path | None = None  # the embedded server's folder (None: a temporary one)
     http_url: str = ""  # the frontend's, from its $SRV.INFO metadata
+    http_port: int = 0  # the port the first frontend got: every later one is started on it (0: none yet)
+    slot_ports: dict[int, int] = field(default_factory=dict)  # with --metrics-port 0: metrics slot -> port it got
     metrics_urls: dict[str, str] = field(default_factory=dict)  # instance id -> /metrics, likewise
     state: RunState | None = None  # as last written to the state file (None: not written)
     keyring: Keyring | None = None  # the embedded server's identities (None: --insecure or --nats-url)
@@ -140,7 +152,8 @@ class Supervisor:
                 self.keyring = Keyring.generate()
             self.server = NatsServer.start(binary=self.settings.supervisor.nats_binary,
                                            port=self.settings.supervisor.nats_port, workdir=self.nats_workdir,
-                                           auth_config=self.keyring.server_config() if self.keyring else "")
+                                           auth_config=self.keyring.server_config() if self.keyring else "",
+                                           monitor_port=self.settings.supervisor.nats_monitor_port)
             self.url = self.server.url
             if self.keyring is not None:
                 self.creds_dir = private_folder(self.server.workdir / "auth")
@@ -183,6 +196,8 @@ class Supervisor:
         pinned = []
         if not self.settings.bus.nats_url and self.settings.supervisor.nats_port:
             pinned.append(("--port", NATS_HOST, self.settings.supervisor.nats_port))
+        if not self.settings.bus.nats_url and self.settings.supervisor.nats_monitor_port > 0:
+            pinned.append(("--nats-monitor-port", NATS_HOST, self.settings.supervisor.nats_monitor_port))
         if self.frontend and self.settings.frontend.port:
             pinned.append(("--http-port", self.settings.frontend.host, self.settings.frontend.port))
         if self.settings.metrics.port > 0:
@@ -206,6 +221,7 @@ class Supervisor:
                     given = base if flag == "--metrics-port" else port
                     which = f" (child {port - base} in start order)" if flag == "--metrics-port" else ""
                     hint = {"--port": "pick another port (0: a free one), or --nats-url to use a running server",
+                            "--nats-monitor-port": "pick another port (0: a free one, -1: none)",
                             "--http-port": "pick another port (0: a free one)",
                             "--metrics-port": "pick another base (0: free ports, -1: none)"}[flag]
                     raise UsageError(f"{flag} {given}: cannot listen on {host}:{port}{which}: "
@@ -231,9 +247,35 @@ class Supervisor:
         return self.limits(service)[1] if self.planner else count
 
     def metrics_port(self, slot: int) -> int:
-        """A child's ``--metrics-port``: -1 (none) and 0 (a free one) as given, else the base plus its slot."""
+        """A child's ``--metrics-port``: -1 (none) as given, a fixed base plus its slot, and with 0 the
+        port the slot's previous child got while it can still be listened on (else 0: a free one; a
+        worker that cannot bind its metrics port would crash, and a crash costs it its model load)."""
         base = self.settings.metrics.port
-        return base if base <= 0 else base + slot
+        if base > 0:
+            return base + slot
+        kept = self.slot_ports.get(slot) if base == 0 else None
+        if kept is None:
+            return base
+        if not can_listen(self.settings.metrics.host, kept):
+            log.warning("metrics port %d (slot %d) is taken by another process; the new child gets a free one",
+                        kept, slot)
+            del self.slot_ports[slot]
+            return 0
+        return kept
+
+    def fixed_http_port(self) -> int:
+        """The port every frontend is started on: ``--http-port`` if fixed, else the first one's (0: not known yet)."""
+        return self.settings.frontend.port or self.http_port
+
+    def port_in_use(self, service: str) -> int | None:
+        """The fixed port a new ``service`` child would listen on, when something still listens there
+        (the child it replaces, still leaving); None when it may start now."""
+        if service != "frontend":
+            return None
+        port = self.fixed_http_port()
+        if port and not can_listen(self.settings.frontend.host, port):
+            return port
+        return None
 
     def free_slot(self) -> int:
         """The lowest metrics slot no child holds (a child still leaving holds its port until it exits)."""
@@ -260,8 +302,12 @@ class Supervisor:
         decided = {"nats_url": self.url, "model": self.settings.model, "log_level": self.settings.log_level,
                    "instance_id": instance_id, "metrics_port": self.metrics_port(slot),
                    "nats_creds": self.child_creds(service, instance_id)}
+        skip = DECIDED_HERE
+        if service == "frontend" and self.fixed_http_port():
+            decided["http_port"] = self.fixed_http_port()
+            skip = (*DECIDED_HERE, "http_port")
         cmd = [sys.executable, "-m", "tandem.cli", "serve", service, *argv(decided, *specs)]
-        cmd += argv(self.overrides, *specs, skip=DECIDED_HERE)
+        cmd += argv(self.overrides, *specs, skip=skip)
         if service == "planner":
             limits = {}
             for kind in ENGINE_SERVICES:
@@ -333,11 +379,15 @@ class Supervisor:
             meta = metadata.get(child.instance_id, {})
             if meta.get("metrics_url"):
                 metrics[child.instance_id] = meta["metrics_url"]
+                port = url_port(meta["metrics_url"])
+                if self.settings.metrics.port == 0 and port:
+                    self.slot_ports[child.metrics_slot] = port
             elif self.settings.metrics.port != -1:
                 missing.append(child.instance_id)
             if child.service == "frontend":
                 if meta.get("http_url"):
                     http = meta["http_url"]
+                    self.http_port = self.http_port or url_port(http) or 0
                 elif child.instance_id not in missing:
                     missing.append(child.instance_id)
         self.metrics_urls, self.http_url = metrics, http
@@ -347,7 +397,9 @@ class Supervisor:
         """Every URL but NATS and HTTP (those are on the ready line), one line each, for the terminal."""
         lines = [f"  metrics: {instance} {url}" for instance, url in self.metrics_urls.items()]
         if self.server is not None and self.server.monitor_port:
-            lines.append(f"  nats monitoring: http://{NATS_HOST}:{self.server.monitor_port}")
+            lines.append(f"  nats monitoring: http://{NATS_HOST}:{self.server.monitor_port} (warning: no "
+                         "authentication: any user of this host can list every connection and subscription on "
+                         "it; --nats-monitor-port -1 turns it off)")
         lines.append(f"  state: {self.state_path()} (these URLs as JSON)")
         if self.keyring is not None:
             lines.append("  bus: identities required (anonymous connections are refused); tandem commands on this "
@@ -497,6 +549,23 @@ async def ping_services(nc: nats.NATS, named: Mapping[str, Collection[str]] | No
             continue
         counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+def url_port(url: str) -> int | None:
+    """The port an ``http://HOST:PORT/...`` URL names (None: none, or not a URL)."""
+    try:
+        return urlsplit(url).port
+    except ValueError:
+        return None
+
+
+def can_listen(host: str, port: int) -> bool:
+    """Whether a server could listen on ``host:port`` now (as :func:`listen_on` would)."""
+    try:
+        listen_on(host, port).close()
+    except OSError:
+        return False
+    return True
 
 
 def listen_on(host: str, port: int) -> socket.socket:

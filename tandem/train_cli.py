@@ -14,27 +14,116 @@ refused in one line naming what to change; ``--plan`` prints the plan, the place
 layer's fp32 state and the predicted step bound, and exits. A ``.jsonl`` dataset is fine-tuning
 records, chat (``{"messages": [...]}``) or prompt/completion, trained on the answers only and packed
 (shared/train/finetune_data.py); a bad line is refused in one line naming it.
+
+Stopping. Ctrl-C (SIGINT) or SIGTERM lets the step in flight finish, saves a checkpoint of it, says
+in one line where and how to continue (the same command with ``--resume``), and exits 130 or 143
+(128 + the signal, as a shell reports a command the signal ended). A second signal gives the save
+up and exits at once; the folder then still holds the previous checkpoint, whole
+(shared/train/checkpoint.py). Besides, a checkpoint is saved every ``--checkpoint-every``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import shlex
+import signal
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 DEFAULT_JOB = dict(model="tiny", dataset="stdlib", steps=200, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=20,
                    weight_decay=0.1, grad_clip=1.0)
 JOB_FLAGS = ("model", "dataset", "data_format", "pack", "steps", "batch_size", "seq_len", "lr", "weight_decay",
-             "grad_clip", "warmup_steps", "seed", "device", "checkpoint_every", "output_dir", "resume",
+             "grad_clip", "warmup_steps", "seed", "device", "output_dir", "resume",
              "gpu_memory_gib", "device_update_layers", "device_resident_layers", "device_update_sets",
              "compile_layers", "split_update", "deterministic")
 SAMPLE_PROMPT = "def "
+CHECKPOINT_EVERY = "30m"
+UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600}
+
+
+@dataclass(frozen=True)
+class CheckpointEvery:
+    """``--checkpoint-every``: a number of steps, or of seconds (both 0: only at the end)."""
+
+    steps: int = 0
+    seconds: float = 0.0
+
+
+def checkpoint_every(text: str) -> CheckpointEvery:
+    """``--checkpoint-every``'s value: ``N`` steps, or a time (``90s``, ``30m``, ``2h``); 0: only at the end."""
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
+    if found is None or (not found[2] and "." in found[1]):
+        raise argparse.ArgumentTypeError(f"takes N steps or a time such as 90s, 30m, 2h (0: only at the end), "
+                                         f"not {text!r}")
+    if not found[2]:
+        return CheckpointEvery(steps=int(found[1]))
+    return CheckpointEvery(seconds=float(found[1]) * UNIT_SECONDS[found[2]])
+
+
+class StopAtOnce(KeyboardInterrupt):
+    """A stop signal that ends ``tandem train`` now: the first before training began, the second after."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGINT and SIGTERM while ``tandem train`` runs (see the module): :meth:`training` turns the
+    first into a request to stop at the next step boundary (:attr:`signum`); before it, and for a
+    second one, :class:`StopAtOnce` is raised, once: what follows it (finishing a committed save,
+    the last line) is short and must not be cut by a third. SIGINT inherited as ignored (a command
+    started in the background by a shell) stays ignored."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.in_training = False
+        self.stopping_at_once = False
+        self.previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                self.previous[signum] = signal.signal(signum, self.on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def training(self) -> None:
+        self.in_training = True
+
+    def stop_requested(self) -> bool:
+        return self.signum is not None
+
+    def on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if self.stopping_at_once:
+            return
+        if not self.in_training or self.signum is not None:
+            self.signum, self.stopping_at_once = signum, True
+            raise StopAtOnce(signum)
+        self.signum = signum
+        # os.write: print() here could land inside another print() to the same stream and raise
+        os.write(2, f"tandem train: {signal.Signals(signum).name}: finishing the step in flight, then saving a "
+                    "checkpoint (again: stop at once, keeping the previous checkpoint)\n".encode())
+
+
+def exit_status(signum: int) -> int:
+    """What a shell reports for a command a signal ended: 128 + the signal (130 for SIGINT, 143 for SIGTERM)."""
+    return 128 + signum
 
 
 def add_train_parser(sub: argparse._SubParsersAction, add_common) -> None:  # noqa: ANN001
     """The ``train`` subcommand; ``add_common`` adds --nats-url/--data-dir/--log-level."""
+    from tandem.flags import int_at_least
+
     p = sub.add_parser("train", help="train a model in this process (layers streamed from host RAM on a GPU)")
     add_common(p)
     p.add_argument("--default", action="store_true",
@@ -58,7 +147,13 @@ def add_train_parser(sub: argparse._SubParsersAction, add_common) -> None:  # no
     p.add_argument("--warmup-steps", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--checkpoint-every", type=checkpoint_every, default=None, metavar="N|TIME",
+                   help=f"save a checkpoint every N steps, or every TIME of training (90s, 30m, 2h); 0: only at "
+                        f"the end and when stopped (default: {CHECKPOINT_EVERY}: the most a crash that leaves no time "
+                        "to save, such as SIGKILL, running out of memory or a lost host, can cost, while each save "
+                        "stays a small part of the run: a 7B model's masters and moments are about 84 GB to write; "
+                        "time, not steps, since a step takes milliseconds on the tiny model and minutes on a large "
+                        "one)")
     p.add_argument("--output-dir", help="checkpoint directory (default: <data-dir>/train/<job-id>)")
     p.add_argument("--resume", action="store_true", default=None, help="continue from the checkpoint in --output-dir")
     p.add_argument("--gpu-memory-gib", type=float, help="cap this process's GPU memory")
@@ -80,8 +175,8 @@ def add_train_parser(sub: argparse._SubParsersAction, add_common) -> None:  # no
                    help="CUDA: backward kernels with a fixed reduction order, so a rerun or a resume is bit-exact "
                         "(default: on; --no-deterministic: the atomics-based kernels, last bits vary)")
     p.add_argument("--job-id", help="name of the run (default: random)")
-    p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's)")
+    p.add_argument("--log-every", type=int_at_least(1), default=10, help="steps between progress lines")
+    p.add_argument("--threads", type=int_at_least(1), help="CPU threads for torch (default: torch's)")
 
 
 def build_job(args: argparse.Namespace, data_dir: Path):  # noqa: ANN201 - TrainJob
@@ -92,7 +187,28 @@ def build_job(args: argparse.Namespace, data_dir: Path):  # noqa: ANN201 - Train
     if args.default:
         fields["output_dir"] = str(trained_tiny_dir(data_dir))
     fields.update({k: getattr(args, k) for k in JOB_FLAGS if getattr(args, k, None) is not None})
+    fields["checkpoint_every"] = checkpoint_interval(args).steps
     return TrainJob(**fields)
+
+
+def checkpoint_interval(args: argparse.Namespace) -> CheckpointEvery:
+    """``--checkpoint-every`` as given, else its default."""
+    return getattr(args, "checkpoint_every", None) or checkpoint_every(CHECKPOINT_EVERY)
+
+
+def job_problem(exc: Exception) -> str:
+    """A refused job in one line: a field's bad value as the flag that gave it (``--steps must be >= 1``)."""
+    from pydantic import ValidationError
+
+    from tandem.flags import invalid_value
+    from tandem.shared.protocol.base import ProtocolError
+    from tandem.shared.protocol.training import TrainJob
+
+    if isinstance(exc, ValidationError) and exc.title == TrainJob.__name__:
+        return invalid_value(exc, TrainJob, {name: "--" + name.replace("_", "-") for name in TrainJob.model_fields})
+    if isinstance(exc, ProtocolError):
+        return exc.message
+    return " ".join(str(exc).split())
 
 
 def progress(step: int, steps: int, loss: float, tokens_per_s: float, tflops: float, elapsed: float,
@@ -107,6 +223,17 @@ def progress(step: int, steps: int, loss: float, tokens_per_s: float, tflops: fl
 
 
 def cmd_train(args: argparse.Namespace, settings) -> int:  # noqa: ANN001 - tandem.shared.infra.config.Settings
+    """Run the job; 0 when it finished, 2 when refused, 128 + the signal when stopped by one."""
+    with StopSignals() as stops:
+        try:
+            return train(args, settings, stops)
+        except StopAtOnce as stop:  # before training began: nothing to save
+            print(f"tandem train: stopped by {signal.Signals(stop.signum).name} before training began; nothing "
+                  "saved", file=sys.stderr)
+            return exit_status(stop.signum)
+
+
+def train(args: argparse.Namespace, settings, stops: StopSignals) -> int:  # noqa: ANN001 - Settings
     import torch
     from pydantic import ValidationError
 
@@ -123,7 +250,7 @@ def cmd_train(args: argparse.Namespace, settings) -> int:  # noqa: ANN001 - tand
         started = time.perf_counter()
         runner = TrainRunner(job, job_id, settings.data_dir)
     except (ValidationError, ProtocolError, ValueError) as exc:
-        print(f"tandem train: {exc}", file=sys.stderr)
+        print(f"tandem train: {job_problem(exc)}", file=sys.stderr)
         return 2
     print(f"tandem train: {runner.model_name} ({runner.num_params / 1e6:.1f}M parameters) on {runner.device}, "
           f"{runner.data.description}; batch {job.batch_size} x {job.seq_len}, {job.steps} steps, "
@@ -149,15 +276,56 @@ def cmd_train(args: argparse.Namespace, settings) -> int:  # noqa: ANN001 - tand
             padding = sum(x.padding_fraction for x in window) / len(window)
             print(progress(m.step, job.steps, m.loss, tps, tflops, time.perf_counter() - started, padding), flush=True)
 
-    summary = runner.run(on_step=on_step, on_checkpoint=publisher.publish if publisher else None)
-    if publisher:
-        publisher.close()
+    stops.training()
+    try:
+        summary = runner.run(on_step=on_step, on_checkpoint=publisher.publish if publisher else None,
+                             should_stop=stops.stop_requested,
+                             checkpoint_every_s=checkpoint_interval(args).seconds)
+    except StopAtOnce as stop:
+        print(f"tandem train: a second signal ({signal.Signals(stop.signum).name}): stopped at once without "
+              f"saving; {kept_checkpoint(args, runner.output_dir)}", file=sys.stderr, flush=True)
+        return exit_status(stop.signum)
+    finally:
+        if publisher:
+            publisher.close()
+    if stops.signum is not None and summary.state == "stopped":
+        hint = resume_hint(args, runner.output_dir)
+        print(f"tandem train: stopped by {signal.Signals(stops.signum).name} after step {summary.step} of "
+              f"{job.steps}; checkpoint saved in {runner.output_dir}; to continue, {hint}", flush=True)
+        return exit_status(stops.signum)
     mean = f"{summary.mean_loss:.4f}" if summary.mean_loss is not None else "n/a"
     print(f"tandem train: {summary.state} at step {summary.step} in {time.perf_counter() - started:.0f}s, "
           f"mean loss of the last 10 steps {mean}; saved to {summary.checkpoint}", flush=True)
-    if args.default and summary.checkpoint is not None:
+    if args.default and summary.checkpoint is not None and stops.signum is None:
         print(f"--- sample (temperature 0.8, top-k 40):\n{sample(summary.checkpoint, SAMPLE_PROMPT)}", flush=True)
     return 0
+
+
+def resume_hint(args: argparse.Namespace, output_dir: Path) -> str:
+    """How to continue a stopped run: the same command with what it lacks to find its checkpoint."""
+    missing = []
+    if not (args.output_dir or args.default):  # else a new job id, so a new folder
+        missing += ["--output-dir", str(output_dir)]
+    if not args.resume:
+        missing.append("--resume")
+    return "run the same command again" + (f" with {shlex.join(missing)}" if missing else "")
+
+
+def kept_checkpoint(args: argparse.Namespace, output_dir: Path) -> str:
+    """What a run stopped in the middle left in ``output_dir``: the checkpoint there and how to
+    continue from it, or that there is none."""
+    import json
+
+    from tandem.shared.train.checkpoint import STATE_FILE, finish_interrupted_save, has_checkpoint
+
+    try:
+        finish_interrupted_save(output_dir)  # a save stopped after its commit record is whole: finish it
+        if not has_checkpoint(output_dir):
+            return f"no checkpoint in {output_dir}"
+        step = json.loads((output_dir / STATE_FILE).read_text())["step"]
+    except (OSError, ValueError, KeyError) as exc:
+        return f"could not read the checkpoint in {output_dir} ({exc})"
+    return f"{output_dir} holds the checkpoint of step {step}; to continue, {resume_hint(args, output_dir)}"
 
 
 def print_plan(job, job_id: str, data_dir: Path) -> int:  # noqa: ANN001 - TrainJob

@@ -26,7 +26,7 @@ log = logging.getLogger("tandem.up")
 
 def add_up_parser(sub: argparse._SubParsersAction, settings_note: str, demo_prompt: str) -> None:
     """``tandem up``'s flags: its own, then every settings flag (handed on to the children)."""
-    from tandem.flags import UP_SETTINGS, add_settings
+    from tandem.flags import UP_SETTINGS, add_settings, int_at_least
 
     up = sub.add_parser("up", help="run the whole system on this machine", epilog=settings_note,
                         description="The whole system on this machine: an embedded nats-server (unless --nats-url; "
@@ -34,14 +34,14 @@ def add_up_parser(sub: argparse._SubParsersAction, settings_note: str, demo_prom
                                     "OpenAI-compatible HTTP frontend (--http-port) as child processes. Settings "
                                     "flags given here are handed on to the children whose service uses them; "
                                     "--metrics-port N gives the i-th child N+i.")
-    up.add_argument("--prefill", type=int, default=None,
+    up.add_argument("--prefill", type=int_at_least(0), default=None,
                     help="prefill workers (default: by the devices: none on one GPU, where the decode workers prefill "
                          "themselves; else 1). Given on one GPU, they are started and used there")
-    up.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
+    up.add_argument("--decode", type=int_at_least(0), default=1, help="decode workers (default: 1)")
     for kind in ("prefill", "decode"):
-        up.add_argument(f"--{kind}-tensor-parallel-size", type=int, default=None, metavar="K",
+        up.add_argument(f"--{kind}-tensor-parallel-size", type=int_at_least(1), default=None, metavar="K",
                         help=f"GPUs (tensor-parallel ranks) per {kind} worker (default: --tensor-parallel-size)")
-    up.add_argument("--kvstore", type=int, default=1,
+    up.add_argument("--kvstore", type=int_at_least(0), default=1,
                     help="KV-stores (RAM, then disk under <data-dir>/kvstore; default: 1)")
     up.add_argument("--demo", nargs="?", const=demo_prompt, metavar="PROMPT",
                     help="once up, generate from PROMPT and print it")
@@ -190,6 +190,9 @@ def usage_problem(settings: Settings) -> str:
     if settings.bus.nats_url and settings.supervisor.nats_port:
         return (f"--port {settings.supervisor.nats_port} and --nats-url {settings.bus.nats_url}: --port is the "
                 "embedded server's, --nats-url means no embedded server; give one")
+    if settings.bus.nats_url and settings.supervisor.nats_monitor_port != -1:
+        return (f"--nats-monitor-port {settings.supervisor.nats_monitor_port} and --nats-url {settings.bus.nats_url}: "
+                "--nats-monitor-port is the embedded server's, --nats-url means no embedded server; give one")
     try:
         load_model_meta(settings.model, settings.data_dir)
     except Exception as exc:  # a config or tokenizer that does not parse raises its library's own errors

@@ -11,7 +11,10 @@
 While a job runs: :class:`TrainStepMetrics` after every step on ``tandem.v1.trainer.steps.<job>``,
 a :class:`TrainTimeline` at most once a second on ``tandem.v1.trainer.timeline.<job>``, and a
 :class:`WeightsUpdated` on ``tandem.v1.models.updated`` after every checkpoint (serving workers of
-that model reload it). A stopped job saves a checkpoint first, so ``resume`` continues it.
+that model reload it). A stopped job saves a checkpoint first, so ``resume`` continues it; so does
+the job running when the service is told to stop (SIGTERM, Ctrl-C, SIGHUP): it finishes its step
+and saves, however long that takes, before the process exits (a second signal exits at once: the
+job's folder then still holds its previous checkpoint, whole, shared/train/checkpoint.py).
 
 What a job from the bus may touch (:func:`confine_job`, before it is queued): it writes only under
 the data dir (``output_dir``, default ``<data_dir>/train/<job>``), and it reads its ``dataset`` and
@@ -153,9 +156,15 @@ class TrainerService(ServiceRuntime):
 
     async def teardown(self) -> None:
         for record in self.jobs.values():
+            if record.state == "running":
+                record.state = "stopping"
+                self.log.info("job %s: stopping with the service: finishing its step, then saving a checkpoint",
+                              record.job_id)
             record.stop.set()
         self._queue.put(None)
-        await asyncio.get_running_loop().run_in_executor(None, self._worker.join, 60)
+        # No time limit: a cut-short save would lose the step's work (a large model's checkpoint
+        # takes minutes to write); the operator's second signal still exits at once.
+        await asyncio.get_running_loop().run_in_executor(None, self._worker.join)
 
     def metrics(self) -> dict:
         states = [r.state for r in self.jobs.values()]

@@ -12,6 +12,10 @@ folder and JetStream store, so clients that reconnect find the streams they had.
     with NatsServer.start() as server:
         print(server.url)
 
+The HTTP monitoring port is off unless asked for (``monitor_port``): it has no authentication of its
+own, and ``/connz?subs=1`` lists every connection and every subscription (so every live stream
+subject) to anyone who can reach it, on 127.0.0.1 every user of the host.
+
 Given a :class:`Cluster`, the server also listens for routes and routes to the other members, so
 services on several hosts, each connected to its own host's server, share one bus
 (``benchmarks/two_hosts.py`` builds two such hosts on one machine)::
@@ -43,6 +47,7 @@ log = logging.getLogger("tandem.nats")
 
 MAX_PAYLOAD = 8 * 1024 * 1024  # KV frames are chunked under this
 MAX_PENDING = 512 * 1024 * 1024  # per-client outbound buffer: KV frames in flight to one receiver
+MONITOR_OFF = -1  # NatsServer.start's monitor_port for no monitoring port (the default)
 
 
 def die_with_parent(signum: int = signal.SIGTERM) -> None:
@@ -126,12 +131,15 @@ class NatsServer:
 
     @classmethod
     def start(cls, *, binary: str | None = None, timeout_s: float = 15.0, jetstream: bool = True, port: int = 0,
-              workdir: Path | None = None, auth_config: str = "", cluster: Cluster | None = None) -> NatsServer:
+              workdir: Path | None = None, auth_config: str = "", cluster: Cluster | None = None,
+              monitor_port: int = MONITOR_OFF) -> NatsServer:
         """``port`` 0: a free one. ``workdir``: the server's folder, made here and removed by
         :meth:`stop` (it must not hold anything else); None: a new temporary folder.
         ``auth_config``: config lines that make the server require identities
         (``Keyring.server_config``); empty: anyone who reaches the port may do anything.
-        ``cluster``: also join a cluster of servers (routes); None: a server on its own."""
+        ``cluster``: also join a cluster of servers (routes); None: a server on its own.
+        ``monitor_port``: the HTTP monitoring port on 127.0.0.1, unauthenticated (see the module):
+        :data:`MONITOR_OFF` none, 0 a free one (then :attr:`monitor_port` says which), N that port."""
         binary = binary or find_nats_server()
         if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
             raise NatsServerError(f"nats-server binary {binary} does not exist or is not executable")
@@ -143,23 +151,24 @@ class NatsServer:
         if cluster is not None and not cluster.server_name:
             cluster = replace(cluster, server_name=f"tandem-{secrets.token_hex(4)}")
         try:
-            process, url, monitor_port, cluster = _launch(binary, workdir, port, 0, jetstream, auth_config, cluster,
-                                                          timeout_s)
+            process, url, monitoring, cluster = _launch(binary, workdir, port, monitor_port, jetstream, auth_config,
+                                                        cluster, timeout_s)
         except NatsServerError:
             shutil.rmtree(workdir, ignore_errors=True)
             raise
-        return cls(process=process, url=url, workdir=workdir, monitor_port=monitor_port, binary=binary,
+        return cls(process=process, url=url, workdir=workdir, monitor_port=monitoring, binary=binary,
                    jetstream=jetstream, auth_config=auth_config, cluster=cluster)
 
     def restart(self, timeout_s: float = 15.0) -> None:
-        """Start the server again in place after it died: same port, monitoring port, folder and
-        JetStream store (kept whatever happens: a failed restart can be tried again); a clustered
-        one also keeps its cluster port and server name, so the other members route to it again."""
+        """Start the server again in place after it died: same port, folder and JetStream store
+        (kept whatever happens: a failed restart can be tried again), the same monitoring port if it
+        had one and none if it had none; a clustered one also keeps its cluster port and server
+        name, so the other members route to it again."""
         if self.process.poll() is None:
             raise NatsServerError(f"nats-server pid {self.process.pid} is still running")
         self.process, _, self.monitor_port, self.cluster = _launch(
-            self.binary, self.workdir, self.port, self.monitor_port or 0, self.jetstream, self.auth_config,
-            self.cluster, timeout_s, restart=True)
+            self.binary, self.workdir, self.port, self.monitor_port or MONITOR_OFF, self.jetstream,
+            self.auth_config, self.cluster, timeout_s, restart=True)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the server (SIGTERM, then SIGKILL) and remove its folder. Safe to call twice."""
@@ -187,18 +196,19 @@ def _launch(binary: str, workdir: Path, port: int, monitor_port: int, jetstream:
             cluster: Cluster | None, timeout_s: float,
             restart: bool = False) -> tuple[subprocess.Popen, str, int | None, Cluster | None]:
     """Write the config into ``workdir`` and run the server on it until its ports file says where it
-    listens: (process, URL, monitoring port, the cluster with its port). Ports 0: free ones.
-    Raises :class:`NatsServerError`."""
+    listens: (process, URL, monitoring port or None, the cluster with its port). Ports 0: free ones;
+    ``monitor_port`` negative (:data:`MONITOR_OFF`): no monitoring port. Raises :class:`NatsServerError`."""
     config = workdir / "nats.conf"
     store = workdir / "jetstream"
     lines = [
         "host: 127.0.0.1",
         f"port: {port or -1}",
-        f"http_port: {monitor_port or -1}",
         f"max_payload: {MAX_PAYLOAD}",
         f"max_pending: {MAX_PENDING}",
         f'ports_file_dir: "{workdir}"',
     ]
+    if monitor_port >= 0:
+        lines.append(f"http_port: {monitor_port or -1}")  # the server's -1: a free port
     if jetstream:
         lines.append(f'jetstream {{ store_dir: "{store}" }}')
     if cluster is not None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +31,12 @@ from tandem.shared.text.chat_template import (
     ChatTemplateError,
 )
 from tandem.shared.text.tokenizer import ByteTokenizer, HFTokenizer
-from tandem.shared.train.checkpoint import has_checkpoint, restore_optimizer, save_checkpoint
+from tandem.shared.train.checkpoint import (
+    finish_interrupted_save,
+    has_checkpoint,
+    restore_optimizer,
+    save_checkpoint,
+)
 from tandem.shared.train.data import TokenData
 from tandem.shared.train.engine import StepHandle, StreamingEngine
 from tandem.shared.train.finetune_data import FinetuneData, records_kind, training_template
@@ -72,9 +76,14 @@ class RunSummary:
 
 
 def resolve_device(spec: str) -> torch.device:
+    """The device ``spec`` names (auto: CUDA when there is one); a spec that names none, or CUDA
+    where there is none, is ``invalid_request``."""
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(spec)
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"device {spec!r} is none of auto, cpu, cuda, cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ProtocolError(ErrorCode.INVALID_REQUEST, f"device {spec!r} asked for, but CUDA is not available")
     return device
@@ -122,6 +131,8 @@ def plan_job(job: TrainJob, output_dir: Path, rates: Rates | None = None, mlp_ch
         config, init_from, model_name = resolve_model(job.model)
     except ModelLoadError as exc:
         raise ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+    if job.resume and finish_interrupted_save(output_dir):
+        log.info("%s: completed the save its last run was stopped in", output_dir)
     resume = job.resume and has_checkpoint(output_dir)
     if resume:
         config = read_hf_config(output_dir)
@@ -248,35 +259,47 @@ class TrainRunner:
     def checkpoint(self, step: int) -> Path:
         self.optimizer.wait_all(self.engine.version)
         self.engine.synchronize()
-        path = save_checkpoint(self.output_dir, self.state, step, self.job.model_dump())
-        self._save_tokenizer(path)
-        return path
+        return save_checkpoint(self.output_dir, self.state, step, self.job.model_dump(),
+                               extra=self._tokenizer_files(self.output_dir))
 
-    def _save_tokenizer(self, path: Path) -> None:
-        """The source's tokenizer and chat template files beside the weights, so the checkpoint serves
-        as its source did; a model fine-tuned on chat records without a template file of its own (the
-        byte-level models' built-in one) gets the template it was trained with as chat_template.jinja."""
-        if self.source_dir is not None and self.source_dir.resolve() != path.resolve():  # not trained in place
+    def _tokenizer_files(self, path: Path) -> dict[str, Path | str]:
+        """What a checkpoint in ``path`` takes beside the weights, so it serves as its source did: the
+        source's tokenizer and chat template files; and for a model fine-tuned on chat records with
+        no template file of its own (the byte-level models' built-in one), the template it was
+        trained with as chat_template.jinja. Committed with the weights (never a checkpoint without
+        the tokenizer it was trained with)."""
+        files: dict[str, Path | str] = {}
+        copied = self.source_dir is not None and (not path.exists() or self.source_dir.resolve() != path.resolve())
+        if copied:  # (trained in place, they are there already)
             for name in TOKENIZER_FILES:
                 if (self.source_dir / name).is_file():
-                    shutil.copyfile(self.source_dir / name, path / name)
-            if (self.source_dir / TEMPLATE_DIR).is_dir():
-                shutil.copytree(self.source_dir / TEMPLATE_DIR, path / TEMPLATE_DIR, dirs_exist_ok=True)
+                    files[name] = self.source_dir / name
+            templates = self.source_dir / TEMPLATE_DIR
+            if templates.is_dir():
+                files.update({str(f.relative_to(self.source_dir)): f for f in sorted(templates.rglob("*"))
+                              if f.is_file()})
         template = getattr(self.data, "chat_template", None)
-        if template is not None and ChatTemplate.from_model_dir(path) is None:
-            (path / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
+        if template is not None and TEMPLATE_FILE not in files:
+            has_one = (copied and ChatTemplate.from_model_dir(self.source_dir) is not None) or (
+                path.is_dir() and ChatTemplate.from_model_dir(path) is not None)
+            if not has_one:
+                files[TEMPLATE_FILE] = template.source
+        return files
 
     def run(self, on_step: Callable[[TrainStepMetrics], None] | None = None,
             on_trace: Callable[[int, list[TimelineOp], float], None] | None = None,
             on_checkpoint: Callable[[Path, int], None] | None = None,
             should_stop: Callable[[], bool] = lambda: False, trace_every_s: float = 1.0,
-            final_checkpoint: bool = True) -> RunSummary:
-        """Train until ``job.steps`` (or ``should_stop()``); checkpoint every ``checkpoint_every``
-        steps and at the end. ``on_trace(step, ops, hidden_fraction)`` gets one step's ops at most
-        every ``trace_every_s`` seconds (0: every step)."""
+            final_checkpoint: bool = True, checkpoint_every_s: float = 0.0) -> RunSummary:
+        """Train until ``job.steps`` or until ``should_stop()`` (asked before each step: the step in
+        flight finishes first, and the checkpoint at the end is of whole steps only, so a resume goes
+        on from it exactly); checkpoint every ``job.checkpoint_every`` steps, after a step once
+        ``checkpoint_every_s`` seconds passed since the last checkpoint (0: never so), and at the end.
+        ``on_trace(step, ops, hidden_fraction)`` gets one step's ops at most every ``trace_every_s``
+        seconds (0: every step)."""
         job, step, losses = self.job, self.start_step, []
         self.optimizer.start()
-        started = last = time.perf_counter()
+        started = last = last_save = time.perf_counter()
         last_trace, traces = -math.inf, []
         state, path = "finished", None
         try:
@@ -298,8 +321,11 @@ class TrainRunner:
                 if on_step is not None:
                     on_step(self._metrics(step, loss, grad_norm, dt, batch.segments))
                 traces = self._emit_traces(traces, on_trace, wait=False)
-                if job.checkpoint_every and step % job.checkpoint_every == 0 and step < job.steps:
+                due = (job.checkpoint_every and step % job.checkpoint_every == 0) or (
+                    checkpoint_every_s > 0 and now - last_save >= checkpoint_every_s)
+                if due and step < job.steps:
                     path = self._save(step, on_checkpoint)
+                    last_save = time.perf_counter()
             self.optimizer.wait_all(self.engine.version)
             self.engine.synchronize()
             self._emit_traces(traces, on_trace, wait=True)

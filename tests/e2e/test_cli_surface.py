@@ -104,6 +104,38 @@ def test_command_line_answers_in_one_line(args, code, stdout, stderr, tmp_path):
     assert (done.returncode, done.stdout, done.stderr) == (code, stdout, stderr)
 
 
+INTEGER = "must be a valid integer, unable to parse string as an integer"
+
+
+@pytest.mark.parametrize(("args", "env", "stderr"), [
+    (["serve", "decode", "--num-blocks", "-5"], {},
+     "tandem serve decode: --num-blocks must be >= 0, not -5 (see tandem serve decode --help)"),
+    (["serve", "router", "--metrics-port", "70000"], {},
+     "tandem serve router: --metrics-port must be in [-1, 65535], not 70000 (see tandem serve router --help)"),
+    (["serve", "router"], {}, "tandem serve router: --nats-url (or TANDEM_NATS_URL) is required: the NATS server "
+                              "to serve on (see tandem serve router --help)"),
+    (["up", "--http-port", "-3"], {}, "tandem up: --http-port must be in [0, 65535], not -3 (see tandem up --help)"),
+    (["up"], {"TANDEM_HTTP_PORT": "abc"}, f"tandem up: TANDEM_HTTP_PORT {INTEGER}, not 'abc' (see tandem up --help)"),
+    (["up", "--decode", "-1"], {}, "tandem up: argument --decode: must be >= 0, not -1 (see tandem up --help)"),
+    (["generate", "x"], {"TANDEM_NUM_BLOCKS": "-1"},
+     "tandem generate: TANDEM_NUM_BLOCKS must be >= 0, not '-1' (see tandem generate --help)"),
+    (["bench", "compare", "--kv-ring-mib", "-1"], {},
+     "tandem bench compare: --kv-ring-mib must be >= 0, not -1 (see tandem bench compare --help)"),
+    (["bench", "--concurrency", "0"], {},
+     "tandem bench compare: argument --concurrency: must be >= 1, not 0 (see tandem bench compare --help)"),
+    (["train", "--steps", "0"], {}, "tandem train: --steps must be >= 1"),
+    (["train", "--log-every", "0"], {},
+     "tandem train: argument --log-every: must be >= 1, not 0 (see tandem train --help)"),
+], ids=["serve-bound", "serve-metrics-port", "serve-no-bus", "up-bound", "up-variable", "up-count", "generate-variable",
+        "bench-setting", "bench-count", "train-job", "train-flag"])
+def test_a_bad_value_exits_2_with_one_line_naming_where_it_came_from(args, env, stderr, tmp_path):
+    """A usage error, whatever refuses the value (argparse, the settings, the job): exit status 2 and
+    one line naming the flag, or the TANDEM_ variable the value came from; nothing starts."""
+    done = subprocess.run([*TANDEM, *args], env={**tandem_env(tmp_path), **env}, capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stderr.splitlines(), done.stdout) == (2, [stderr], ""), done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("source", ["stdin", "file"])
 def test_generate_takes_the_prompt_from_stdin_or_a_file(system, source, tmp_path):
     prompt = "def add(a, b):\n    return"  # the newline must survive: the prompt is read as is
@@ -198,7 +230,7 @@ def abort_count(url: str) -> float:
 async def test_ctrl_c_in_generate_cancels_the_request(system, tmp_path):
     aborted = abort_count(system.url)
     nc = await nats.connect(system.url)
-    cancels = await nc.subscribe(subjects.CANCEL)
+    cancels = await nc.subscribe(subjects.CANCEL_ALL)
     proc = subprocess.Popen([*TANDEM, "generate", "def f(x):", "--nats-url", system.url, "--max-tokens", "2000",
                              "--ignore-eos"], env=tandem_env(tmp_path), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, preexec_fn=ctrl_c_reaches_it)

@@ -1,5 +1,8 @@
 """``tandem train`` as a user runs it, and the benchmark's CPU mode.
 
+Ctrl-C (SIGINT) or SIGTERM in the middle of a run: a checkpoint of the last whole step, one line
+saying where and how to continue, exit 130 or 143; the command it names continues from that step.
+
 Run: ``python -m pytest -q tests/e2e/test_train_cli.py``.
 """
 
@@ -7,11 +10,17 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+from cli_support import ctrl_c_reaches_it
 
 from tandem.shared.model.loader import load_model
 from tandem.shared.model.meta import load_model_meta
@@ -20,10 +29,73 @@ ROOT = Path(__file__).resolve().parents[2]
 TANDEM = [sys.executable, "-m", "tandem.cli"]
 
 
-def run(args: list[str], data_dir: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+def train_env(data_dir: Path) -> dict[str, str]:
     env = dict(os.environ, TANDEM_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1", TANDEM_LOG_LEVEL="WARNING")
     env.pop("TANDEM_NATS_URL", None)
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+    return env
+
+
+def run(args: list[str], data_dir: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(args, env=train_env(data_dir), capture_output=True, text=True, timeout=timeout)
+
+
+class Training:
+    """A ``tandem train`` in the background, its standard output read line by line as it comes."""
+
+    def __init__(self, args: list[str], data_dir: Path) -> None:
+        self.proc = subprocess.Popen(args, env=train_env(data_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, preexec_fn=ctrl_c_reaches_it)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.stdout: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def wait_for_line(self, pattern: str, timeout_s: float = 60) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.stdout.append(line)
+            found = re.search(pattern, line)
+            if found:
+                return found
+        self.proc.kill()
+        raise AssertionError(f"no line matching {pattern!r} within {timeout_s}s; stdout:\n" + "\n".join(self.stdout)
+                             + f"\nstderr:\n{self.proc.stderr.read()[-3000:]}")
+
+    def finish(self, timeout_s: float = 60) -> tuple[int, list[str], str]:
+        """(exit status, every stdout line, stderr) once it exits."""
+        code = self.proc.wait(timeout_s)
+        while (line := self.lines.get(timeout=10)) is not None:
+            self.stdout.append(line)
+        return code, self.stdout, self.proc.stderr.read()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def trainings():
+    """Start :class:`Training`s; any still running after the test is killed."""
+    started: list[Training] = []
+
+    def start(args: list[str], data_dir: Path) -> Training:
+        started.append(Training(args, data_dir))
+        return started[-1]
+
+    yield start
+    for training in started:
+        training.kill()
 
 
 def test_train_runs_a_job_with_progress_lines(tmp_path):
@@ -141,3 +213,33 @@ def test_engine_flags_reach_the_job(tmp_path, flags, expected):
     add_train_parser(parser.add_subparsers(), lambda p: None)
     job = build_job(parser.parse_args(["train", *flags]), tmp_path)
     assert {k: getattr(job, k) for k in expected} == expected
+
+
+# slow: a run stopped by the signal, then the run that continues it, stopped again (9 s on 2 cores)
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_saves_a_checkpoint_the_printed_command_continues(tmp_path, trainings, signum: signal.Signals):
+    out = tmp_path / "out"
+    command = [*TANDEM, "train", "--model", "tiny", "--dataset", "random", "--steps", "5000", "--batch-size", "2",
+               "--seq-len", "32", "--log-every", "1", "--output-dir", str(out), "--device", "cpu", "--threads", "1"]
+    first = trainings(command, tmp_path)
+    first.wait_for_line(r"step 3/5000 ")
+    first.proc.send_signal(signum)
+    code, stdout, stderr = first.finish()
+    assert code == 128 + signum, f"exit status {code}, not {128 + signum}: {stderr[-2000:]}"
+    last = stdout[-1]
+    stopped = re.fullmatch(rf"tandem train: stopped by {signum.name} after step (\d+) of 5000; checkpoint saved in "
+                           rf"{re.escape(str(out))}; to continue, run the same command again with --resume", last)
+    assert stopped, f"the last line does not say where it saved and how to continue: {last!r}"
+    step = int(stopped[1])
+    assert step >= 3 and f"step {step}/5000 " in "\n".join(stdout), "the checkpoint is not of the last step shown"
+    assert json.loads((out / "trainer_state.json").read_text())["step"] == step
+    assert "Traceback" not in stderr, stderr
+
+    resumed = trainings([*command, "--resume"], tmp_path)
+    found = resumed.wait_for_line(r"step (\d+)/5000 ")
+    assert int(found[1]) == step + 1, f"the resumed run went on at step {found[1]}, not {step + 1}"
+    resumed.proc.send_signal(signal.SIGINT)
+    code, stdout, stderr = resumed.finish()
+    assert code == 130 and re.search(r"stopped by SIGINT after step \d+ of 5000", stdout[-1]), stdout[-3:] + [stderr]
+    assert json.loads((out / "trainer_state.json").read_text())["step"] > step

@@ -5,9 +5,11 @@ One ``tandem up`` (module-scoped: 1 prefill, 1 decode, no KV-store) on pinned po
 every child's metrics URL is printed (the i-th child in start order on base + i), written to the
 state file and answers with a Prometheus page; a second ``up`` on the data dir is refused in one
 line while the first keeps serving and keeps its state file; a killed frontend comes back on its
-ports; a SIGKILLed ``up`` leaves its state file and nats folder, which the next ``up`` removes.
-Without any ``up`` running: a bad ``--model`` and a taken port are refused in one line before
-anything starts.
+ports; the embedded nats-server has no monitoring port; a SIGKILLed ``up`` leaves its state file and
+nats folder, which the next ``up`` removes. An ``up`` on free ports (``0`` for the HTTP, metrics and
+monitoring ports) prints its monitoring port with a warning, and a killed frontend comes back on the
+port the first one got. Without any ``up`` running: a bad ``--model`` and a taken port are refused
+in one line before anything starts.
 
 Run: ``python3 -m pytest -q tests/e2e/test_up_surface.py``.
 """
@@ -102,12 +104,13 @@ class Up:
         return self.proc.wait(60)
 
 
-def start_up(data_dir: Path, nats_port: int, http_port: int, metrics_base: int, name: str = "up") -> Up:
-    """``tandem up`` on the pinned ports, once it has printed every URL."""
+def start_up(data_dir: Path, nats_port: int, http_port: int, metrics_base: int, name: str = "up",
+             flags: list[str] | None = None) -> Up:
+    """``tandem up`` on the pinned ports (or with ``flags`` instead of them), once it has printed every URL."""
     out, err = open(data_dir / f"{name}.out", "w"), open(data_dir / f"{name}.err", "w")
-    proc = subprocess.Popen([*TANDEM, "up", "--kvstore", "0", "--port", str(nats_port), "--http-port",
-                             str(http_port), "--metrics-port", str(metrics_base)], env=env_for(data_dir), stdout=out,
-                            stderr=err)
+    if flags is None:
+        flags = ["--port", str(nats_port), "--http-port", str(http_port), "--metrics-port", str(metrics_base)]
+    proc = subprocess.Popen([*TANDEM, "up", "--kvstore", "0", *flags], env=env_for(data_dir), stdout=out, stderr=err)
     up = Up(proc, data_dir, nats_port, http_port, metrics_base, name)
     wait_for(lambda: "  state: " in up.stdout or proc.poll() is not None, 180, "tandem up to print its URLs")
     assert proc.poll() is None, f"tandem up exited early:\n{up.stdout}\n{up.stderr[-3000:]}"
@@ -190,6 +193,71 @@ async def test_a_killed_frontend_comes_back_on_its_ports(up):
     assert f"frontend {old_id}" in up.stderr and "restarting" in up.stderr, up.stderr[-2000:]
 
 
+def test_the_nats_monitoring_port_is_off_by_default(up):
+    nats_dir = up.data_dir / "run" / "nats"
+    assert up.state()["nats_monitor_url"] == "", "the state file names a monitoring port no one asked for"
+    assert "nats monitoring" not in up.stdout + up.stderr
+    assert "http_port" not in (nats_dir / "nats.conf").read_text(), "the server's config asks for a monitoring port"
+    (ports,) = nats_dir.glob("*.ports")
+    assert "monitoring" not in json.loads(ports.read_text()), f"the server listens for monitoring: {ports.read_text()}"
+
+
+def frontend_of(up: Up) -> tuple[str, str] | None:
+    """(instance id, metrics URL) of the frontend the state file names (None: none, as between a
+    killed one leaving the file and its replacement entering it)."""
+    return next(((i, u) for i, u in up.state()["metrics_urls"].items() if i.startswith("frontend-")), None)
+
+
+def answers_health(http_url: str) -> bool:
+    try:
+        return get(f"{http_url}/health")[0] == 200
+    except OSError:
+        return False
+
+
+# slow: a whole up of its own (8 s on 2 cores; then 4 s to kill and restart its frontend)
+@pytest.mark.slow
+class TestOnFreePorts:
+    """One ``up`` with every port it may take given as 0 (a free one), monitoring asked for."""
+
+    @pytest.fixture(scope="class")
+    def free_up(self, tmp_path_factory):
+        system = start_up(tmp_path_factory.mktemp("up-free-ports"), 0, 0, 0, name="free-up",
+                          flags=["--http-port", "0", "--metrics-port", "0", "--nats-monitor-port", "0"])
+        yield system
+        system.stop()
+
+    def test_a_monitoring_port_asked_for_answers_and_is_printed_with_a_warning(self, free_up):
+        url = free_up.state()["nats_monitor_url"]
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url), f"no monitoring URL in the state file: {url!r}"
+        printed = [line for line in (free_up.stdout + free_up.stderr).splitlines() if "nats monitoring" in line]
+        assert printed == [f"  nats monitoring: {url} (warning: no authentication: any user of this host can list "
+                           "every connection and subscription on it; --nats-monitor-port -1 turns it off)"], printed
+        assert get(f"{url}/varz")[0] == 200
+
+    async def test_a_killed_frontend_comes_back_on_the_port_the_first_one_got(self, free_up):
+        http_url = free_up.state()["http_url"]
+        old_id, old_metrics = frontend_of(free_up) or pytest.fail(f"no frontend in {free_up.state()}")
+        assert answers_health(http_url), f"{http_url}/health does not answer before the kill"
+        url = free_up.state()["nats_url"]
+        nc = await nats.connect(url, **operator_options(url, free_up.data_dir))
+        try:
+            (info,) = await service_infos(nc, name="tandem-frontend")
+            os.kill(int(info["metadata"]["pid"]), signal.SIGKILL)
+        finally:
+            await nc.close()
+
+        def replacement() -> tuple[str, str] | None:
+            found = frontend_of(free_up)
+            return found if found and found[0] != old_id else None
+
+        _, new_metrics = wait_for(replacement, 60, "the restarted frontend in the state file")
+        assert free_up.state()["http_url"] == http_url, \
+            "the restarted frontend is on another port: a client holding the old URL gets connection refused"
+        wait_for(lambda: answers_health(http_url), 30, f"{http_url}/health to answer again")
+        assert new_metrics == old_metrics, "the restarted frontend did not keep its metrics port"
+
+
 # slow: two whole ups, one killed with kill -9 (16 s on 2 cores)
 @pytest.mark.slow
 def test_a_killed_up_leaves_what_the_next_up_removes(up):
@@ -237,7 +305,7 @@ def test_a_bad_model_is_one_line_before_anything_starts(tmp_path, spec: str, rea
     assert out.stdout == "" and not (tmp_path / "data" / "run").exists(), "something started before the refusal"
 
 
-@pytest.mark.parametrize("flag", ["--http-port", "--port"])
+@pytest.mark.parametrize("flag", ["--http-port", "--port", "--nats-monitor-port"])
 def test_a_taken_port_is_one_line_naming_its_flag(tmp_path, flag: str):
     sock = listen_on("127.0.0.1", 0)
     port = sock.getsockname()[1]
