@@ -105,9 +105,10 @@ def auth_folder(tmp_path: Path) -> Path:
 
 def test_nats_has_jetstream_monitoring_healthcheck_and_our_limits(tmp_path):
     nats_service = load_compose()["services"]["nats"]
-    assert "8222:8222" in nats_service["ports"] and "4222:4222" in nats_service["ports"]
-    assert "8222/healthz" in " ".join(nats_service["healthcheck"]["test"])
+    assert nats_service["ports"] == ["4222:4222"], "nats-server's monitoring (no authentication) is published"
+    assert "127.0.0.1:8222/healthz" in " ".join(nats_service["healthcheck"]["test"])
     conf = (COMPOSE / "nats.conf").read_text()
+    assert re.search(r'^http:\s*"127\.0\.0\.1:8222"', conf, re.M), "monitoring must listen on loopback only"
     assert re.search(r"^jetstream\s*\{", conf, re.M)
     assert int(re.search(r"^max_payload:\s*(\d+)", conf, re.M).group(1)) == MAX_PAYLOAD
     assert int(re.search(r"^max_pending:\s*(\d+)", conf, re.M).group(1)) == MAX_PENDING

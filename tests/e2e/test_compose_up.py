@@ -88,7 +88,7 @@ class ComposeSystem:
 
 @pytest.fixture(scope="module")
 def system(docker_engine: DockerEngine, tandem_images: str, tmp_path_factory) -> Iterator[ComposeSystem]:
-    for port in (4222, 8222):
+    for port in (4222,):
         if port_taken(port):
             pytest.fail(f"port {port} on this host is taken: stop what listens there (compose publishes nats on it)",
                         pytrace=False)

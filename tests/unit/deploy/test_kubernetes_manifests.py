@@ -240,7 +240,9 @@ def test_nats_trusts_the_keyring_keeps_jetstream_on_a_claim_and_passes_nats_serv
                            text=True, timeout=30)
     assert check.returncode == 0, check.stderr
     service = find(objects, "Service", "nats")
-    assert {p["port"] for p in service["spec"]["ports"]} == {4222, 8222}
+    assert {p["port"] for p in service["spec"]["ports"]} == {4222}, "nats-server's monitoring (no authentication) " \
+        "is reachable through the Service"
+    assert re.search(r'^http:\s*"127\.0\.0\.1:8222"', conf, re.M), "monitoring must listen on the pod's loopback only"
     env = environment(objects, next(c for _, c in tandem_containers(objects) if served(c) == "router"))
     assert env["TANDEM_NATS_URL"] == "nats://nats:4222"
 
