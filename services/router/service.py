@@ -317,9 +317,10 @@ class Router(ServiceRuntime):
         self.admission.pump()
 
     def no_decode_workers(self) -> ProtocolError:
-        waited = self.settings.router.restart_wait_s
+        wait = self.settings.router.restart_wait_s
+        just_ran_out = self.restart_deadline and time.monotonic() - self.restart_deadline < wait
         return ProtocolError(ErrorCode.NO_WORKERS, f"no decode worker serves {self.meta.name!r}"
-                             + (f" (none came back within {waited:g} s)" if waited and self.restart_deadline else ""))
+                             + (f" (none came back within {wait:g} s)" if just_ran_out else ""))
 
     def awaiting_restart(self) -> bool:
         """Whether requests wait for a decode worker instead of failing: one was lost without
@@ -334,7 +335,8 @@ class Router(ServiceRuntime):
         if beat.service != "decode" or beat.draining or beat.model != self.meta.name or not wait:
             return
         self.restart_deadline = time.monotonic() + wait
-        if not self.alive("decode", self.meta.name):
+        # Not self.alive(): it sweeps, and a sweep is what may have called this.
+        if not any(w.beat.model == self.meta.name and not w.beat.draining for w in self.workers["decode"].values()):
             self.log.info("no decode worker left; requests wait up to %g s for one to (re)start", wait)
         # When the wait runs out with none back, the requests still queued hear it then.
         asyncio.get_running_loop().call_later(wait + 0.05, self.pump_admission)
@@ -345,7 +347,9 @@ class Router(ServiceRuntime):
         for service, pool in self.workers.items():
             for instance_id in [i for i, w in pool.items() if w.seen < deadline]:
                 self.log.info("%s %s left (no heartbeat)", service, instance_id)
-                self.lost(pool.pop(instance_id))
+                worker = pool.pop(instance_id, None)
+                if worker is not None:
+                    self.lost(worker)
                 self.index.forget(instance_id)
 
     def alive(self, service: str, model: str, excluded: list[str] = ()) -> list[Worker]:

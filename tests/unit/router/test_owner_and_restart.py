@@ -120,3 +120,20 @@ async def test_with_no_worker_to_wait_for_no_workers_comes_at_once(router, histo
     reply = await ask(bus, generate("r1"))
     assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.NO_WORKERS, reply
     assert time.monotonic() - start < 0.5, "no_workers waited though no worker was lost"
+
+
+async def test_two_workers_lost_at_once_are_both_dropped_and_the_request_waits(router) -> None:
+    bus, service, taken = router
+    for name in ("decode-a", "decode-b"):
+        payload = Heartbeat(service="decode", instance_id=name, host="test", pid=1, model=service.meta.name,
+                            incarnation="first", free_blocks=100, num_blocks=100, max_model_len=2048, max_num_seqs=4,
+                            kv_namespace="ns")
+        await bus.publish(subjects.heartbeat("decode", name), encode(payload))
+    await bus.settle()
+    await asyncio.sleep(0.4)
+    pending = asyncio.ensure_future(ask(bus, generate("r1")))
+    await asyncio.sleep(0.2)
+    assert not pending.done(), f"the request did not wait for a restart: {pending.result()}"
+    assert service.workers["decode"] == {}, "a lost worker is still in the router's pool"
+    await bus.publish(subjects.heartbeat("decode", "decode-a"), beat(service.meta.name, incarnation="second"))
+    assert isinstance(await pending, GenerateAccepted)
