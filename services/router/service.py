@@ -438,17 +438,24 @@ class Router(ServiceRuntime):
                                 f"prompt has {len(ids)} tokens; the context holds {longest}", "prompt")
         prompt = PromptBlocks(ids)
         waited = 0.0
+        gone: set[tuple[str, str]] = set()  # decode processes (instance, incarnation) found gone placing it
         while True:
             waited += await self.admission.admit(admission_key(msg.request_id, msg.stream_subject), len(ids),
                                                  msg.priority)
             # From here to decode_worker.reserve() nothing awaits: the next queued request is woken only
             # after this one's load is on its worker (see AdmissionQueue.admit).
-            placed = await self.place_on_decode(msg, ids, prompt, accepted_at)
+            placed = await self.place_on_decode(msg, ids, prompt, accepted_at, gone)
             if placed is not None:
                 break
             if not self.awaiting_restart():
                 raise ProtocolError(ErrorCode.NO_WORKERS, "no decode worker answered")
-            # Every decode worker it was tried on was gone: it waits again, for one restarting.
+            # Every decode worker it was tried on was gone: it waits again, for one restarting. Only
+            # processes it already found gone may be left (one that beats but takes nothing): then
+            # the queue would admit it at once, so it waits a heartbeat for the fleet to change.
+            if self.alive("decode", self.meta.name, msg.exclude_workers):
+                start = time.monotonic()
+                await asyncio.sleep(self.settings.bus.heartbeat_interval_s)
+                waited += time.monotonic() - start
         await self.publish_decision(msg, ids, placed.ranked, placed.decode, placed.prefill, placed.reason)
         return GenerateAccepted(
             request_id=msg.request_id, prompt_token_ids=ids, decode_worker=placed.decode.beat.instance_id,
@@ -457,11 +464,13 @@ class Router(ServiceRuntime):
             max_tokens=placed.spec.params.max_tokens, queue_wait_s=waited,
         )
 
-    async def place_on_decode(self, msg: GenerateRequest, ids: list[int], prompt: PromptBlocks,
-                              accepted_at: float) -> Placement | None:
+    async def place_on_decode(self, msg: GenerateRequest, ids: list[int], prompt: PromptBlocks, accepted_at: float,
+                              gone: set[tuple[str, str]]) -> Placement | None:
         """Place an admitted request on the cheapest live decode worker that takes it (with a prefill
-        worker, or prefilled there); None when every one tried was gone. Raises a worker's refusal."""
-        decoders = self.alive("decode", self.meta.name, msg.exclude_workers)  # they may have come or gone meanwhile
+        worker, or prefilled there), never on a process in ``gone``; None when every one tried was
+        gone (they join ``gone``). Raises a worker's refusal."""
+        decoders = [w for w in self.alive("decode", self.meta.name, msg.exclude_workers)  # they may have come or gone
+                    if (w.beat.instance_id, w.beat.incarnation) not in gone]
         if not decoders:
             if self.awaiting_restart():
                 return None
@@ -490,6 +499,7 @@ class Router(ServiceRuntime):
                 return Placement(spec, decode_worker, decode_incarnation, prefill_worker, prefill_incarnation, reason,
                                  ranked_decode)
             decode_worker.release(stamp)
+        gone.update((w.beat.instance_id, w.beat.incarnation) for w, _ in ranked_decode)
         return None
 
     async def place_prefill(self, spec: RequestSpec, prompt: PromptBlocks, dec: Worker, choice: Candidate,

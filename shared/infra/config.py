@@ -61,6 +61,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 ENV_PREFIX = "TANDEM_"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 SECTION = ConfigDict(extra="forbid")  # a misspelt field is an error, not silently a default
 # --dtype values fp8 weights can compute in, torch's aliases included (shared/model/fp8.py checks the
 # resolved torch dtype too).
@@ -345,6 +346,14 @@ class Settings(BaseSettings):
     data_dir: Path = Field(default_factory=default_data_dir, description="where models, checkpoints and run state live")
     instance_id: str = Field("", description="this instance's id; empty: service-host-random")
     log_level: str = Field("INFO", min_length=1, description="DEBUG, INFO, WARNING, ERROR")
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        """A level logging knows (any case), or a one-line refusal: a typo would log at INFO silently."""
+        if value.upper() not in LOG_LEVELS:
+            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
+        return value.upper()
 
     bus: BusSettings = Field(default_factory=BusSettings, description="NATS: server, heartbeats, timeouts")
     supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings,

@@ -126,8 +126,11 @@ INTEGER = "must be a valid integer, unable to parse string as an integer"
     (["train", "--steps", "0"], {}, "tandem train: --steps must be >= 1"),
     (["train", "--log-every", "0"], {},
      "tandem train: argument --log-every: must be >= 1, not 0 (see tandem train --help)"),
+    (["serve", "router", "--log-level", "LOUD"], {},
+     "tandem serve router: --log-level LOUD: must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL "
+     "(see tandem serve router --help)"),
 ], ids=["serve-bound", "serve-metrics-port", "serve-no-bus", "up-bound", "up-variable", "up-count", "generate-variable",
-        "bench-setting", "bench-count", "train-job", "train-flag"])
+        "bench-setting", "bench-count", "train-job", "train-flag", "log-level"])
 def test_a_bad_value_exits_2_with_one_line_naming_where_it_came_from(args, env, stderr, tmp_path):
     """A usage error, whatever refuses the value (argparse, the settings, the job): exit status 2 and
     one line naming the flag, or the TANDEM_ variable the value came from; nothing starts."""

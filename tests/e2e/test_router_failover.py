@@ -92,8 +92,10 @@ async def test_a_worker_that_died_with_the_request_is_dropped_within_a_second(na
                                                                               tmp_path):
     """The request reached the worker's subscription as its process died (so no "no responders"):
     its alive subject finds it gone, and the router drops it within about a second, instead of
-    waiting out the 10 s forward timeout and failing the request."""
-    router = launch(nats_server.url, "router", "router-vanished", tmp_path, service_env(tmp_path), [])
+    waiting out the 10 s forward timeout. With no restart wait (the router would otherwise hold the
+    request for a restarted worker, tests/unit/router/test_owner_and_restart.py), it then fails."""
+    router = launch(nats_server.url, "router", "router-vanished", tmp_path, service_env(tmp_path),
+                    ["--router-restart-wait-s", "0"])
     try:
         async with connect(nats_server.url, request_timeout_s=20) as client:
             for _ in range(150):  # until the router is up and has heard the worker's heartbeat

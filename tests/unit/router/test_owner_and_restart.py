@@ -137,3 +137,36 @@ async def test_two_workers_lost_at_once_are_both_dropped_and_the_request_waits(r
     assert service.workers["decode"] == {}, "a lost worker is still in the router's pool"
     await bus.publish(subjects.heartbeat("decode", "decode-a"), beat(service.meta.name, incarnation="second"))
     assert isinstance(await pending, GenerateAccepted)
+
+
+async def test_a_worker_that_beats_but_takes_nothing_is_not_tried_again_by_the_same_request(router) -> None:
+    """A process that keeps beating but neither takes a request nor answers its alive subject (the
+    trial's vanished worker): the request found it gone once and never goes back to it (its beats
+    name the same process), so it waits out the restart wait and gets no_workers, forwarded once."""
+    bus, service, _ = router
+    forwards: list[str] = []
+
+    async def swallow(msg) -> None:
+        forwards.append(decode(msg.data, DecodeRequest).spec.request_id)
+
+    await bus.subscribe(subjects.decode_admit("decode-z"), cb=swallow)
+    zombie = Heartbeat(service="decode", instance_id="decode-z", host="test", pid=1, model=service.meta.name,
+                       incarnation="only", free_blocks=100, num_blocks=100, max_model_len=2048, max_num_seqs=4,
+                       kv_namespace="ns")
+
+    async def beating() -> None:
+        while True:
+            await bus.publish(subjects.heartbeat("decode", "decode-z"), encode(zombie))
+            await asyncio.sleep(0.05)
+
+    beats = asyncio.ensure_future(beating())
+    try:
+        await asyncio.sleep(0.1)
+        start = time.monotonic()
+        reply = await ask(bus, generate("r1"))
+        took = time.monotonic() - start
+    finally:
+        beats.cancel()
+    assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.NO_WORKERS, reply
+    assert forwards == ["r1"], f"forwarded {len(forwards)} times to a process already found gone"
+    assert took < 4.0, f"{took:.1f} s: the restart wait is 1 s"
