@@ -26,6 +26,10 @@ from tandem.shared.infra.natsserver import MAX_PAYLOAD, NatsServer
 from tandem.shared.model.meta import shipped_tiny_checkpoint
 from tandem.supervisor import wait_until_ready
 
+# slow: its own nats-server and two front ends (about 18 s on 2 cores); the same bounds run by default in
+# tests/unit/frontend/test_http_limits.py, against the app in process
+pytestmark = pytest.mark.slow
+
 SERVED = "served-tiny"
 ROOMY_BODY_MIB = 16  # frontend-path's body bound: above the bus's max payload (8 MiB)
 HOSTILE_PROMPTS = 10_000

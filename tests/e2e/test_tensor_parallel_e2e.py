@@ -20,6 +20,7 @@ def split(start_system):
     return start_system(prefill=1, decode=1, decode_args=["--tensor-parallel-size", "2"])
 
 
+@pytest.mark.slow  # a two-rank gloo decode worker of its own (10 s on 2 cores); TP's unit tests run by default
 @pytest.mark.parametrize("length", [1, 17, 48])
 async def test_a_two_rank_decode_worker_matches_the_reference(split, tiny, length):
     prompt = prompt_of(length)

@@ -237,7 +237,9 @@ def test_kill9_consumer_then_create_sweeps_its_segment(producer_attached):
     assert segments(survivor.pid) == set()  # a normal exit unlinks (atexit)
 
 
-@pytest.mark.parametrize("stage", ["reserved", "half_written", "committed", "holding_lock"])
+# slow: a process killed at each stage (about 3 s each); the lock holder's runs by default
+@pytest.mark.parametrize("stage", [pytest.param(stage, marks=pytest.mark.slow)
+                                   for stage in ("reserved", "half_written", "committed")] + ["holding_lock"])
 def test_kill9_producer_mid_transfer_is_reclaimed(make_ring, stage):
     ring = make_ring(1024, 4)
     before = segments(os.getpid())  # only ours: other test runs on this host make rings too

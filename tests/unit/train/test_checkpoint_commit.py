@@ -85,7 +85,12 @@ def cut_at(monkeypatch: pytest.MonkeyPatch, stop_at: int | None) -> list[str]:
     return done
 
 
-@pytest.mark.parametrize(("old_shards", "new_shards"), [(False, False), (True, True), (False, True), (True, False)],
+SLOW = pytest.mark.slow
+
+
+# slow: each save is cut at every write and rename; the two layouts alone run by default
+@pytest.mark.parametrize(("old_shards", "new_shards"), [(False, False), pytest.param(True, True, marks=SLOW),
+                                                        pytest.param(False, True, marks=SLOW), (True, False)],
                          ids=["one-file", "shards", "one-file-then-shards", "shards-then-one-file"])
 def test_a_save_cut_short_anywhere_leaves_one_whole_checkpoint(tmp_path, monkeypatch, state, old_shards: bool,
                                                                new_shards: bool):
