@@ -14,13 +14,14 @@ from support import prompt_of
 from tandem.client import connect
 from tandem.shared.model.reference import reference_generate
 
+# slow: a two-rank gloo decode worker of its own (about 14 s on 2 cores); TP's unit tests run by default
+pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def split(start_system):
     return start_system(prefill=1, decode=1, decode_args=["--tensor-parallel-size", "2"])
 
 
-@pytest.mark.slow  # a two-rank gloo decode worker of its own (10 s on 2 cores); TP's unit tests run by default
 @pytest.mark.parametrize("length", [1, 17, 48])
 async def test_a_two_rank_decode_worker_matches_the_reference(split, tiny, length):
     prompt = prompt_of(length)
