@@ -17,6 +17,7 @@ from tandem.shared.model.reference import reference_generate
 # slow: a two-rank gloo decode worker of its own (about 14 s on 2 cores); TP's unit tests run by default
 pytestmark = pytest.mark.slow
 
+
 @pytest.fixture(scope="module")
 def split(start_system):
     return start_system(prefill=1, decode=1, decode_args=["--tensor-parallel-size", "2"])
