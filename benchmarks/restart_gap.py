@@ -21,14 +21,13 @@ import os
 import random
 import signal
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from up_child import tandem_up
+
 from tandem.client import Client, connect
-from tandem.runstate import find_running
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import decode
 from tandem.shared.protocol.fleet import Heartbeat
@@ -136,27 +135,11 @@ def main() -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     data_dir = out_dir / "restart-gap-data"
-    env = {**os.environ, "TANDEM_DATA_DIR": str(data_dir)}
-    up_args = [sys.executable, "-m", "tandem", "up", "--model", args.model, "--no-planner", "--http-port", "0",
-               "--prefill", "0", "--decode", "1", "--kvstore", "0", *args.up_arg]
-    log_path = out_dir / "restart-gap-up.log"
-    with open(log_path, "w") as log:
-        up = subprocess.Popen(up_args, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-        try:
-            for line in up.stdout:  # once the ready line is out, the state file names the URLs
-                if line.startswith("tandem up: NATS at"):
-                    url = find_running(data_dir).nats_url
-                    break
-            else:
-                raise SystemExit(f"tandem up exited before it was ready; see {log_path}")
-            print(f"# system up at {url}", flush=True)
-            print(json.dumps(asyncio.run(run(url, data_dir, args, vocab_size))), flush=True)
-        finally:
-            up.terminate()
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                up.kill()
+    up_args = ["--model", args.model, "--no-planner", "--http-port", "0", "--prefill", "0", "--decode", "1",
+               "--kvstore", "0", *args.up_arg]
+    with tandem_up(up_args, data_dir, out_dir / "restart-gap-up.log") as url:
+        print(f"# system up at {url}", flush=True)
+        print(json.dumps(asyncio.run(run(url, data_dir, args, vocab_size))), flush=True)
 
 
 if __name__ == "__main__":

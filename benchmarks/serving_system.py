@@ -33,8 +33,7 @@ from pathlib import Path
 
 import torch
 from serving_gpu import matmul_tflops  # this folder's script: the same peak the serving rows use
-
-from tandem.runstate import find_running
+from up_child import tandem_up
 
 
 def in_process(model: str, batch: int, closed: list[int]) -> dict[str, dict]:
@@ -127,28 +126,21 @@ def run_system(args: argparse.Namespace, model: str, placement: str, out_dir: Pa
     """One ``tandem up`` with ``placement``, every concurrency level against it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     data_dir = out_dir / "data"
-    # PYTHONSAFEPATH: run from a checkout, ``-m tandem`` would otherwise find the checkout's partial
-    # tandem/ folder before the installed package (a wheel install then fails to import tandem.shared).
-    env = {**os.environ, "TANDEM_DATA_DIR": str(data_dir), "PYTHONSAFEPATH": "1"}
-    up_args = [sys.executable, "-m", "tandem", "up", "--model", model, "--no-planner", "--http-port", "0",
-               "--decode", "1", "--kvstore", str(args.kvstore), "--max-model-len", "2048", "--max-num-seqs", "256",
-               "--max-num-batched-tokens", "8192"]
+    env = {**os.environ, "TANDEM_DATA_DIR": str(data_dir), "PYTHONSAFEPATH": "1"}  # bench serve's (see up_child)
+    up_args = ["--model", model, "--no-planner", "--http-port", "0", "--decode", "1", "--kvstore", str(args.kvstore),
+               "--max-model-len", "2048", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192"]
     if placement == "disaggregated":
         up_args += ["--prefill", "1"]
-    log = open(out_dir / "up.log", "w")
-    up = subprocess.Popen(up_args, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-    line = ""
-    try:
-        for line in up.stdout:  # once the ready line is out, the state file names the URLs
-            if line.startswith("tandem up: placement:"):
-                print(json.dumps({"figure": "placement", "placement": placement,
-                                  "up_says": line.removeprefix("tandem up: ").strip()}), flush=True)
-            if line.startswith("tandem up: NATS at"):
-                url = find_running(data_dir).nats_url
-                break
-        else:
-            raise SystemExit(f"tandem up exited before it was ready; see {out_dir / 'up.log'}")
-        print(f"# system up at {url} ({placement}): {line.strip()}", flush=True)
+    said: list[str] = []
+
+    def on_line(line: str) -> None:
+        if line.startswith("tandem up: placement:"):
+            print(json.dumps({"figure": "placement", "placement": placement,
+                              "up_says": line.removeprefix("tandem up: ").strip()}), flush=True)
+        said.append(line)
+
+    with tandem_up(up_args, data_dir, out_dir / "up.log", on_line) as url:
+        print(f"# system up at {url} ({placement}): {said[-1].strip()}", flush=True)
         batch = baseline.get("batch", {})
         for concurrency in args.concurrency:
             n = args.prompts_per_level or max(16, 2 * concurrency)
@@ -180,13 +172,6 @@ def run_system(args: argparse.Namespace, model: str, placement: str, out_dir: Pa
                 record["throughput_over_in_process_closed"] = round(rate / same["output_tok_s"], 3)
             record["router_reasons"] = dict(reasons)
             print(json.dumps(record), flush=True)
-    finally:
-        up.terminate()
-        try:
-            up.wait(60)
-        except subprocess.TimeoutExpired:
-            up.kill()
-        log.close()
 
 
 async def watch_reasons(url: str, data_dir: Path, bench: subprocess.Popen, into: Counter) -> None:
