@@ -349,6 +349,20 @@ async def wait_until(predicate: Callable[[], object], timeout_s: float = 10.0, w
     return value
 
 
+async def take_work(bus: FakeBus, subject: str, kind: type, into: list) -> None:
+    """A worker played by the test on ``subject``: every request is decoded as ``kind`` (a
+    ``PrefillRequest`` or ``DecodeRequest``), kept in ``into`` and acknowledged, as a worker takes work."""
+    from tandem.shared.protocol.base import Ack
+    from tandem.shared.protocol.codec import decode, encode
+
+    async def take(msg: Msg) -> None:
+        work = decode(msg.data, kind)
+        into.append(work)
+        await msg.respond(encode(Ack(request_id=work.spec.request_id)))
+
+    await bus.subscribe(subject, cb=take)
+
+
 def bus_settings(data_dir, **flat) -> Settings:
     """Settings for a service on a :class:`FakeBus`: a placeholder NATS URL, no /metrics server, CPU,
     ``data_dir`` (give it an empty one: the tiny model is then the shipped checkpoint), and ``flat``

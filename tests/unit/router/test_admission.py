@@ -8,12 +8,12 @@ import asyncio
 import time
 
 import pytest
-from fakebus import FakeBus, bus_settings, serving
+from fakebus import FakeBus, bus_settings, serving, take_work
 
 from tandem.services.router.admission import AdmissionQueue, QueuedRequestCancelled, WorkerLoad, has_room
 from tandem.services.router.service import Router
 from tandem.shared.protocol import subjects
-from tandem.shared.protocol.base import Ack, ErrorCode, ErrorReply, ProtocolError
+from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.fleet import Heartbeat
 from tandem.shared.protocol.serving import Cancel, DecodeRequest, GenerateAccepted, GenerateRequest, SamplingParams
@@ -226,13 +226,7 @@ async def saturated(tmp_path):
                             heartbeat_interval_s=0.05)
     async with serving(Router(settings), bus) as router:
         taken: list[DecodeRequest] = []
-
-        async def take(msg) -> None:
-            work = decode(msg.data, DecodeRequest)
-            taken.append(work)
-            await msg.respond(encode(Ack(request_id=work.spec.request_id)))
-
-        await bus.subscribe(subjects.decode_admit("decode-a"), cb=take)
+        await take_work(bus, subjects.decode_admit("decode-a"), DecodeRequest, taken)
         await bus.publish(subjects.heartbeat("decode", "decode-a"), beat(router.meta.name, running=2))
         await bus.settle()
         yield bus, router, taken

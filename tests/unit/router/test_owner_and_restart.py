@@ -8,11 +8,11 @@ import asyncio
 import time
 
 import pytest
-from fakebus import FakeBus, bus_settings, serving
+from fakebus import FakeBus, bus_settings, serving, take_work
 
 from tandem.services.router.service import Router
 from tandem.shared.protocol import subjects
-from tandem.shared.protocol.base import Ack, ErrorCode, ErrorReply
+from tandem.shared.protocol.base import ErrorCode, ErrorReply
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.fleet import Heartbeat
 from tandem.shared.protocol.serving import DecodeRequest, GenerateAccepted, GenerateRequest, SamplingParams
@@ -45,13 +45,7 @@ async def router(tmp_path):
                             router_restart_wait_s=1.0)
     async with serving(Router(settings), bus) as service:
         taken: list[DecodeRequest] = []
-
-        async def take(msg) -> None:
-            work = decode(msg.data, DecodeRequest)
-            taken.append(work)
-            await msg.respond(encode(Ack(request_id=work.spec.request_id)))
-
-        await bus.subscribe(subjects.decode_admit("decode-a"), cb=take)
+        await take_work(bus, subjects.decode_admit("decode-a"), DecodeRequest, taken)
         yield bus, service, taken
     assert not bus.errors, f"handlers on the bus failed: {bus.errors}"
 

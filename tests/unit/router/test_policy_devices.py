@@ -8,12 +8,11 @@ Run: ``python3 -m pytest -q tests/unit/router/test_policy_devices.py``.
 from __future__ import annotations
 
 import pytest
-from fakebus import FakeBus, bus_settings, serving
+from fakebus import FakeBus, bus_settings, serving, take_work
 
 from tandem.services.router.policy import remote_prefill_workers, shares_device
 from tandem.services.router.service import Router
 from tandem.shared.protocol import subjects
-from tandem.shared.protocol.base import Ack
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.fleet import Heartbeat, RoutingDecision
 from tandem.shared.protocol.serving import (
@@ -67,16 +66,8 @@ async def test_the_router_places_by_the_heartbeats_devices(tmp_path, prefill_dev
     settings = bus_settings(tmp_path, instance_id="router-d", router_prefill_on_shared_device=on_shared)
     async with serving(Router(settings), bus) as router:
         work: dict[str, list] = {"prefill": [], "decode": []}
-
-        def taker(service: str, kind):
-            async def take(msg) -> None:
-                got = decode(msg.data, kind)
-                work[service].append(got)
-                await msg.respond(encode(Ack(request_id=got.spec.request_id)))
-            return take
-
-        await bus.subscribe(subjects.prefill("prefill-p"), cb=taker("prefill", PrefillRequest))
-        await bus.subscribe(subjects.decode_admit("decode-d"), cb=taker("decode", DecodeRequest))
+        await take_work(bus, subjects.prefill("prefill-p"), PrefillRequest, work["prefill"])
+        await take_work(bus, subjects.decode_admit("decode-d"), DecodeRequest, work["decode"])
         for service, instance_id, device in (("decode", "decode-d", A), ("prefill", "prefill-p", prefill_device)):
             message = encode(beat(service, instance_id, router.meta.name, device))
             await bus.publish(subjects.heartbeat(service, instance_id), message)

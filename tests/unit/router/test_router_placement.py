@@ -6,7 +6,7 @@ work (``Ack``) and keeps what it got."""
 from __future__ import annotations
 
 import pytest
-from fakebus import FakeBus, bus_settings, serving
+from fakebus import FakeBus, bus_settings, serving, take_work
 
 from tandem.services.router.service import Router
 from tandem.shared.protocol import subjects
@@ -44,12 +44,7 @@ class FakeWorker:
         subject, kind = ((subjects.prefill(self.instance_id), PrefillRequest) if self.service == "prefill"
                          else (subjects.decode_admit(self.instance_id), DecodeRequest))
 
-        async def take(msg) -> None:
-            work = decode(msg.data, kind)
-            self.work.append(work)
-            await msg.respond(encode(Ack(request_id=work.spec.request_id)))
-
-        await self.bus.subscribe(subject, cb=take)
+        await take_work(self.bus, subject, kind, self.work)
         return self
 
     async def beat(self) -> None:
