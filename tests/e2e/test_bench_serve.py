@@ -14,6 +14,10 @@ from cli_support import TANDEM, tandem_env, wait_for
 
 from tandem.bench_data import RequestResult, arrival_gaps, make_requests, parse_goodput, percentile, summarize
 
+# slow: whole bench runs, about 13 s on 2 cores (bench serve against tandem up runs by default in
+# test_bus_auth.py); .ci/run runs it
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
@@ -58,7 +62,6 @@ def test_bench_serve_without_a_system_says_how_to_start_one(tmp_path):
     assert out.returncode == 2 and "tandem up" in out.stderr
 
 
-@pytest.mark.slow  # a whole bench compare run
 def test_plain_bench_is_still_the_comparison(tmp_path):
     out_file = tmp_path / "compare.json"
     out = subprocess.run([*TANDEM, "bench", "--concurrency", "2", "--requests", "4", "--input-len", "16",

@@ -71,6 +71,7 @@ async def test_connect_with_no_url_and_no_running_up_says_how_to_start_one(tmp_p
             pass
 
 
+@pytest.mark.slow  # 4 s; break out of a stream cancels in tests/unit/client/test_stream_lifetime.py by default
 async def test_breaking_out_sends_the_cancel_at_once_while_connected(start_system):
     """No waiting for the workers' liveness probe: every stream left by ``break`` is cancelled
     within a moment, while the client stays connected and subscribed to nothing else."""
@@ -174,8 +175,9 @@ async def restart_after(server: NatsServer, delay_s: float) -> None:
     await asyncio.to_thread(server.restart)
 
 
+@pytest.mark.slow  # a nats-server restarted under a stream, 4 s and more
 @pytest.mark.parametrize("callback_delay_s", [pytest.param(0.0, id="prompt-callback"),
-                                              pytest.param(2.0, id="late-callback", marks=pytest.mark.slow)])
+                                              pytest.param(2.0, id="late-callback")])
 async def test_a_stream_outlives_a_restart_of_the_server_under_it(private_server, callback_delay_s):
     """kill -9 of the nats-server mid-stream, then the server back on its port (as ``tandem up``
     restarts it): the stream waits for the connection, is placed again after the tokens it had,
@@ -267,6 +269,7 @@ async def test_a_router_dying_with_a_placement_is_noticed_within_a_second(privat
             await other.close()
 
 
+@pytest.mark.slow  # 4.5 s of a router that never acknowledges
 async def test_no_acknowledgement_from_any_router_fails_typed_not_by_timeout(private_server):
     """A router that takes the request and says nothing (it died in the instant after receiving
     it): placed again each time, until the migration limit, with the reason in the error."""
@@ -291,6 +294,7 @@ async def test_no_acknowledgement_from_any_router_fails_typed_not_by_timeout(pri
         await silent.close()
 
 
+@pytest.mark.slow  # 7 s with its restarted router's teardown
 async def test_a_request_waits_for_a_router_that_is_restarting(private_server):
     """A router answered this client before, then none is there (killed, its supervisor starting
     it again): a new request waits for it instead of failing after a second."""

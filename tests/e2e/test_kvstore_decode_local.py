@@ -17,6 +17,10 @@ from support import greedy_complete, kvstore_stats, prompt_of
 from tandem.client import connect
 from tandem.shared.model.reference import reference_generate
 
+# slow: its own system with a KV-store, about 14 s on 2 cores (the store's prefix path runs by default in
+# test_kvstore_e2e.py); .ci/run runs it
+pytestmark = pytest.mark.slow
+
 PROMPT_TOKENS = 100  # six full blocks and a partial one
 NEW_TOKENS = 8
 
@@ -62,7 +66,6 @@ async def test_a_decode_worker_prefilling_alone_takes_the_prefix_from_the_kvstor
     assert again.token_ids == fresh.token_ids, "with the prefix from the kvstore, the output changed"
 
 
-@pytest.mark.slow  # 10 s: a worker restarted under a request
 async def test_a_request_migrated_by_a_restart_takes_its_prefix_from_the_kvstore(system):
     store, name = system.instance("kvstore"), system.instance("decode")
     request = {"prompt": prompt_of(PROMPT_TOKENS, salt=23), "max_tokens": 300, "ignore_eos": True,

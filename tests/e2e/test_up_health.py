@@ -26,6 +26,9 @@ from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import encode
 from tandem.shared.protocol.fleet import DrainRequest
 
+# slow: whole tandem ups whose children are made silent or drained, about 15 s on 2 cores; .ci/run runs it
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
@@ -72,7 +75,6 @@ def drain(up, instance: str, exit_after: bool) -> None:
     run_sync(ask())
 
 
-@pytest.mark.slow  # 20 s of a drain and a replacement's boot on 2 cores
 @pytest.mark.parametrize("exit_after", [False, True], ids=["stays-idle", "exits"])
 def test_an_outside_drain_gets_a_replacement(up, exit_after):
     (old,) = wait_for(lambda: decode_ids(up) if len(decode_ids(up)) == 1 else None, 30, "one decode worker")

@@ -29,7 +29,10 @@ def job(tmp_path, name: str, **extra) -> TrainJob:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-@pytest.mark.parametrize("device_layers,split,resident", [(0, False, None), (2, False, None), (2, True, None),
+# slow: the layouts between the plainest and the one with every part (about 3 s each on 2 cores)
+@pytest.mark.parametrize("device_layers,split,resident", [(0, False, None),
+                                                          pytest.param(2, False, None, marks=pytest.mark.slow),
+                                                          pytest.param(2, True, None, marks=pytest.mark.slow),
                                                           (3, True, 2)])
 def test_resume_continues_bit_exactly(tmp_path, device, device_layers, split, resident):
     """``split``: the host optimizer previews working copies and commits state later (optimizer.py);
