@@ -770,7 +770,7 @@ class Client:
     def owner(self) -> str:
         """The token this client's requests and cancels are sent under, and its streams lie under:
         the user key on a bus with identities (nats-server enforces both), else the client id."""
-        return subjects.stream_owner(f"{self.inbox_prefix}.{self.client_id}.x")
+        return subjects.stream_owner(subjects.stream_inbox(self.inbox_prefix, self.client_id, "any"))
 
     def stream(self, prompt: str | list[int], *, model: str | None = None, request_id: str | None = None,
                timeout_s: float | None = None, priority: int = 0, **params) -> RequestStream:
@@ -947,7 +947,7 @@ class Client:
             if sub is not None:
                 await sub.unsubscribe()
             if cancel_id is not None and self.nc.is_connected:
-                # The stream's subject is the owner's proof (see Cancel).
+                # Sent under this client's owner token, naming the stream (see Cancel).
                 inbox = subjects.stream_inbox(self.inbox_prefix, self.client_id, cancel_id)
                 await self.nc.publish(subjects.cancel(self.owner),
                                       encode(Cancel(request_id=cancel_id, stream_subject=inbox)))

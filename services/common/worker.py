@@ -324,8 +324,8 @@ class EngineWorker(ServiceRuntime):
             return
         # Two checks: the cancel was sent under the stream's owner (on a bus with identities
         # nats-server vouches for the sender's token), and it names the very stream.
-        owner_sent = subjects.stream_owner(stream.subject) == subjects.owner_of(msg.subject)
-        if not owner_sent or not hmac.compare_digest(stream.subject.encode(), cancel.stream_subject.encode()):
+        names_it = hmac.compare_digest(stream.subject.encode(), cancel.stream_subject.encode())
+        if not (subjects.sent_by_owner(msg.subject, stream.subject) and names_it):
             self.limited.warning("ignored cancels", "ignored a cancel of %s from %s: not its owner's",
                                  shortened(cancel.request_id, 80), subjects.owner_of(msg.subject))
             return

@@ -1,6 +1,6 @@
 """The router: entry point for generation requests.
 
-``tandem serve router --nats-url URL``. Endpoint ``tandem.v1.router.generate`` (queue-balanced, so
+``tandem serve router --nats-url URL``. Endpoint ``tandem.v1.router.generate.<owner>`` (queue-balanced, so
 several routers can share the load) takes a :class:`GenerateRequest`: it validates it, tokenizes
 the prompt, scores the decode and prefill workers by cached prefix and load
 (:mod:`tandem.services.router.policy`), forwards the work, publishes a :class:`RoutingDecision`,
@@ -113,16 +113,17 @@ def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
                             "logit_bias")
 
 
-def check_stream_owner(msg: GenerateRequest, owner: str) -> None:
-    """Refuse a request whose stream is not its sender's: ``owner`` is the token the request was
-    published under (on a bus with identities, the sender's user key, which nats-server enforces),
-    and the workers write the request's tokens to its stream subject, so that subject must lie
-    under the sender's own inbox, ``_INBOX.<owner>``. A resume (``resume_output_token_ids``) then
-    writes into the sender's own stream only."""
-    if subjects.stream_owner(msg.stream_subject) != owner:
+def check_stream_owner(msg: GenerateRequest, subject: str) -> None:
+    """Refuse a request whose stream is not its sender's: ``subject`` is the one it was published on,
+    under its sender's owner token (on a bus with identities, the sender's user key, which
+    nats-server enforces), and the workers write the request's tokens to its stream subject, so that
+    subject must lie under the sender's own inbox. A resume (``resume_output_token_ids``) then writes
+    into the sender's own stream only."""
+    if not subjects.sent_by_owner(subject, msg.stream_subject):
         raise ProtocolError(ErrorCode.INVALID_REQUEST,
-                            f"stream_subject must be under this connection's own inbox (_INBOX.{owner}.), the "
-                            f"owner the request was sent as", "stream_subject")
+                            f"stream_subject must be under this connection's own inbox "
+                            f"(_INBOX.{subjects.owner_of(subject)}.), the owner the request was sent as",
+                            "stream_subject")
 
 
 def prefill_request(spec: RequestSpec, dec: Heartbeat, store: str, fetch: int, held: int) -> PrefillRequest:
@@ -139,8 +140,8 @@ def decode_request(spec: RequestSpec, store: str, fetch: int, held: int) -> Deco
 
 
 def admission_key(request_id: str, stream_subject: str) -> str:
-    """A queued request's name: its id with its stream subject, which only its owner knows (so only
-    the owner's cancel matches, as on the workers)."""
+    """A queued request's name: its id with its stream subject (so a cancel must name the very
+    stream, as on the workers; that it came from the stream's owner is checked first)."""
     return f"{request_id} {stream_subject}"
 
 
@@ -291,7 +292,7 @@ class Router(ServiceRuntime):
             cancel = decode(msg.data, Cancel)
         except ProtocolError:
             return
-        if subjects.stream_owner(cancel.stream_subject) != subjects.owner_of(msg.subject):
+        if not subjects.sent_by_owner(msg.subject, cancel.stream_subject):
             return  # not the sender's stream; the workers log it
         if self.admission.cancel(admission_key(cancel.request_id, cancel.stream_subject)):
             self.log.debug("cancelled %s while it was queued", cancel.request_id)
@@ -377,7 +378,7 @@ class Router(ServiceRuntime):
         try:
             msg: GenerateRequest = decode(request.data, GenerateRequest)
             request_id = msg.request_id
-            check_stream_owner(msg, subjects.owner_of(request.subject))
+            check_stream_owner(msg, request.subject)
             if msg.ack_placement:
                 await request.respond(encode(PlacementReceived(request_id=request_id, router=self.instance_id)))
             reply = await self.place_valid(msg, accepted_at)

@@ -56,6 +56,13 @@ def stream_owner(stream_subject: str) -> str:
     return parts[1] if len(parts) > 1 and parts[0] == "_INBOX" else ""
 
 
+def sent_by_owner(subject: str, stream_subject: str) -> bool:
+    """Whether a request or cancel that arrived on ``subject`` came from the owner of
+    ``stream_subject``: the one rule the router (requests, queued cancels) and the workers
+    (cancels) apply."""
+    return stream_owner(stream_subject) == owner_of(subject)
+
+
 def heartbeat(service: str, instance_id: str) -> str:
     """Where one instance publishes its load and health, a few times a second."""
     return f"{PREFIX}.heartbeat.{service}.{instance_id}"
