@@ -55,7 +55,7 @@ import uuid
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -497,16 +497,6 @@ def knob_at(loc: tuple) -> Knob | None:
     """The field a validation error's ``loc`` points at (``("engine", "num_blocks")``)."""
     path = ".".join(str(p) for p in loc[:2])
     return next((k for k in FIELDS if k.path == path), None)
-
-
-def describe_errors(exc: ValidationError) -> str:
-    """A ValidationError in terms of flags and environment variables."""
-    lines = []
-    for err in exc.errors():
-        knob = knob_at(err["loc"]) if err["loc"] else None
-        where = f"{knob.flag} / {knob.env}" if knob else ".".join(map(str, err["loc"]))
-        lines.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
-    return "; ".join(lines)
 
 
 def load_settings(**overrides: Any) -> Settings:
