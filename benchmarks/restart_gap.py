@@ -7,9 +7,10 @@ request), sends ``--requests`` short greedy completions at ``--rate`` a second, 
 worker with SIGKILL ``--kill-after-s`` seconds in, and lets ``tandem up`` restart it. Prints one
 JSON line: how many requests failed (and the first error), how many waited in the router's
 admission queue for the restart and for how long (p50, max of ``GenerateAccepted.queue_wait_s``),
-how many migrated, how many came out token-exact against the same requests sent undisturbed, and
-the time from the kill to the restarted worker's first heartbeat. Before the router waited for a
-restart, the requests of that gap failed at once with ``NoWorkersError``.
+how many migrated, how many came out token-exact against the same requests sent undisturbed, the
+time from the kill to the restarted worker's first heartbeat, and the longest wait as a fraction of
+that time. Before the router waited for a restart, the requests of that gap failed at once with
+``NoWorkersError``.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ async def run(url: str, data_dir: Path, args: argparse.Namespace, vocab_size: in
     after_kill = [o for o in outcomes if killed_at is not None and o.sent_at >= killed_at]
     waited = [o.queue_wait_s for o in outcomes if o.queue_wait_s > 0]
     failed = [o for o in outcomes if o.error]
+    restart_s = beats.new_at - killed_at if beats.new_at and killed_at else None
     return {
         "figure": "restart_gap", "requests": len(outcomes), "rate_per_s": args.rate,
         "sent_after_kill": len(after_kill), "failed": len(failed),
@@ -114,7 +116,10 @@ async def run(url: str, data_dir: Path, args: argparse.Namespace, vocab_size: in
         "migrated": sum(o.migrations > 0 for o in outcomes),
         "token_exact": f"{sum(o.error is None and o.token_ids == r.token_ids for o, r in zip(outcomes, reference))}"
                        f"/{len(outcomes)}",
-        "restart_s": round(beats.new_at - killed_at, 2) if beats.new_at and killed_at else None,
+        "restart_s": round(restart_s, 2) if restart_s else None,
+        # The longest wait against the worker's own return, both in this run: 1 would be a request
+        # sent at the kill placed the moment the restarted worker beat.
+        "queue_wait_max_over_restart": round(max(waited) / restart_s, 3) if waited and restart_s else None,
     }
 
 

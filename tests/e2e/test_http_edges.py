@@ -123,12 +123,15 @@ async def test_hostile_requests_beside_live_streams_are_refused_and_hurt_no_stre
     await asyncio.wait_for(asyncio.gather(*(first.wait() for first in firsts)), 60)
     assert not any(s.done() for s in streams), "a legitimate stream ended before the hostile requests went"
     # One after the other, so that each one's time is its own (the SDK encodes a 10 MB body on this loop).
+    # The baseline: an ordinary refusal of a one-prompt request (an unknown model), the same way, in this run.
+    _, ordinary_s = await refused(client.completions.create(model="no-such-model", prompt="x", max_tokens=4))
     many, many_s = await refused(client.completions.create(model="tiny", prompt=["x"] * HOSTILE_PROMPTS, max_tokens=4))
     big, big_s = await refused(client.completions.create(model="tiny", prompt="x" * HOSTILE_BODY_BYTES, max_tokens=4))
     live = sum(not s.done() for s in streams)
     beside = await asyncio.wait_for(asyncio.gather(*streams), 120)
-    print(f"\n{HOSTILE_PROMPTS:,} prompts refused in {many_s * 1e3:.1f} ms, a {HOSTILE_BODY_BYTES:,}-byte body in "
-          f"{big_s * 1e3:.1f} ms; {live} of {len(streams)} legitimate streams still live then")
+    print(f"\nrefused, against an ordinary one-prompt refusal in this run: {HOSTILE_PROMPTS:,} prompts "
+          f"{many_s / ordinary_s:.1f}x, a {HOSTILE_BODY_BYTES:,}-byte body {big_s / ordinary_s:.1f}x; "
+          f"{live} of {len(streams)} legitimate streams still live then")
 
     assert many.status_code == 400 and error_body(many).get("param") == "prompt", error_body(many)
     assert f"{HOSTILE_PROMPTS:,} prompts in one request; at most 128 (--http-max-prompts)" in \
