@@ -23,7 +23,7 @@ from pathlib import Path
 
 import nats
 
-from tandem.runstate import find_running
+from tandem.client.runstate import find_running
 from tandem.shared.auth.credentials import connect_options
 from tandem.shared.auth.keyring import Keyring
 from tandem.shared.infra.natsserver import NatsServer

@@ -8,7 +8,7 @@ Starts ``tandem up`` (one prefill and two decode workers; ``--model`` defaults t
 undisturbed (the reference), then once per ``--kill`` target: N streams, the target killed
 (SIGKILL) once every stream is under way, and L more requests sent in the instant after the kill
 (their placement meets the death). ``tandem up`` restarts what was killed; the clients migrate what
-it held (``tandem/migration.py``). The targets: ``decode``, the decode worker holding the most
+it held (``tandem/client/migration.py``). The targets: ``decode``, the decode worker holding the most
 streams; ``prefill``, the prefill worker, killed at once (before its hand-offs); ``router``, with
 both decode workers full (the router lets each hold N + L requests) and N/2 more requests waiting
 in its admission queue when it dies; ``nats``, the nats-server itself. Prints one JSON line per
@@ -37,7 +37,7 @@ from pathlib import Path
 from up_child import tandem_up
 
 from tandem.client import Client, RequestStream, connect
-from tandem.discovery import service_infos
+from tandem.client.discovery import service_infos
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import decode
 from tandem.shared.protocol.fleet import Heartbeat

@@ -11,7 +11,7 @@ of ``--input-len`` tokens for exactly ``--output-len`` greedy tokens (``ignore_e
 requests in flight, through ``tandem.client`` (NATS) and as OpenAI streaming completions (HTTP), in
 two rounds of half the requests each, ordered NATS, HTTP, HTTP, NATS so that drift within a level
 weighs on both alike; measured as ``tandem bench serve`` measures (its pieces:
-:mod:`tandem.bench_serve`). Every round gets prompts of the same shape but different tokens, so none
+:mod:`tandem.cli.bench_serve`). Every round gets prompts of the same shape but different tokens, so none
 finds another's blocks in the prefix cache. Prints, per concurrency, TTFT p50 over NATS and over HTTP and their
 difference in ms, and output tokens/s over each and their ratio HTTP/NATS; ``--json-out`` saves
 both paths' full summaries.
@@ -33,12 +33,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tandem.access import bus_options
-from tandem.bench_data import make_requests, summarize
-from tandem.bench_serve import BenchError, Progress, drive, http_backend, nats_backend, one, strict_json
+from tandem.cli.bench_data import make_requests, summarize
+from tandem.cli.bench_serve import BenchError, Progress, drive, http_backend, nats_backend, one, strict_json
+from tandem.cli.flags import Parser, show_defaults
 from tandem.client import TandemError
-from tandem.flags import Parser, show_defaults
-from tandem.runstate import data_dir_in_use, find_running
+from tandem.client.access import bus_options
+from tandem.client.runstate import data_dir_in_use, find_running
 
 PROG = "frontend_overhead"
 

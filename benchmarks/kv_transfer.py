@@ -6,7 +6,7 @@ transfer and ``--concurrency`` transfers in flight, two ways in the same run:
 
 - nats: ``send_kv`` frames under credit flow control (``--kv-window`` frames in flight) with a crc32
   per block computed on both ends as the bytes move, over ``--kv-connections`` bulk connections per
-  process (:mod:`tandem.shared.infra.bulklinks`; 0: over nats-py, as a service without them) with
+  process (:mod:`tandem.shared.kvtransfer.bulklinks`; 0: over nats-py, as a service without them) with
   ``--kv-check-threads`` checking landed blocks beside their readers, then an
   admit message whose checksums ``KVReceiver.take`` verifies (as services/prefill ``hand_off`` and
   decode ``on_admit`` do);
@@ -41,11 +41,11 @@ import nats
 import numpy as np
 import torch
 
-from tandem.shared.infra.bulklinks import BulkLinks
 from tandem.shared.infra.config import BusSettings
 from tandem.shared.infra.natsserver import NatsServer
-from tandem.shared.infra.shmring import ShmRing, SlotDescriptor, host_id
-from tandem.shared.protocol.frames import KVReceiver, block_checksums, send_kv
+from tandem.shared.kvtransfer.bulklinks import BulkLinks
+from tandem.shared.kvtransfer.frames import KVReceiver, block_checksums, send_kv
+from tandem.shared.kvtransfer.ring import ShmRing, SlotDescriptor, host_id
 from tandem.shared.protocol.kv import KVTransfer
 
 MiB = 1 << 20

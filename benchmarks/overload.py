@@ -30,9 +30,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tandem.cli.flags import Parser, show_defaults
 from tandem.client import OverloadedError, TandemError, connect
-from tandem.flags import Parser, show_defaults
-from tandem.runstate import find_running
+from tandem.client.runstate import find_running
 
 PROG = "overload"
 

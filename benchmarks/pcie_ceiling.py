@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from tandem.shared.infra.shmring import ShmRing
+from tandem.shared.kvtransfer.ring import ShmRing
 
 MiB = 1 << 20
 

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import nats
 
-from tandem.access import bus_options
-from tandem.bench_data import meets, percentile, summarize
-from tandem.bench_serve import one, router_model
+from tandem.cli.bench_data import meets, percentile, summarize
+from tandem.cli.bench_serve import one, router_model
 from tandem.client import connect
+from tandem.client.access import bus_options
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import decode
 from tandem.shared.protocol.fleet import ScalingDecision

@@ -18,11 +18,11 @@ import random
 import sys
 import time
 
-from tandem.bench import percentile
+from tandem.cli.bench import percentile
+from tandem.cli.supervisor import Supervisor
 from tandem.client import connect
 from tandem.services.common.runtime import run_async
 from tandem.shared.infra.config import load_settings
-from tandem.supervisor import Supervisor
 
 
 def make_prompts(n: int, length: int, shared: float, seed: int = 0) -> list[list[int]]:

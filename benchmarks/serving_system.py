@@ -60,7 +60,7 @@ async def count_reasons(url: str, data_dir: Path, seconds: float, into: Counter)
     """Count the router's decisions by reason (numbers blanked, so one kind of reason is one line)."""
     import nats
 
-    from tandem.access import bus_options
+    from tandem.client.access import bus_options
     from tandem.shared.protocol import subjects
     from tandem.shared.protocol.codec import decode
     from tandem.shared.protocol.fleet import RoutingDecision

@@ -97,10 +97,10 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
     import torch
 
     from tandem.shared.protocol.training import TrainJob
-    from tandem.shared.train.engine import StreamingEngine
+    from tandem.shared.train.loop import TrainLoop, gpu_cap_bytes
+    from tandem.shared.train.offload_step import OffloadStep
     from tandem.shared.train.optimizer import HostAdamW
     from tandem.shared.train.plan import Placement, choose_placement, measure_rates, step_bound
-    from tandem.shared.train.runner import TrainRunner, gpu_cap_bytes
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     base, _, ks = name.partition(":")
@@ -127,7 +127,7 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
         job = TrainJob(**(dict(dataset="random", lr=1e-4) | spec), steps=warmup + measure, weight_decay=0.0,
                        grad_clip=1.0, device=device, output_dir=tmp, deterministic=first_deterministic, **explicit)
         t0 = time.perf_counter()
-        runner = TrainRunner(job, name, Path(tmp), rates=rates)
+        runner = TrainLoop(job, name, Path(tmp), rates=rates)
         init_s = time.perf_counter() - t0
         for index, (variant, deterministic) in enumerate(variants):
             if index:  # same host state, fresh optimizer thread and engine
@@ -151,7 +151,7 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
                                                           "deterministic": deterministic})
                 runner.optimizer = HostAdamW(runner.state, runner.lr_at, job.weight_decay, job.grad_clip,
                                              split=runner.optimizer.split)
-                runner.engine = StreamingEngine(runner.config, runner.state, runner.optimizer, runner.device,
+                runner.engine = OffloadStep(runner.config, runner.state, runner.optimizer, runner.device,
                                                 device_update_layers=placement.device_update,
                                                 device_update_sets=placement.sets,
                                                 device_resident_layers=placement.resident,

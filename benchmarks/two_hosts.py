@@ -6,7 +6,7 @@ it; it lives here, beside the benchmark that users run, because a script under b
 not reach into tests/, while a test may load a module by path.
 
 A host is a holder process (``sleep``) that unshare(1) put into new network, mount and UTS
-namespaces, with a fresh tmpfs mounted on /dev/shm inside. :func:`tandem.shared.infra.shmring.host_id`
+namespaces, with a fresh tmpfs mounted on /dev/shm inside. :func:`tandem.shared.kvtransfer.ring.host_id`
 is boot id + /dev/shm's device + pid namespace, so the private tmpfs makes the two hosts' ids
 differ honestly: a ring made on one host is not there on the other, whatever the code tried. Every
 other process of a host (nats-server, ``tandem serve``, the client) joins the holder's namespaces
@@ -248,7 +248,7 @@ class TwoHosts:
               env: dict[str, str]) -> subprocess.Popen:
         """``tandem serve <service>`` on ``host`` against ``url`` (its host's server), logging to
         ``<workdir>/<instance_id>.log``."""
-        cmd = [sys.executable, "-m", "tandem.cli", "serve", service, "--nats-url", url, "--instance-id", instance_id,
+        cmd = [sys.executable, "-m", "tandem", "serve", service, "--nats-url", url, "--instance-id", instance_id,
                *args]
         proc = host.popen(cmd, env=env, stdout=open(self.workdir / f"{instance_id}.log", "wb"))
         self.services[instance_id] = (host, proc)
@@ -389,7 +389,7 @@ def _agent_nats(args: argparse.Namespace) -> None:
 
 
 async def _agent_ready(url: str, job: dict[str, Any]) -> dict[str, Any]:
-    from tandem.supervisor import wait_until_ready
+    from tandem.cli.supervisor import wait_until_ready
 
     await wait_until_ready(url, job["want"], lambda: None, job.get("timeout_s", 120))
     return {"ready": job["want"]}
@@ -401,7 +401,7 @@ async def _agent_client(url: str, job: dict[str, Any]) -> dict[str, Any]:
     import nats
 
     from tandem.client import connect
-    from tandem.shared.infra.shmring import host_id
+    from tandem.shared.kvtransfer.ring import host_id
     from tandem.shared.protocol import subjects
     from tandem.shared.protocol.codec import decode
     from tandem.shared.protocol.fleet import Heartbeat

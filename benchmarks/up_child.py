@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tandem.runstate import find_running
+from tandem.client.runstate import find_running
 
 READY = "tandem up: NATS at"
 
@@ -23,9 +23,7 @@ def tandem_up(up_args: list[str], data_dir: Path, log_path: Path,
     once it printed its ready line (the state file names the URLs then). Its stderr goes to
     ``log_path``; ``on_line`` sees each line it prints before it is ready. A ``tandem up`` that exits
     before it is ready ends the script in one line naming the log."""
-    # PYTHONSAFEPATH: run from a checkout, ``-m tandem`` would otherwise find the checkout's partial
-    # tandem/ folder before the installed package (a wheel install then fails to import tandem.shared).
-    env = {**os.environ, "TANDEM_DATA_DIR": str(data_dir), "PYTHONSAFEPATH": "1"}
+    env = {**os.environ, "TANDEM_DATA_DIR": str(data_dir)}
     with open(log_path, "w") as log:
         up = subprocess.Popen([sys.executable, "-m", "tandem", "up", *up_args], env=env, stdout=subprocess.PIPE,
                               stderr=log, text=True)

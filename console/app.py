@@ -104,7 +104,7 @@ def run_console(url: str | None, data_dir: Path | str | None = None, settings: S
     """Run the console against ``url`` (an explicit --nats-url: that server only), else against the
     ``tandem up`` running on ``data_dir``, following it across restarts (neither: say so on screen).
     It connects as the operator (``settings``' --creds and TLS flags, else up's key)."""
-    from tandem.access import operator_options
+    from tandem.client.access import operator_options
 
     settings = settings or Settings()
     try:

@@ -8,7 +8,7 @@ What it does, all in the app's event loop:
   while the connection is lost, the rows of live things (services, KV-stores, block tables) are
   cleared, since nothing vouches for them;
 - started without a URL but with a data dir (``tandem console`` finding the ``tandem up`` on this
-  machine), it follows that ``up``'s state file (:func:`tandem.runstate.find_running`, read every
+  machine), it follows that ``up``'s state file (:func:`tandem.client.runstate.find_running`, read every
   2 s): a restarted ``up`` (new pid, new URL) means a new connection and a state started afresh,
   none running means waiting for one; with an explicit ``--nats-url`` it keeps to that URL;
 - every 2 s: ``$SRV.STATS`` discovery of every service instance, each KV-store's stats
@@ -35,9 +35,9 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from tandem.client.discovery import gather_replies
+from tandem.client.runstate import find_running
 from tandem.console.state import ConsoleState, service_row
-from tandem.discovery import gather_replies
-from tandem.runstate import find_running
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorReply
 from tandem.shared.protocol.codec import decode, encode

@@ -1,7 +1,7 @@
-"""``python -m tandem ...`` is the ``tandem`` command (see tandem.cli)."""
+"""``python -m tandem ...`` is the ``tandem`` command (see tandem.cli.main)."""
 
 import sys
 
-from tandem.cli import main
+from tandem.cli.main import main
 
 sys.exit(main())

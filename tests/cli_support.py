@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-TANDEM = [sys.executable, "-m", "tandem.cli"]
+TANDEM = [sys.executable, "-m", "tandem"]
 
 
 def ctrl_c_reaches_it() -> None:
@@ -66,7 +66,7 @@ def launch(url: str, service: str, instance_id: str, logdir: Path, env: dict[str
 
 def operator_options(url: str, data_dir: Path) -> dict:
     """``nats.connect`` options of an operator of the ``tandem up`` on ``data_dir`` (its state file's key)."""
-    from tandem.access import bus_options
+    from tandem.client.access import bus_options
 
     return bus_options("operator", "tandem-test", url, data_dir=data_dir)
 

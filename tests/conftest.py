@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import pytest
 from cli_support import launch, run_sync, service_env
 
+from tandem.cli.supervisor import wait_until_ready
 from tandem.shared.infra.natsserver import NatsServer
-from tandem.supervisor import wait_until_ready
 
 if TYPE_CHECKING:
     from tandem.shared.model.loader import LoadedModel

@@ -126,7 +126,7 @@ async def greedy_complete(url: str, prompt: str, max_tokens: int):
 async def service_metadata(url: str, name: str) -> dict[str, dict[str, str]]:
     """Each running instance of the micro service ``name`` (``tandem-frontend``): its instance id ->
     its ``$SRV.INFO`` metadata (``pid``, a frontend's ``http_url``, ...)."""
-    from tandem.discovery import service_infos
+    from tandem.client.discovery import service_infos
 
     nc = await nats.connect(url)
     try:

@@ -5,7 +5,7 @@
     found, blob, block_bytes = await store.get(namespace, hashes[:leading], prefix_only=True)
     await store.put(namespace, new_hashes, blob, block_bytes)
 
-Bytes move as credited binary frames (:mod:`tandem.shared.protocol.frames`), over the worker's bulk
+Bytes move as credited binary frames (:mod:`tandem.shared.kvtransfer.frames`), over the worker's bulk
 connections when it has them (``links``), and are verified block by block (crc32) on arrival; every
 refusal comes back as :class:`ProtocolError` with its typed code.
 """
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import uuid
 
-from tandem.shared.infra.bulklinks import BulkLinks
 from tandem.shared.infra.config import BusSettings
+from tandem.shared.kvtransfer.bulklinks import BulkLinks
+from tandem.shared.kvtransfer.frames import KVReceiver, send_kv
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorReply, ProtocolError
 from tandem.shared.protocol.codec import decode, encode
-from tandem.shared.protocol.frames import KVReceiver, send_kv
 from tandem.shared.protocol.kv import (
     KVGetReply,
     KVGetRequest,

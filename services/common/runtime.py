@@ -33,17 +33,17 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, ServiceConfig
 
-from tandem import __version__
 from tandem.shared.auth.credentials import CredentialsError, connect_options, load_credentials, tls_context
-from tandem.shared.infra.bulklinks import BulkLinks
 from tandem.shared.infra.config import Settings
 from tandem.shared.infra.log_limit import LimitedLog, flush_all
 from tandem.shared.infra.metrics import MetricsPublisher, MetricsRegistry
+from tandem.shared.infra.version import VERSION
+from tandem.shared.kvtransfer.bulklinks import BulkLinks
+from tandem.shared.kvtransfer.frames import KVReceiver
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ProtocolError
 from tandem.shared.protocol.codec import encode, error_reply
 from tandem.shared.protocol.fleet import Heartbeat
-from tandem.shared.protocol.frames import KVReceiver
 
 Handler = Callable[[Request], Awaitable[None]]
 SHUTDOWN_TIMEOUT_S = 5.0
@@ -331,7 +331,7 @@ class ServiceRuntime:
             self.nc,
             ServiceConfig(
                 name=f"tandem-{self.name}",
-                version=__version__,
+                version=VERSION,
                 description=self.description,
                 metadata=self.metadata(),
                 stats_handler=lambda _endpoint: self.metrics(),

@@ -30,8 +30,8 @@ from tandem.services.common.service_metrics import WorkerMetrics
 from tandem.shared.engine.engine import EngineConfig, LLMEngine
 from tandem.shared.engine.sequence import EngineRequest, RequestOutput
 from tandem.shared.infra.config import Settings
-from tandem.shared.infra.devcopy import tensor_bytes, to_host
 from tandem.shared.kvcache.cache import kv_namespace, size_kv_pool
+from tandem.shared.kvtransfer.devcopy import tensor_bytes, to_host
 from tandem.shared.model.loader import LoadedModel, load_model, resolve_dtype
 from tandem.shared.model.meta import load_model_meta
 from tandem.shared.parallel.group import TensorParallelError, TensorParallelGroup

@@ -2,13 +2,13 @@
 
 ``tandem serve decode --nats-url URL``. Endpoints (per instance):
 
-- ``tandem.v1.decode.<id>.kv``: binary KV frames from prefill workers (see :mod:`tandem.shared.protocol.frames`),
+- ``tandem.v1.decode.<id>.kv``: binary KV frames from prefill workers (see :mod:`tandem.shared.kvtransfer.frames`),
   landed and checksummed by the reader threads of this worker's bulk connections (``--kv-connections``);
 - ``tandem.v1.decode.<id>.admit``: a :class:`DecodeRequest`, prefilled elsewhere (its KV arrived as
   frames and is verified here, or lies in this worker's shared-memory ring when the prefill worker
   is on the same host) or to prefill locally.
 
-The ring (:mod:`tandem.shared.infra.shmring`, ``--kv-ring-mib``, 0 disables it) is created at start and
+The ring (:mod:`tandem.shared.kvtransfer.ring`, ``--kv-ring-mib``, 0 disables it) is created at start and
 advertised in heartbeats with this host's id; the router passes both on to prefill workers.
 
 The scheduler (:mod:`tandem.shared.engine.scheduler`) queues sequences when blocks run out and
@@ -32,12 +32,12 @@ from tandem.services.common.runtime import run_service
 from tandem.services.common.worker import EngineWorker, Stream, engine_request
 from tandem.shared.engine.sequence import RequestOutput
 from tandem.shared.infra.config import Settings
-from tandem.shared.infra.shmring import RingError, ShmRing, SlotDescriptor, host_id
+from tandem.shared.kvtransfer.frames import KVReceiver
+from tandem.shared.kvtransfer.ring import RingError, ShmRing, SlotDescriptor, host_id
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import Ack, ErrorCode, ProtocolError
 from tandem.shared.protocol.codec import decode, encode, error_reply
 from tandem.shared.protocol.fleet import Heartbeat
-from tandem.shared.protocol.frames import KVReceiver
 from tandem.shared.protocol.serving import DecodeRequest, Probe
 
 RING_STALE_S = 120.0  # a READY slot whose admit never came: far beyond any admit timeout

@@ -27,7 +27,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from tandem import __version__
 from tandem.client import Client, RequestStream, TandemError
 from tandem.services.frontend import schemas
 from tandem.services.frontend.errors import (
@@ -42,6 +41,7 @@ from tandem.services.frontend.limits import BodyLimit, HTTPLimits, check_in_flig
 from tandem.services.frontend.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from tandem.services.frontend.metrics import FrontendMetrics
 from tandem.services.frontend.sampling import sampling_params
+from tandem.shared.infra.version import VERSION
 from tandem.shared.text.chat_template import ChatTemplate, ChatTemplateError
 from tandem.shared.text.tokenizer import HFTokenizer, Tokenizer
 
@@ -291,7 +291,7 @@ class Collected:
 
 
 def build_app(frontend: Frontend) -> FastAPI:
-    app = FastAPI(title="tandem", version=__version__, docs_url="/docs", redoc_url=None)
+    app = FastAPI(title="tandem", version=VERSION, docs_url="/docs", redoc_url=None)
     text_of = TokenText(frontend.model.tokenizer)
 
     @app.exception_handler(APIError)
@@ -327,7 +327,7 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": __version__}
+        return {"version": VERSION}
 
     @app.get("/metrics")
     async def metrics() -> Response:

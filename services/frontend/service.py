@@ -16,7 +16,7 @@ import time
 import uvicorn
 
 from tandem.client import Client
-from tandem.discovery import service_infos
+from tandem.client.discovery import service_infos
 from tandem.services.common.runtime import ServiceRuntime, run_service
 from tandem.services.frontend.app import Frontend, ServedModel, build_app
 from tandem.services.frontend.limits import HTTPLimits

@@ -9,7 +9,7 @@
 - ``tandem.v1.kvstore.<id>.get``: :class:`KVGetRequest` -> the blocks found go as KV frames to the
   request's ``inbox`` (the requester credits them, as a decode worker does), then
   :class:`KVGetReply` lists the hashes sent and a :class:`KVTransfer` (block_bytes, crc32 per block);
-- ``tandem.v1.kvstore.<id>.kv``: KV frames of a put (:func:`tandem.shared.protocol.frames.send_kv`),
+- ``tandem.v1.kvstore.<id>.kv``: KV frames of a put (:func:`tandem.shared.kvtransfer.frames.send_kv`),
   landed by the reader threads of the store's bulk connections (``--kv-connections``);
 - ``tandem.v1.kvstore.<id>.put``: :class:`KVPutRequest` naming that transfer and one hash per block
   -> :class:`KVPutReply`; the blocks' checksums are verified before anything is stored;
@@ -37,11 +37,11 @@ from tandem.services.common.runtime import ServiceRuntime, run_service
 from tandem.services.common.service_metrics import kvstore_metrics
 from tandem.services.kvstore.store import KVBlockStore
 from tandem.shared.infra.config import Settings
+from tandem.shared.kvtransfer.frames import KVReceiver, send_kv
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ProtocolError
 from tandem.shared.protocol.codec import decode, encode, error_reply
 from tandem.shared.protocol.fleet import Heartbeat
-from tandem.shared.protocol.frames import KVReceiver, send_kv
 from tandem.shared.protocol.kv import (
     KVGetReply,
     KVGetRequest,

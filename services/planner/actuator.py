@@ -1,7 +1,7 @@
 """Carrying out the planner's decisions where no ``tandem up`` does: the contract an actuator keeps.
 
 Under ``tandem up`` the supervisor subscribes to the decisions and starts or drains children
-itself (:mod:`tandem.scaling`); the planner only publishes (actuator ``up``). Under docker compose
+itself (:mod:`tandem.cli.scaling`); the planner only publishes (actuator ``up``). Under docker compose
 or Kubernetes nobody else would act, so the planner holds an :class:`Actuator` for where it runs
 (``--planner-actuator``: ``docker`` scales the compose service through the Docker Engine API,
 ``kubernetes`` patches the Deployment's replicas; ``auto`` picks from the environment) and calls

@@ -39,7 +39,7 @@ from tandem.services.planner.kubernetes_actuator import SERVICE_ACCOUNT_DIR, Kub
 from tandem.services.planner.policy import Decision, Load, Planner, Targets
 from tandem.services.planner.window import LoadWindow
 from tandem.shared.infra.config import Settings
-from tandem.shared.infra.streams import ensure_stream
+from tandem.shared.infra.jetstream import ensure_stream
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ProtocolError
 from tandem.shared.protocol.codec import decode, encode

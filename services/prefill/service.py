@@ -25,14 +25,14 @@ from tandem.services.common.runtime import run_service
 from tandem.services.common.worker import EngineWorker, Stream, engine_request
 from tandem.shared.engine.sequence import RequestOutput
 from tandem.shared.infra.config import Settings
-from tandem.shared.infra.devcopy import tensor_bytes, to_host
-from tandem.shared.infra.shmring import RingError, ShmRing, host_id
+from tandem.shared.kvtransfer.devcopy import tensor_bytes, to_host
+from tandem.shared.kvtransfer.frames import send_kv
+from tandem.shared.kvtransfer.ring import RingError, ShmRing, host_id
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import Ack, ErrorCode, ErrorReply, ProtocolError
 from tandem.shared.protocol.block_hashes import prefix_hashes
 from tandem.shared.protocol.codec import decode, encode, error_reply
 from tandem.shared.protocol.fleet import Heartbeat
-from tandem.shared.protocol.frames import send_kv
 from tandem.shared.protocol.kv import KVTransfer, RingSlots
 from tandem.shared.protocol.serving import DecodeRequest, PrefillRequest
 

@@ -23,7 +23,7 @@ unset: the data dir) names, every file it would read below them included, so a l
 Relative paths count from the data dir (not the service's working directory); the job runs on
 the absolute paths, so what was checked is what is read, and its ``WeightsUpdated`` events name
 the resolved checkpoint folder. ``stdlib``, ``random`` and the model presets are no paths.
-``tandem train`` (tandem/train_cli.py) runs the user's own job in the user's process and goes
+``tandem train`` (tandem/cli/train.py) runs the user's own job in the user's process and goes
 through none of this.
 """
 
@@ -117,8 +117,8 @@ def validate_job(job: TrainJob) -> None:
     records are read and checked line by line here (not yet tokenized), so a bad line is the
     requester's ``invalid_request`` naming it, not a failed job."""
     from tandem.shared.train.finetune_data import read_records, records_kind
+    from tandem.shared.train.loop import resolve_device
     from tandem.shared.train.presets import resolve_model
-    from tandem.shared.train.runner import resolve_device
 
     resolve_device(job.device)
     try:
@@ -237,9 +237,9 @@ class TrainerService(ServiceRuntime):
                 record.state, record.message = "failed", f"{type(exc).__name__}: {exc}"
 
     def _run(self, record: JobRecord) -> None:
-        from tandem.shared.train.runner import TrainRunner
+        from tandem.shared.train.loop import TrainLoop
 
-        runner = TrainRunner(record.job, record.job_id, self.settings.data_dir)
+        runner = TrainLoop(record.job, record.job_id, self.settings.data_dir)
         job_id = record.job_id
 
         def on_step(metrics) -> None:  # noqa: ANN001

@@ -45,7 +45,7 @@ from tandem.shared.infra.config import EngineSettings
 from tandem.shared.kvcache.block_manager import BlockManager
 from tandem.shared.kvcache.cache import kv_cache_bytes_per_block
 from tandem.shared.kvcache.swap_space import SwapSpace
-from tandem.shared.parallel.runner import TensorParallelRunner
+from tandem.shared.parallel.tp_model_runner import TensorParallelRunner
 from tandem.shared.protocol.block_hashes import prefix_hashes
 from tandem.shared.protocol.serving import SamplingParams, TokenLogprobs
 from tandem.shared.text.tokenizer import Tokenizer

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.shared.engine.sequence import has_penalties
-from tandem.shared.infra.devcopy import host_values_to
+from tandem.shared.kvtransfer.devcopy import host_values_to
 from tandem.shared.protocol.serving import SamplingParams
 
 if TYPE_CHECKING:

@@ -20,10 +20,10 @@ from tandem.shared.engine.logits_processors import process_logits
 from tandem.shared.engine.prompt_logprobs import PromptRows, compute_prompt_logprobs, rows_scoring_prompt
 from tandem.shared.engine.sampling import SampledLogprobs, gather_logprobs, sample, sample_rows_alone
 from tandem.shared.engine.scheduler import ScheduledBatch
-from tandem.shared.infra.devcopy import host_values_to
 from tandem.shared.kvcache.attention import AttentionMetadata, build_attention_metadata
 from tandem.shared.kvcache.cache import allocate_kv_cache, gather_blocks, scatter_blocks
 from tandem.shared.kvcache.swap_space import SwapSpace
+from tandem.shared.kvtransfer.devcopy import host_values_to
 from tandem.shared.model.fp8 import quantize_model
 from tandem.shared.protocol.serving import TokenLogprobs
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.shared.infra.devcopy import host_values_to
+from tandem.shared.kvtransfer.devcopy import host_values_to
 from tandem.shared.protocol.serving import TokenLogprobs
 
 if TYPE_CHECKING:

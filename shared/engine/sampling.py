@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.shared.infra.devcopy import host_values_to
+from tandem.shared.kvtransfer.devcopy import host_values_to
 from tandem.shared.protocol.serving import GREEDY_TEMPERATURE, SamplingParams, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1

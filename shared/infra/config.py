@@ -37,7 +37,7 @@ description and default.
 
 Adding a knob is one edit: a field with a ``description`` (and bounds) in its section. Its
 variable, its flag on ``tandem serve`` and ``tandem up`` (which hands flags given to it on to the
-children whose service uses the section, see ``tandem/flags.py``), its help text and, in the
+children whose service uses the section, see ``tandem/cli/flags.py``), its help text and, in the
 engine section, the engine's config all follow from it.
 
 ``Settings(num_blocks=512)`` and :func:`load_settings` take flat names too. Nothing here imports

@@ -15,7 +15,7 @@ from __future__ import annotations
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
-from tandem.shared.infra.streams import ensure_stream
+from tandem.shared.infra.jetstream import ensure_stream
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import encode
 from tandem.shared.protocol.kv import KVEvent

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.shared.infra.devcopy import host_values_to
+from tandem.shared.kvtransfer.devcopy import host_values_to
 
 if TYPE_CHECKING:
     from tandem.shared.infra.config import EngineSettings

@@ -143,7 +143,7 @@ def run_follower(rank: int, size: int, port: int, device: torch.device, job: Ran
     from tandem.shared.infra.config import EngineSettings
     from tandem.shared.kvcache.cache import size_kv_pool
     from tandem.shared.model.loader import load_model, resolve_dtype
-    from tandem.shared.parallel.runner import follow
+    from tandem.shared.parallel.tp_model_runner import follow
 
     if job.torch_threads:
         torch.set_num_threads(job.torch_threads)

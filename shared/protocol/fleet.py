@@ -34,7 +34,7 @@ class Heartbeat(WireMessage):
     kv_namespace: str = ""  # blocks are comparable only within one (see tandem.shared.kvcache.cache)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached
-    host_id: str = ""  # workers with equal host ids share /dev/shm (tandem.shared.infra.shmring.host_id)
+    host_id: str = ""  # workers with equal host ids share /dev/shm (tandem.shared.kvtransfer.ring.host_id)
     kv_ring: str = ""  # a decode worker's shared-memory ring for KV hand-offs on this host
     # The accelerator it computes on, as an id unique across processes and hosts (a CUDA GPU's UUID;
     # an index is not: CUDA_VISIBLE_DEVICES renumbers). Equal ids share the device, so the router does

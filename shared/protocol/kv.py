@@ -75,7 +75,7 @@ class KVLookupReply(WireMessage):
 
 class KVGetRequest(WireMessage):
     """To a KV store: send the blocks of ``hashes`` you hold as KV frames to ``inbox`` (the requester
-    acks each frame, see :mod:`tandem.shared.protocol.frames`), then reply with a :class:`KVGetReply`.
+    acks each frame, see :mod:`tandem.shared.kvtransfer.frames`), then reply with a :class:`KVGetReply`.
     ``prefix_only`` stops at the first missing hash."""
 
     kind: Literal["kv_get"] = "kv_get"

@@ -10,10 +10,10 @@ import pytest
 from support import BAD_PROMPT_TOKEN_IDS, BAD_SAMPLING, flushed, prompt_of, value_id, worker_beats
 
 from tandem.client import connect
+from tandem.shared.kvtransfer.frames import pack_frame
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import SCHEMA_VERSION, ErrorReply
 from tandem.shared.protocol.codec import decode, encode
-from tandem.shared.protocol.frames import pack_frame
 from tandem.shared.protocol.kv import KVTransfer
 from tandem.shared.protocol.serving import (
     Cancel,

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 from cli_support import TANDEM, tandem_env, wait_for
 
-from tandem.bench_data import RequestResult, arrival_gaps, make_requests, parse_goodput, percentile, summarize
+from tandem.cli.bench_data import RequestResult, arrival_gaps, make_requests, parse_goodput, percentile, summarize
 
 # slow: whole bench runs, about 13 s on 2 cores (bench serve against tandem up runs by default in
 # test_bus_auth.py); .ci/run runs it

@@ -61,7 +61,7 @@ def offline_capable() -> str | None:
 
 def docker_with_images() -> tuple[dict[str, str] | None, str]:
     """(DOCKER_HOST for an engine that holds every CPU image of the compose file, or None; why)."""
-    from tandem.bundle import compose_images
+    from tandem.cli.bundle import compose_images
 
     if shutil.which("docker") is None:
         return None, "no docker command"

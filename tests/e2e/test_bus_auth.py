@@ -26,11 +26,11 @@ import pytest
 from cli_support import TANDEM, tandem_env, wait_for
 from support import flushed
 
-from tandem.access import bus_options
 from tandem.client import connect
+from tandem.client.access import bus_options
+from tandem.client.runstate import find_running, nats_dir
 from tandem.console.source import NatsSource
 from tandem.console.state import ConsoleState
-from tandem.runstate import find_running, nats_dir
 from tandem.shared.auth.credentials import RoleKey, UserCreds, connect_options, load_credentials
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorReply

@@ -37,12 +37,12 @@ from fuzz_support import (
 from nats.errors import TimeoutError as NatsTimeoutError
 from support import flushed, worker_beats
 
+from tandem.cli.supervisor import wait_until_ready
 from tandem.shared.auth.credentials import connect_options, load_credentials
 from tandem.shared.auth.keyring import Keyring
 from tandem.shared.infra.natsserver import NatsServer
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import SCHEMA_VERSION
-from tandem.supervisor import wait_until_ready
 
 pytestmark = pytest.mark.slow  # the fuzz again, on a bus with identities
 

@@ -113,9 +113,9 @@ def test_up_without_nats_binary_is_a_clear_error(tmp_path):
 ])
 def test_engine_flags_reach_settings_and_workers(flags: list[str], overlap: bool | None, passed_on: list[str]) -> None:
     """Engine flags become settings, and ``up`` hands the ones given to the workers it starts."""
-    from tandem.cli import parser
-    from tandem.flags import SERVICE_SETTINGS, argv, given, settings_from
-    from tandem.supervisor import DECIDED_HERE
+    from tandem.cli.flags import SERVICE_SETTINGS, argv, given, settings_from
+    from tandem.cli.main import parser
+    from tandem.cli.supervisor import DECIDED_HERE
 
     args = parser().parse_args(["up", *flags])
     assert settings_from(args).engine.overlap_steps is overlap

@@ -22,13 +22,13 @@ import pytest
 from cli_support import TANDEM, ctrl_c_reaches_it, launch, run_sync, service_env, tandem_env, wait_for
 
 from tandem import __version__
-from tandem.discovery import scrape_services, service_infos
-from tandem.runstate import find_running
+from tandem.cli.supervisor import wait_until_ready
+from tandem.client.discovery import scrape_services, service_infos
+from tandem.client.runstate import find_running
 from tandem.shared.infra.natsserver import NatsServer
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import decode
 from tandem.shared.protocol.serving import Cancel
-from tandem.supervisor import wait_until_ready
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 FRONTEND = "frontend-surface"

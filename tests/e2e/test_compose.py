@@ -25,7 +25,7 @@ import nats
 import pytest
 import yaml
 
-from tandem.cli import parser
+from tandem.cli.main import parser
 from tandem.shared.infra.config import FIELDS, Settings
 from tandem.shared.infra.natsserver import MAX_PAYLOAD, MAX_PENDING, find_nats_server
 
@@ -96,7 +96,7 @@ def test_every_tandem_service_connects_with_its_own_roles_key():
 
 def auth_folder(tmp_path: Path) -> Path:
     """compose/nats.conf beside an auth/ folder made as the auth service makes it."""
-    from tandem.auth_init import init_keyring
+    from tandem.cli.auth_init import init_keyring
 
     (tmp_path / "nats.conf").write_text((COMPOSE / "nats.conf").read_text().replace('"/data"', f'"{tmp_path}/js"'))
     init_keyring(tmp_path / "auth")
@@ -133,7 +133,7 @@ def test_dockerfile_installs_the_package_with_cpu_torch():
         assert needed in allowed, f"compose/Dockerfile.dockerignore leaves {needed} out of the build context"
         assert needed in [c.rstrip("/") for c in copied], f"compose/Dockerfile does not copy {needed}"
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["tandem"] == "tandem.cli:main"
+    assert scripts["tandem"] == "tandem.cli.main:main"
 
 
 def test_environment_is_tandem_settings():
@@ -204,7 +204,7 @@ async def test_every_service_command_starts_and_answers_ping(tmp_path):
             if "TANDEM_KVSTORE_DIR" in env:
                 env["TANDEM_KVSTORE_DIR"] = str(tmp_path / name / "kvstore")
             log = open(tmp_path / f"{name}.log", "wb")
-            procs[name] = subprocess.Popen([sys.executable, "-m", "tandem.cli", *command[1:]],
+            procs[name] = subprocess.Popen([sys.executable, "-m", "tandem", *command[1:]],
                                            env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 90
         want = {f"compose-{name}" for name in procs}

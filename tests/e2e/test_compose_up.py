@@ -36,14 +36,14 @@ import nats
 import pytest
 from docker_support import COMPOSE_DIR, Compose, DockerEngine, docker_engine, port_taken, progress, tandem_images
 
-from tandem.access import bus_options
+from tandem.cli.supervisor import wait_until_ready
 from tandem.client import Completion, connect
-from tandem.discovery import gather_replies
+from tandem.client.access import bus_options
+from tandem.client.discovery import gather_replies
 from tandem.services.planner.docker_actuator import DockerActuator
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.fleet import DrainRequest, Heartbeat, ScaleRequest, ScalingDecision
-from tandem.supervisor import wait_until_ready
 
 __all__ = ["docker_engine", "tandem_images"]  # fixtures from docker_support, used by name below
 

@@ -20,11 +20,11 @@ import pytest
 from cli_support import launch, run_sync
 from support import bus_connections, prompt_of, service_metadata
 
+from tandem.cli.supervisor import wait_until_ready
 from tandem.console.source import NatsSource
 from tandem.console.state import ConsoleState
 from tandem.shared.infra.natsserver import MAX_PAYLOAD, NatsServer
 from tandem.shared.model.meta import shipped_tiny_checkpoint
-from tandem.supervisor import wait_until_ready
 
 # slow: its own nats-server and two front ends (about 18 s on 2 cores); the same bounds run by default in
 # tests/unit/frontend/test_http_limits.py, against the app in process

@@ -1,5 +1,5 @@
 """KV frames over a real nats-server: :func:`send_kv` into a :class:`KVReceiver`, each end over
-nats-py or over bulk connections (:mod:`tandem.shared.infra.bulklinks`), on a server with 8 MiB
+nats-py or over bulk connections (:mod:`tandem.shared.kvtransfer.bulklinks`), on a server with 8 MiB
 frames and on one with nats-server's default 1 MiB (where a large block spans frames).
 
 Every transfer arrives whole with the sender's and the receiver's checksums equal; a slow receiver
@@ -33,12 +33,9 @@ from support import flushed
 from tandem.shared.auth.credentials import connect_options
 from tandem.shared.auth.keyring import Keyring
 from tandem.shared.infra import natsserver
-from tandem.shared.infra.bulkconn import BulkConnection, BulkConnectionError
-from tandem.shared.infra.bulklinks import BulkLinks
-from tandem.shared.protocol import subjects
-from tandem.shared.protocol.base import SCHEMA_VERSION, ErrorCode, ErrorReply, ProtocolError
-from tandem.shared.protocol.codec import decode
-from tandem.shared.protocol.frames import (
+from tandem.shared.kvtransfer.bulkconn import BulkConnection, BulkConnectionError
+from tandem.shared.kvtransfer.bulklinks import BulkLinks
+from tandem.shared.kvtransfer.frames import (
     KVCredit,
     KVReceiver,
     block_checksums,
@@ -48,6 +45,9 @@ from tandem.shared.protocol.frames import (
     send_kv,
     unpack_frame,
 )
+from tandem.shared.protocol import subjects
+from tandem.shared.protocol.base import SCHEMA_VERSION, ErrorCode, ErrorReply, ProtocolError
+from tandem.shared.protocol.codec import decode
 from tandem.shared.protocol.kv import KVTransfer
 
 KIB, MIB = 1024, 1024 * 1024

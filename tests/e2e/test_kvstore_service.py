@@ -27,10 +27,10 @@ import pytest
 from tandem.services.common.kvstore_client import KVStoreClient
 from tandem.services.kvstore.store import namespace_digest
 from tandem.shared.infra import natsserver
+from tandem.shared.kvtransfer.frames import block_checksums, pack_frame, send_kv
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import SCHEMA_VERSION, Ack, ErrorReply, ProtocolError
 from tandem.shared.protocol.codec import decode, encode, error_reply
-from tandem.shared.protocol.frames import block_checksums, pack_frame, send_kv
 from tandem.shared.protocol.kv import (
     KVEvent,
     KVGetReply,
@@ -58,7 +58,7 @@ class Store:
 
     async def start(self) -> Store:
         env = dict(os.environ, TANDEM_HEARTBEAT_INTERVAL_S="0.2", PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "tandem.cli", "serve", "kvstore", "--nats-url", self.url, "--instance-id", self.id]
+        cmd = [sys.executable, "-m", "tandem", "serve", "kvstore", "--nats-url", self.url, "--instance-id", self.id]
         self.proc = subprocess.Popen(cmd + self.args, env=env, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
         async with connect(self.url) as nc:
             for _ in range(300):

@@ -11,7 +11,7 @@ import pytest
 from support import prompt_of
 
 from tandem.client import connect
-from tandem.discovery import scrape_services, service_infos
+from tandem.client.discovery import scrape_services, service_infos
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import decode
 from tandem.shared.protocol.fleet import MetricsSnapshot

@@ -1,7 +1,7 @@
 """Chaos: kill -9 of a worker with 16 streams in flight, on real processes. Every stream completes,
 token-exact against an undisturbed run of the same requests on the same system (greedy, seeded
 sampling, penalties, min_tokens, a stop string), the killed worker's requests migrated by their
-clients (see tandem/migration.py). Each test prints streams token-exact / total and the time
+clients (see tandem/client/migration.py). Each test prints streams token-exact / total and the time
 from the kill to the migrated streams' next token (p50, max). And a request outlives the restart
 of the only decode worker (as ``tandem up`` restarts a crashed one), and the kill of the router
 holding queued requests (streams placed before go on; the queued ones are placed again once a

@@ -17,11 +17,11 @@ import pytest
 from cli_support import TANDEM, launch, run_sync
 from support import assert_pools_free, prompt_of
 
+from tandem.cli.supervisor import wait_until_ready
 from tandem.client import connect
-from tandem.discovery import service_infos
+from tandem.client.discovery import service_infos
 from tandem.shared.text.chat_template import tiny_template
 from tandem.shared.text.tokenizer import ByteTokenizer
-from tandem.supervisor import wait_until_ready
 
 KEY = "sekrit-key"
 SERVED = "tandem-tiny"

@@ -15,9 +15,9 @@ import pytest
 from cli_support import launch, run_sync
 from support import assert_pools_free, prompt_of
 
+from tandem.cli.supervisor import wait_until_ready
 from tandem.client import OverloadedError, connect
-from tandem.discovery import service_infos
-from tandem.supervisor import wait_until_ready
+from tandem.client.discovery import service_infos
 
 MAX_NUM_SEQS = 2
 QUEUE = 4

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from cli_support import TANDEM, tandem_env, wait_for
 
-from tandem.runstate import find_running
+from tandem.client.runstate import find_running
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 README_URL = "http://127.0.0.1:8000"

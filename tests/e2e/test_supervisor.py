@@ -15,8 +15,8 @@ import nats
 import pytest
 from cli_support import TANDEM, operator_options, tandem_env, wait_for
 
+from tandem.cli.gpus import memory_share, pick_gpus
 from tandem.client import connect
-from tandem.gpus import memory_share, pick_gpus
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import decode
 from tandem.shared.protocol.fleet import Heartbeat, ScalingDecision

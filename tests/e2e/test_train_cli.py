@@ -26,7 +26,7 @@ from tandem.shared.model.loader import load_model
 from tandem.shared.model.meta import load_model_meta
 
 ROOT = Path(__file__).resolve().parents[2]
-TANDEM = [sys.executable, "-m", "tandem.cli"]
+TANDEM = [sys.executable, "-m", "tandem"]
 
 
 def train_env(data_dir: Path) -> dict[str, str]:
@@ -207,7 +207,7 @@ def test_benchmark_cpu_mode_prints_its_figures(tmp_path):
 def test_engine_flags_reach_the_job(tmp_path, flags, expected):
     import argparse
 
-    from tandem.train_cli import add_train_parser, build_job
+    from tandem.cli.train import add_train_parser, build_job
 
     parser = argparse.ArgumentParser()
     add_train_parser(parser.add_subparsers(), lambda p: None)

@@ -21,6 +21,7 @@ import pytest
 from cli_support import launch, run_sync, service_env
 from model_support import make_hf_checkpoint
 
+from tandem.cli.supervisor import ping_services
 from tandem.shared.model.loader import load_model
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import SCHEMA_VERSION, ErrorCode, ErrorReply
@@ -35,7 +36,6 @@ from tandem.shared.protocol.training import (
     TrainTimeline,
     WeightsUpdated,
 )
-from tandem.supervisor import ping_services
 
 SECRET = "root:$6$not-for-the-bus:19000:0:99999:7:::"
 CHAT = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}

@@ -20,8 +20,8 @@ from cli_support import TANDEM, operator_options, run_sync, tandem_env, wait_for
 from support import prompt_of, worker_beats
 
 from tandem.client import connect
-from tandem.discovery import service_infos
-from tandem.runstate import find_running
+from tandem.client.discovery import service_infos
+from tandem.client.runstate import find_running
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import encode
 from tandem.shared.protocol.fleet import DrainRequest

@@ -23,7 +23,7 @@ from cli_support import TANDEM, tandem_env, wait_for
 from support import prompt_of
 
 from tandem.client import TandemError, connect
-from tandem.runstate import find_running, pid_alive, read_state
+from tandem.client.runstate import find_running, pid_alive, read_state
 
 pytestmark = pytest.mark.slow  # each boots its own up (and most stop it): 20-60 s apiece on 2 cores
 

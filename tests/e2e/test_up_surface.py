@@ -29,9 +29,9 @@ import nats
 import pytest
 from cli_support import TANDEM, operator_options, tandem_env, wait_for
 
+from tandem.cli.supervisor import listen_on
 from tandem.client import connect
-from tandem.discovery import service_infos
-from tandem.supervisor import listen_on
+from tandem.client.discovery import service_infos
 
 START_ORDER = ("decode", "prefill", "router", "frontend")  # with --kvstore 0
 METRICS_LINE = re.compile(r"^  metrics: (\S+) (http://\S+)$", re.M)

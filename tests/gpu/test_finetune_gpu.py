@@ -20,9 +20,9 @@ from tandem.shared.model.config import ModelConfig
 from tandem.shared.text.chat_template import tiny_template
 from tandem.shared.text.tokenizer import BYTE_EOS_ID, ByteTokenizer
 from tandem.shared.train.data import Batch
-from tandem.shared.train.engine import StreamingEngine
 from tandem.shared.train.finetune_data import Encoder, FinetuneData, read_records
 from tandem.shared.train.host_state import HostState
+from tandem.shared.train.offload_step import OffloadStep
 from tandem.shared.train.optimizer import HostAdamW
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -37,11 +37,11 @@ def packed_data(tmp_path, seq: int) -> tuple[FinetuneData, list]:  # noqa: ANN00
     return data, [encoder.encode(r, path) for r in read_records(path)]
 
 
-def engine_for(cfg: ModelConfig, **kw) -> tuple[HostState, HostAdamW, StreamingEngine]:  # noqa: ANN003
+def engine_for(cfg: ModelConfig, **kw) -> tuple[HostState, HostAdamW, OffloadStep]:  # noqa: ANN003
     state = HostState.random(cfg, seed=3, work_dtype=torch.bfloat16, pin=True)
     opt = HostAdamW(state, lambda step: LR, 0.1, CLIP)
     opt.start()
-    return state, opt, StreamingEngine(cfg, state, opt, CUDA, **kw)
+    return state, opt, OffloadStep(cfg, state, opt, CUDA, **kw)
 
 
 @pytest.mark.parametrize("compile_layers", [False, True], ids=["eager", "compiled"])
@@ -84,7 +84,7 @@ def test_unpacked_rows_keep_flash_and_packed_rows_take_flex_attention(tmp_path):
         opt.close()
 
 
-def timed_steps(engine: StreamingEngine, batch: Batch, steps: int) -> float:
+def timed_steps(engine: OffloadStep, batch: Batch, steps: int) -> float:
     engine.step(batch.inputs, batch.targets, segments=batch.segments).loss()  # compile / warm up
     torch.cuda.synchronize()
     start = time.perf_counter()

@@ -2,7 +2,7 @@
 
 With overlapped decode steps the stream always holds the next step, so a helper that synchronizes
 it (a blocking ``torch.tensor(..., device=cuda)``, a ``.cpu()``) stalls the engine for a whole
-step (``shared/infra/devcopy.py``). These GPU tests (``-m gpu``) queue a long sleep on the stream and
+step (``shared/kvtransfer/devcopy.py``). These GPU tests (``-m gpu``) queue a long sleep on the stream and
 check, with an event rather than a clock, that sampling and whole-block export/import returned
 while the sleep was still running, and that KV blocks reach the host intact through ``to_host``.
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tandem.shared.engine.sampling import sample
-from tandem.shared.infra.devcopy import to_host
 from tandem.shared.kvcache.cache import gather_blocks, scatter_blocks
+from tandem.shared.kvtransfer.devcopy import to_host
 from tandem.shared.protocol.serving import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -11,9 +11,9 @@ import torch
 from train_support import CLIP, LR, batches, reference_model, reference_optimizer, reference_step
 
 from tandem.shared.model.config import ModelConfig
-from tandem.shared.train.engine import StreamingEngine
 from tandem.shared.train.host_state import HostState
 from tandem.shared.train.lanes import hidden_fraction
+from tandem.shared.train.offload_step import OffloadStep
 from tandem.shared.train.optimizer import HostAdamW, lr_schedule
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -21,11 +21,11 @@ CUDA = torch.device("cuda")
 
 
 def engine_for(cfg: ModelConfig, lr_at=lambda step: LR, split: bool = False,
-               **kw) -> tuple[HostState, HostAdamW, StreamingEngine]:  # noqa: ANN001
+               **kw) -> tuple[HostState, HostAdamW, OffloadStep]:  # noqa: ANN001
     state = HostState.random(cfg, seed=3, work_dtype=torch.bfloat16, pin=True)
     opt = HostAdamW(state, lr_at, 0.1, CLIP, split=split)
     opt.start()
-    return state, opt, StreamingEngine(cfg, state, opt, CUDA, **kw)
+    return state, opt, OffloadStep(cfg, state, opt, CUDA, **kw)
 
 
 @pytest.mark.parametrize("how", [

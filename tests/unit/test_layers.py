@@ -20,7 +20,7 @@ FORBIDDEN = ("torch", "triton", "numpy", "safetensors", "tandem.shared.engine", 
              "tandem.shared.model.presets", "tandem.shared.model.reference", "tandem.shared.model.triton_ops")
 
 CASES = {
-    "protocol": ["tandem.shared.protocol.codec", "tandem.shared.protocol.frames", "tandem.shared.protocol.subjects",
+    "protocol": ["tandem.shared.protocol.codec", "tandem.shared.kvtransfer.frames", "tandem.shared.protocol.subjects",
                  "tandem.shared.protocol.block_hashes"],
     "client": ["tandem.client"],
     "router": ["tandem.services.router.service"],

@@ -5,7 +5,7 @@ of the wheel still imports in development. Here the wheel is built the way a rel
 (``pip wheel --no-deps --no-build-isolation``, offline) and checked against the source tree:
 
 * every file under tandem/, shared/, services/, console/ that git does not ignore (tracked or new),
-  at its namespaced path (``shared/infra/shmring.py`` → ``tandem/shared/infra/shmring.py``), and
+  at its namespaced path (``shared/kvtransfer/ring.py`` → ``tandem/shared/infra/shmring.py``), and
   nothing else (no stale or stray files);
 * every module imports from the unpacked wheel, in a fresh interpreter with the editable finder
   and the repository taken off the import path, and its ``__file__`` lies in the unpacked wheel;
@@ -104,7 +104,7 @@ def test_wheel_holds_every_source_file(wheel: Path):
     if (REPO / "shared/model/weights/tiny/model.safetensors").is_file():
         assert "tandem/shared/model/weights/tiny/model.safetensors" in shipped
         assert "tandem/shared/model/weights/tiny/config.json" in shipped
-    assert "tandem = tandem.cli:main" in entry_points
+    assert "tandem = tandem.cli.main:main" in entry_points
 
 
 _IMPORT_ALL = textwrap.dedent(r'''

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli import parser
-from tandem.flags import SERVICE_SETTINGS, argv, given, select, settings_from
+from tandem.cli.flags import SERVICE_SETTINGS, argv, given, select, settings_from
+from tandem.cli.main import parser
 from tandem.shared.infra.config import BY_FLAT, ENV_PREFIX, FIELDS, SECTIONS, EngineSettings, Settings, load_settings
 
 
@@ -140,8 +140,8 @@ def test_flat_names_and_updated_copies():
 
 
 def test_up_hands_given_flags_to_the_children_that_take_them():
-    from tandem.gpus import memory_share
-    from tandem.supervisor import Supervisor
+    from tandem.cli.gpus import memory_share
+    from tandem.cli.supervisor import Supervisor
 
     args = parser().parse_args(["up", "--planner", "--num-blocks", "40", "--no-enable-prefix-caching", "--kv-ring-mib",
                                 "0", "--router-load-weight", "2", "--ttft-target-ms", "50", "--min-prefill", "0",

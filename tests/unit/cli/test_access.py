@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from tandem.access import credentials_for, same_server
-from tandem.runstate import RunState, write_state
+from tandem.client.access import credentials_for, same_server
+from tandem.client.runstate import RunState, write_state
 from tandem.shared.auth.credentials import RoleKey
 from tandem.shared.auth.keyring import Keyring
 

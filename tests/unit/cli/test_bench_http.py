@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tandem.bench_serve import BenchError, HttpBackend, base_of, http_backend, one, sse_data
-from tandem.cli import main
+from tandem.cli.bench_serve import BenchError, HttpBackend, base_of, http_backend, one, sse_data
+from tandem.cli.main import main
 
 FIRST_DELAY_S = 0.15  # before the first chunk: the TTFT the bench must see
 GAP_S = 0.05  # between chunks

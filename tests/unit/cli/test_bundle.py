@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.bundle import (
+from tandem.cli.bundle import (
     MANIFEST,
     BundleError,
     BundleUsageError,
@@ -32,7 +32,7 @@ from tandem.bundle import (
     verify_checksums,
     wheel_fits,
 )
-from tandem.cli import main
+from tandem.cli.main import main
 
 REPO = Path(__file__).resolve().parents[3]
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]

@@ -14,8 +14,8 @@ import pytest
 from pydantic import BaseModel, Field, ValidationError
 
 from tandem import __version__
-from tandem.cli import UsageError, main, parser, read_prompt, service_rows, services_table
-from tandem.flags import Parser, field_bounds, invalid_value, parsers, shown_action_default
+from tandem.cli.flags import Parser, field_bounds, invalid_value, parsers, shown_action_default
+from tandem.cli.main import UsageError, main, parser, read_prompt, service_rows, services_table
 from tandem.shared.protocol.serving import SamplingParams
 
 EXPECTED = ["tandem", "tandem up", "tandem generate", "tandem train", "tandem console", "tandem services",
@@ -170,7 +170,7 @@ def test_generate_names_the_flag_and_its_bound(flags, message, capsys):
 
 
 def generate_params(*flags: str) -> dict:
-    from tandem.cli import sampling_params
+    from tandem.cli.main import sampling_params
 
     return sampling_params(parser().parse_args(["generate", "x", *flags]))
 
@@ -215,7 +215,7 @@ def completion_of(outputs, logprobs: bool = False, prompt_logprobs=None):
 
 
 def test_generate_json_is_one_object_with_every_output_best_first():
-    from tandem.cli import completion_json
+    from tandem.cli.main import completion_json
     from tandem.client import CompletionOutput
     from tandem.shared.protocol.serving import TokenLogprobs
 
@@ -240,7 +240,7 @@ def test_generate_json_is_one_object_with_every_output_best_first():
 
 
 def test_generate_json_without_logprobs_says_null():
-    from tandem.cli import completion_json
+    from tandem.cli.main import completion_json
     from tandem.client import CompletionOutput
 
     shown = completion_json(completion_of([CompletionOutput("A", [65], "length", None, None)]))
@@ -250,7 +250,7 @@ def test_generate_json_without_logprobs_says_null():
 
 
 def test_several_outputs_in_plain_text_are_labelled():
-    from tandem.cli import labelled_outputs
+    from tandem.cli.main import labelled_outputs
     from tandem.client import CompletionOutput
 
     text = labelled_outputs(completion_of([CompletionOutput("one\ntwo", [1], "stop", -1.25, None),

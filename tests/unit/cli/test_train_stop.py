@@ -14,7 +14,7 @@ import signal
 
 import pytest
 
-from tandem.train_cli import (
+from tandem.cli.train import (
     CHECKPOINT_EVERY,
     CheckpointEvery,
     StopAtOnce,

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from tandem.client import _EMPTY, _get_within
+from tandem.client.stream import EMPTY, get_within
 
 
 async def test_a_cancel_landing_while_a_chunk_is_ready_is_not_swallowed():
@@ -15,7 +15,7 @@ async def test_a_cancel_landing_while_a_chunk_is_ready_is_not_swallowed():
     for _ in range(50):
         async def consume_forever():
             while True:
-                await _get_within(queue, 1.0)
+                await get_within(queue, 1.0)
 
         task = asyncio.ensure_future(consume_forever())
         await asyncio.sleep(0)  # the task now waits on the queue
@@ -32,6 +32,6 @@ async def test_a_cancel_landing_while_a_chunk_is_ready_is_not_swallowed():
 
 async def test_the_wait_gives_the_item_or_says_empty():
     queue: asyncio.Queue = asyncio.Queue()
-    assert await _get_within(queue, 0.01) is _EMPTY
+    assert await get_within(queue, 0.01) is EMPTY
     queue.put_nowait(1)
-    assert await _get_within(queue, 0.0) == 1, "a ready item comes back even with no time left"
+    assert await get_within(queue, 0.0) == 1, "a ready item comes back even with no time left"

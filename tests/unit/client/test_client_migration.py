@@ -3,7 +3,7 @@ router and its workers played by the test (``scripted_router``): a stream ended 
 failure, or whose worker went silent, is placed again with the tokens delivered so far and goes
 on with no gap and no duplicate; a late chunk of the placement given up on never enters it; the
 migration limit ends it with the last reason; several outputs are not migrated; a cancel reaches
-the placement streaming now. Plus the bookkeeping of :mod:`tandem.migration` on its own.
+the placement streaming now. Plus the bookkeeping of :mod:`tandem.client.migration` on its own.
 
 Run: ``python3 -m pytest -q tests/unit/client/test_client_migration.py``.
 """
@@ -17,7 +17,7 @@ import pytest
 from scripted_router import ScriptedRouter, beat, chunk, entries, error_chunk
 
 from tandem.client import ShuttingDownError, WorkerFailureError, connect
-from tandem.migration import MAX_REQUEST_ID_CHARS, ResumeState, placement_request_id
+from tandem.client.migration import MAX_REQUEST_ID_CHARS, ResumeState, placement_request_id
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode
 from tandem.shared.protocol.codec import decode

@@ -19,10 +19,10 @@ import pytest
 from nats.micro import add_service
 from nats.micro.service import ServiceConfig
 
+from tandem.client.runstate import RunState, state_file, write_state
 from tandem.console.screens.base import status_text
 from tandem.console.source import NatsSource
 from tandem.console.state import ConsoleState
-from tandem.runstate import RunState, state_file, write_state
 from tandem.shared.infra.natsserver import NatsServer
 
 

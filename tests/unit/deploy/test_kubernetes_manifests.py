@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tandem.auth_init import init_keyring, wanted_files
+from tandem.cli.auth_init import init_keyring, wanted_files
 from tandem.shared.auth.roles import ROLES, SERVICE_ROLES
 from tandem.shared.infra.config import FIELDS, Settings
 from tandem.shared.infra.natsserver import MAX_PAYLOAD, MAX_PENDING, find_nats_server
@@ -280,13 +280,13 @@ def test_readiness_asks_the_bus_and_grace_outlasts_the_drain(render, overlay):
 
 
 def test_the_probe_command_is_one_the_cli_takes(render):
-    from tandem.cli import parser
+    from tandem.cli.main import parser
 
     root = parser()
     commands = root._subparsers._group_actions[0].choices
     if "ping" not in commands:
-        pytest.skip("`tandem ping` is not in tandem/cli.py yet (the readiness probes need it: see compose/kubernetes/"
-                    "README.md)")
+        pytest.skip("`tandem ping` is not in tandem/cli/main.py yet (the readiness probes need it: see "
+                    "compose/kubernetes/README.md)")
     for _, container in tandem_containers(render("gpu")):
         command = (container.get("readinessProbe", {}).get("exec") or {}).get("command")
         if command:
@@ -296,10 +296,10 @@ def test_the_probe_command_is_one_the_cli_takes(render):
 def test_the_probe_passes_for_its_own_instance_only_with_its_roles_key(tmp_path):
     """``tandem ping router`` as the router pod's probe runs it: a real router on a server that
     requires identities, the probe holding the router's role key (its container's TANDEM_NATS_CREDS)."""
-    from tandem.cli import parser
+    from tandem.cli.main import parser
 
     if "ping" not in parser()._subparsers._group_actions[0].choices:
-        pytest.skip("`tandem ping` is not in tandem/cli.py yet")
+        pytest.skip("`tandem ping` is not in tandem/cli/main.py yet")
     from tandem.shared.auth.keyring import Keyring
     from tandem.shared.infra.natsserver import NatsServer
 

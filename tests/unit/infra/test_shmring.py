@@ -1,4 +1,4 @@
-"""The same-host KV ring (shared/infra/shmring.py) between real processes.
+"""The same-host KV ring (shared/kvtransfer/ring.py) between real processes.
 
 The test process is the consumer (or the sweeper); producers and doomed consumers are separate
 Python processes driven line by line over stdin/stdout (JSON), so every byte crosses a process
@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.shared.infra.shmring import RingError, RingMissingError, ShmRing, SlotDescriptor, host_id
+from tandem.shared.kvtransfer.ring import RingError, RingMissingError, ShmRing, SlotDescriptor, host_id
 
 # A producer (or consumer) driven by JSON lines; replies one JSON line per command.
 DRIVER = r"""
 import json, sys, time, numpy as np, torch
-from tandem.shared.infra.shmring import ShmRing, SlotDescriptor, host_id
+from tandem.shared.kvtransfer.ring import ShmRing, SlotDescriptor, host_id
 ring = None
 def data(size, seed):
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
@@ -302,7 +302,7 @@ def test_concurrent_producers_never_collide(make_ring, num_producers, num_slots)
 @pytest.mark.parametrize("how", ["close", "context", "atexit"])
 def test_consumer_exit_unlinks(how):
     if how == "atexit":
-        code = "from tandem.shared.infra.shmring import ShmRing; print(ShmRing.create('x', 64, 2, pin=False).name)"
+        code = "from tandem.shared.kvtransfer.ring import ShmRing; print(ShmRing.create('x', 64, 2, pin=False).name)"
         name = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     elif how == "close":
         ring = ShmRing.create("x", 64, 2, pin=False)

@@ -20,8 +20,8 @@ from factories import engine_config, make_engine, make_request, record_logits, r
 from pydantic import ValidationError
 from support import PARITY_LENGTHS, prompt_of
 
-from tandem.cli import parser
-from tandem.flags import settings_from, settings_problem
+from tandem.cli.flags import settings_from, settings_problem
+from tandem.cli.main import parser
 from tandem.shared.infra.config import ENV_PREFIX, Settings
 from tandem.shared.model import fp8_few_rows
 from tandem.shared.model.fp8 import (

@@ -131,7 +131,7 @@ def test_random_weights_only_when_no_checkpoint_exists(tmp_path, monkeypatch):
 
 
 def test_tandem_up_says_which_weights_it_serves(tmp_path, capsys, monkeypatch):
-    from tandem.up import weights_note
+    from tandem.cli.up import weights_note
 
     weights_note(SimpleNamespace(model="tiny", data_dir=tmp_path))
     assert "shipped with tandem" in capsys.readouterr().out

@@ -14,11 +14,11 @@ from factories import make_engine, make_request, run
 from fakebus import FakeBus, bus_settings, serving, wait_until
 
 from tandem.services.prefill.service import PrefillService
+from tandem.shared.kvtransfer.frames import block_checksums, unpack_frame
 from tandem.shared.model.reference import reference_generate
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import Ack, ErrorCode, ErrorReply
 from tandem.shared.protocol.codec import decode, encode
-from tandem.shared.protocol.frames import block_checksums, unpack_frame
 from tandem.shared.protocol.serving import DecodeRequest, PrefillRequest, RequestSpec, SamplingParams, StreamChunk
 from tandem.shared.protocol.views import KVTransferEvent
 

@@ -14,8 +14,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 import msgpack
 import pytest
 
-from tandem.shared.protocol.base import SCHEMA_VERSION, ErrorCode, ProtocolError
-from tandem.shared.protocol.frames import (
+from tandem.shared.kvtransfer.frames import (
     FRAME_KIND,
     LEGACY_OK,
     KVCredit,
@@ -26,6 +25,7 @@ from tandem.shared.protocol.frames import (
     pack_frame,
     unpack_frame,
 )
+from tandem.shared.protocol.base import SCHEMA_VERSION, ErrorCode, ProtocolError
 from tandem.shared.protocol.kv import KVTransfer
 
 KIB = 1024

@@ -12,10 +12,10 @@ import subprocess
 
 import pytest
 
-from tandem.cli import parser
-from tandem.flags import given, settings_from
+from tandem.cli.flags import given, settings_from
+from tandem.cli.main import parser
+from tandem.cli.supervisor import START_ORDER, Child, Supervisor
 from tandem.shared.infra.config import ENV_PREFIX
-from tandem.supervisor import START_ORDER, Child, Supervisor
 
 URL = "nats://127.0.0.1:4222"
 
@@ -35,7 +35,7 @@ def supervisor(*flags: str) -> Supervisor:
 
 
 def child_settings(cmd: list[str]):
-    """The settings a child parses from its command line (``python -m tandem.cli serve X ...``)."""
+    """The settings a child parses from its command line (``python -m tandem serve X ...``)."""
     child = parser().parse_args(cmd[3:])
     return child.service, settings_from(child)
 
@@ -92,7 +92,7 @@ def test_slots_go_in_start_order_and_a_freed_one_is_taken_again(sleepers):
 
 
 def test_the_frontend_starts_after_the_router_and_stops_first():
-    from tandem.supervisor import SERVICE_ORDER
+    from tandem.cli.supervisor import SERVICE_ORDER
 
     assert START_ORDER.index("frontend") == START_ORDER.index("router") + 1
     assert SERVICE_ORDER[0] == "frontend", "it must stop taking HTTP requests before the router goes"

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from tandem.cli import parser
-from tandem.flags import given, settings_from
+from tandem.cli.flags import given, settings_from
+from tandem.cli.main import parser
+from tandem.cli.supervisor import Supervisor, listen_on
 from tandem.shared.infra.config import ENV_PREFIX
 from tandem.shared.infra.natsserver import NatsServer
-from tandem.supervisor import Supervisor, listen_on
 
 
 @pytest.fixture(autouse=True)
@@ -125,7 +125,7 @@ def test_with_free_metrics_ports_a_slot_keeps_its_port_unless_another_process_to
 
 
 def test_a_monitoring_port_given_with_an_outside_server_is_refused():
-    from tandem.up import usage_problem
+    from tandem.cli.up import usage_problem
 
     problem = usage_problem(supervisor("--nats-url", "nats://127.0.0.1:4222", "--nats-monitor-port", "0").settings)
     assert problem.startswith("--nats-monitor-port 0 and --nats-url nats://127.0.0.1:4222: ") and "\n" not in problem

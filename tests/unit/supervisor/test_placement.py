@@ -1,4 +1,4 @@
-"""Where ``tandem up`` puts prefill (tandem/gpus.py ``plan_placement``, tandem/up.py ``place``): on
+"""Where ``tandem up`` puts prefill (tandem/cli/gpus.py ``plan_placement``, tandem/cli/up.py ``place``): on
 one GPU no prefill worker unless asked, the decode workers prefilling themselves with the whole
 memory share; asked for (``--prefill N``) there, they start and the router is told to use them;
 with several GPUs or on CPU one prefill worker by default. What the children are handed follows.
@@ -12,12 +12,12 @@ import os
 
 import pytest
 
-from tandem.cli import parser
-from tandem.flags import given, settings_from
-from tandem.gpus import PlacementError, memory_share, pick_gpus, plan_placement
+from tandem.cli.flags import given, settings_from
+from tandem.cli.gpus import PlacementError, memory_share, pick_gpus, plan_placement
+from tandem.cli.main import parser
+from tandem.cli.supervisor import Supervisor
+from tandem.cli.up import place
 from tandem.shared.infra.config import ENV_PREFIX
-from tandem.supervisor import Supervisor
-from tandem.up import place
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +91,7 @@ def up_args(*flags: str):
     ([], ["--device", "cpu"], 1, None),
 ], ids=["1gpu", "1gpu-asked", "1gpu-asked-router-told-no", "2gpus", "pinned-cuda-device", "cpu"])
 def test_up_places_and_tells_the_router(monkeypatch, visible, flags, prefill, router_flag) -> None:
-    monkeypatch.setattr("tandem.gpus.visible_gpus", lambda device: list(visible))
+    monkeypatch.setattr("tandem.cli.gpus.visible_gpus", lambda device: list(visible))
     args, settings, overrides = up_args(*flags)
     gpus, placement = place(settings, args, overrides)
     assert gpus == visible and placement.prefill == prefill
@@ -107,7 +107,7 @@ def test_children_on_one_gpu_split_its_memory_and_the_router_knows(monkeypatch, 
                                                                    router_on) -> None:
     """The decode workers of a one-GPU placement take the whole share between them (no quarter is
     kept for a prefill worker that will not run); the router's child gets the flag as placed."""
-    monkeypatch.setattr("tandem.gpus.visible_gpus", lambda device: ["0"])
+    monkeypatch.setattr("tandem.cli.gpus.visible_gpus", lambda device: ["0"])
     args, settings, overrides = up_args(*flags)
     gpus, placement = place(settings, args, overrides)
     sup = Supervisor(settings, num_prefill=placement.prefill, num_decode=args.decode, overrides=overrides, gpus=gpus,
@@ -123,7 +123,7 @@ def test_children_on_one_gpu_split_its_memory_and_the_router_knows(monkeypatch, 
 
 
 def test_the_planner_adds_no_prefill_worker_to_a_one_gpu_placement(monkeypatch) -> None:
-    monkeypatch.setattr("tandem.gpus.visible_gpus", lambda device: ["0"])
+    monkeypatch.setattr("tandem.cli.gpus.visible_gpus", lambda device: ["0"])
     for flags, limits in (([], (0, 0)), (["--prefill", "1"], (1, 2)), (["--max-prefill", "3"], (0, 3))):
         args, settings, overrides = up_args("--planner", *flags)
         gpus, placement = place(settings, args, overrides)
@@ -168,7 +168,7 @@ def test_a_gpu_worker_names_its_gpu_by_uuid() -> None:
 def test_up_hands_each_kind_its_tensor_parallel_size(monkeypatch) -> None:
     """``--decode-tensor-parallel-size 2`` on four GPUs: the decode child gets ``--tensor-parallel-size
     2``, the prefill child 1, and with one worker per GPU each rank keeps the whole memory share."""
-    monkeypatch.setattr("tandem.gpus.visible_gpus", lambda device: ["0", "1", "2", "3"])
+    monkeypatch.setattr("tandem.cli.gpus.visible_gpus", lambda device: ["0", "1", "2", "3"])
     args, settings, overrides = up_args("--decode-tensor-parallel-size", "2")
     gpus, placement = place(settings, args, overrides)
     sup = Supervisor(settings, num_prefill=placement.prefill, num_decode=args.decode, overrides=overrides, gpus=gpus,
@@ -181,7 +181,7 @@ def test_up_hands_each_kind_its_tensor_parallel_size(monkeypatch) -> None:
 
 
 def test_up_refuses_a_layout_wider_than_the_gpus(monkeypatch) -> None:
-    monkeypatch.setattr("tandem.gpus.visible_gpus", lambda device: ["0", "1"])
+    monkeypatch.setattr("tandem.cli.gpus.visible_gpus", lambda device: ["0", "1"])
     args, settings, overrides = up_args("--tensor-parallel-size", "4")
     with pytest.raises(PlacementError, match="--prefill-tensor-parallel-size 4"):
         place(settings, args, overrides)

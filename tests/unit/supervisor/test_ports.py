@@ -12,10 +12,10 @@ import socket
 
 import pytest
 
-from tandem.cli import parser
-from tandem.flags import given, settings_from
+from tandem.cli.flags import given, settings_from
+from tandem.cli.main import parser
+from tandem.cli.supervisor import Supervisor, UsageError, listen_on
 from tandem.shared.infra.config import ENV_PREFIX
-from tandem.supervisor import Supervisor, UsageError, listen_on
 
 
 @pytest.fixture(autouse=True)

@@ -19,11 +19,11 @@ import pytest
 from nats.micro import add_service
 from nats.micro.service import ServiceConfig
 
+from tandem.cli.supervisor import Child, Supervisor, wait_until_ready
 from tandem.shared.infra.config import Settings
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.codec import encode
 from tandem.shared.protocol.fleet import Heartbeat
-from tandem.supervisor import Child, Supervisor, wait_until_ready
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The claim on a data dir (``tandem.runstate.claim``): one process wins however many try at once,
+"""The claim on a data dir (``tandem.client.runstate.claim``): one process wins however many try at once,
 the losers learn who holds it and touch nothing of its, the claim dies with its holder (even by
 SIGKILL), and the next claimant removes what a killed ``up`` left (state file, nats-server folder).
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.runstate import (
+from tandem.client.runstate import (
     AlreadyRunning,
     RunState,
     claim,
@@ -34,7 +34,7 @@ from tandem.runstate import (
 CLAIMANT = """
 import os, sys, time
 from pathlib import Path
-from tandem.runstate import AlreadyRunning, claim
+from tandem.client.runstate import AlreadyRunning, claim
 data_dir, go = Path(sys.argv[1]), Path(sys.argv[2])
 while not go.exists():
     time.sleep(0.001)

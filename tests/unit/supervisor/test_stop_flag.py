@@ -11,9 +11,9 @@ import asyncio
 
 import pytest
 
-from tandem.scaling import Scaler
+from tandem.cli.scaling import Scaler
+from tandem.cli.supervisor import Supervisor
 from tandem.shared.infra.config import Settings
-from tandem.supervisor import Supervisor
 
 
 def test_waiting_for_readiness_ends_on_the_flag():

@@ -1,4 +1,4 @@
-"""What ``tandem up`` refuses before it starts anything (``tandem.up.usage_problem``): a model that
+"""What ``tandem up`` refuses before it starts anything (``tandem.cli.up.usage_problem``): a model that
 cannot load, named with ``--model`` and the reason in one line, and ``--port`` with ``--nats-url``.
 The e2e twin (tests/e2e/test_up_surface.py) runs the command; this covers more bad models cheaply.
 
@@ -11,8 +11,8 @@ import os
 
 import pytest
 
+from tandem.cli.up import usage_problem
 from tandem.shared.infra.config import ENV_PREFIX, Settings
-from tandem.up import usage_problem
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tandem.shared.protocol.training import TrainJob
-from tandem.shared.train.runner import TrainRunner
+from tandem.shared.train.loop import TrainLoop
 
 STEPS = 4
 
@@ -34,5 +34,5 @@ def test_checkpoints_are_saved_by_steps_by_time_and_at_the_end(tmp_path: Path, e
         assert json.loads((path / "trainer_state.json").read_text())["step"] == step
         saved.append(step)
 
-    TrainRunner(job, "every", tmp_path).run(on_checkpoint=on_checkpoint, checkpoint_every_s=every_s)
+    TrainLoop(job, "every", tmp_path).run(on_checkpoint=on_checkpoint, checkpoint_every_s=every_s)
     assert saved == saved_at

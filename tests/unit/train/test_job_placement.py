@@ -9,7 +9,7 @@ import pytest
 from tandem.shared.protocol.base import ErrorCode, ProtocolError
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.training import TrainJob, TrainStart
-from tandem.shared.train.runner import plan_job
+from tandem.shared.train.loop import plan_job
 
 
 def job(tmp_path, **placement) -> TrainJob:  # noqa: ANN001

@@ -18,8 +18,8 @@ from train_support import batches
 
 from tandem.shared.model.config import ModelConfig
 from tandem.shared.train import functional as fn
-from tandem.shared.train.engine import StreamingEngine
 from tandem.shared.train.host_state import HostState
+from tandem.shared.train.offload_step import OffloadStep
 from tandem.shared.train.optimizer import HostAdamW
 from tandem.shared.train.plan import GiB, Placement, memory_plan, resident_tail
 from tandem.shared.train.presets import preset_config
@@ -86,7 +86,7 @@ def test_engine_steps_agree_staged_and_whole(name):
         opt.start()
         losses, norms = [], []
         try:
-            engine = StreamingEngine(cfg, state, opt, torch.device("cpu"), mlp_chunk=24, attention_chunk=chunk)
+            engine = OffloadStep(cfg, state, opt, torch.device("cpu"), mlp_chunk=24, attention_chunk=chunk)
             for ids, targets in data:
                 losses.append(engine.step(ids, targets).loss())
                 norms.append(engine.sumsq_host.clone())
@@ -119,12 +119,12 @@ def test_a_job_past_the_models_positions_records_its_length(tmp_path, seq_len, r
     server loading it caps requests at the old length (engine.py takes the smaller of the two)."""
     from tandem.shared.model.meta import read_hf_config
     from tandem.shared.protocol.training import TrainJob
-    from tandem.shared.train.runner import TrainRunner
+    from tandem.shared.train.loop import TrainLoop
 
     assert ModelConfig.tiny().max_position_embeddings == 4096
     job = TrainJob(model="tiny", dataset="random", device="cpu", batch_size=1, seq_len=seq_len, steps=1,
                    output_dir=str(tmp_path / "out"))
-    runner = TrainRunner(job, "positions", tmp_path)
+    runner = TrainLoop(job, "positions", tmp_path)
     assert runner.setup.config.max_position_embeddings == recorded
     summary = runner.run()
     assert summary.state == "finished", summary

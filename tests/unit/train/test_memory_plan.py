@@ -20,11 +20,11 @@ from train_support import allocation_peak, batches
 from tandem.shared.model.config import ModelConfig
 from tandem.shared.protocol.base import ProtocolError
 from tandem.shared.protocol.training import TrainJob
-from tandem.shared.train import runner as runner_mod
-from tandem.shared.train.engine import StreamingEngine
+from tandem.shared.train import loop as runner_mod
 from tandem.shared.train.functional import ATTENTION_CHUNK
 from tandem.shared.train.host_state import HostState
 from tandem.shared.train.layout import extras_layout, layer_layout
+from tandem.shared.train.offload_step import OffloadStep
 from tandem.shared.train.optimizer import HostAdamW
 from tandem.shared.train.plan import (
     H200,
@@ -60,7 +60,7 @@ def walk_tensors(obj, seen: dict[int, torch.Tensor], skip=NOT_OWNED, depth: int 
                 walk_tensors(value, seen, skip, depth + 1)
 
 
-def engine_tensors(engine: StreamingEngine) -> tuple[int, int]:
+def engine_tensors(engine: OffloadStep) -> tuple[int, int]:
     """``(device bytes, host bytes)`` of the tensors the engine and its updater hold."""
     device, host = {}, {}
     walk_tensors(engine, device, skip=NOT_OWNED + HOST_ONLY)
@@ -83,7 +83,7 @@ def test_plan_counts_exactly_the_buffers_a_cpu_run_allocates(cfg, placement, spl
     if split and not opt.split:
         pytest.fail("the host AdamW kernel did not build (is a C compiler installed?)")
     opt.start()
-    engine = StreamingEngine(cfg, state, opt, torch.device("cpu"), device_update_layers=placement.device_update,
+    engine = OffloadStep(cfg, state, opt, torch.device("cpu"), device_update_layers=placement.device_update,
                              device_update_sets=placement.sets, device_resident_layers=placement.resident,
                              attention_chunk=attention_chunk)
     try:
@@ -116,7 +116,7 @@ def cpu_step_peak(cfg: ModelConfig, batch: int, seq: int, mlp_chunk: int, loss_c
     state = HostState.random(cfg, seed=0, work_dtype=torch.float32, pin=False)
     opt = HostAdamW(state, lambda step: 1e-3, 0.0, 1.0)
     opt.start()
-    engine = StreamingEngine(cfg, state, opt, torch.device("cpu"), mlp_chunk=mlp_chunk, loss_chunk=loss_chunk,
+    engine = OffloadStep(cfg, state, opt, torch.device("cpu"), mlp_chunk=mlp_chunk, loss_chunk=loss_chunk,
                              attention_chunk=attention_chunk)
     (ids, targets), = batches(1, batch, seq, cfg.vocab_size)
     try:
@@ -187,7 +187,7 @@ def test_runner_refuses_before_allocating(tmp_path, monkeypatch):
     job = TrainJob(model="3b", dataset="random", device="cpu", batch_size=8, seq_len=2048, steps=1,
                    output_dir=str(tmp_path / "out"))
     with pytest.raises(ProtocolError) as info:
-        runner_mod.TrainRunner(job, "big", tmp_path)
+        runner_mod.TrainLoop(job, "big", tmp_path)
     assert "host RAM" in str(info.value) and "\n" not in str(info.value)
 
 

@@ -40,13 +40,13 @@ from tandem.shared.protocol.training import TrainJob
 from tandem.shared.text.chat_template import TINY_TEMPLATE, ChatTemplate, chat_template_for, tiny_template
 from tandem.shared.text.tokenizer import BYTE_EOS_ID, ByteTokenizer
 from tandem.shared.train import functional as fn
-from tandem.shared.train.engine import StreamingEngine
 from tandem.shared.train.finetune_data import Encoder, FinetuneData, FinetuneDataError, read_records
 from tandem.shared.train.host_state import EXTRAS, HostState
 from tandem.shared.train.layout import head_weight_name
+from tandem.shared.train.loop import TrainLoop
+from tandem.shared.train.offload_step import OffloadStep
 from tandem.shared.train.optimizer import HostAdamW
 from tandem.shared.train.plan import Placement, memory_plan
-from tandem.shared.train.runner import TrainRunner
 
 CONFIGS = {
     "tiny-tied": ModelConfig.tiny().replace(num_layers=3),
@@ -75,7 +75,7 @@ def test_packed_loss_and_gradients_match_each_example_alone(name, pack, tmp_path
     opt = HostAdamW(state, lambda step: LR, WD, CLIP)
     opt.start()
     try:
-        engine = StreamingEngine(cfg, state, opt, torch.device("cpu"), mlp_chunk=40, loss_chunk=50)
+        engine = OffloadStep(cfg, state, opt, torch.device("cpu"), mlp_chunk=40, loss_chunk=50)
         handle = engine.step(batch.inputs, batch.targets, segments=batch.segments)
         loss = handle.loss()
         norms = {unit.name: float(engine.sumsq_host[i]) for i, unit in enumerate(state.units)}
@@ -170,7 +170,7 @@ def small_job(tmp_path: Path, dataset: Path, **extra) -> TrainJob:
 
 def test_runner_fine_tunes_on_jsonl_and_the_checkpoint_serves_its_template(tmp_path):
     dataset = write_jsonl(tmp_path / "chat.jsonl", finetune_records(10))
-    runner = TrainRunner(small_job(tmp_path, dataset), "ft", tmp_path)
+    runner = TrainLoop(small_job(tmp_path, dataset), "ft", tmp_path)
     assert runner.data.packed and "10 examples (7 chat, 3 prompt/completion)" in runner.data.description
     losses: list[float] = []
     summary = runner.run(on_step=lambda m: losses.append(m.loss))
@@ -184,7 +184,7 @@ def test_runner_fine_tunes_on_jsonl_and_the_checkpoint_serves_its_template(tmp_p
 def test_step_rates_count_the_tokens_that_are_not_padding(tmp_path):
     """Rows of one example each (no packing) are mostly padding here: the rates count what was not."""
     dataset = write_jsonl(tmp_path / "chat.jsonl", finetune_records(6))
-    runner = TrainRunner(small_job(tmp_path, dataset, pack=False, steps=1), "pad", tmp_path)
+    runner = TrainLoop(small_job(tmp_path, dataset, pack=False, steps=1), "pad", tmp_path)
     batch = runner.data.batch(0, 2, 128, runner.job.seed)
     real = int((batch.segments >= 0).sum())
     assert 0 < real < 2 * 128, "the test's rows should hold some padding"
@@ -193,7 +193,7 @@ def test_step_rates_count_the_tokens_that_are_not_padding(tmp_path):
     (m,) = metrics
     assert m.padding_fraction == pytest.approx(1 - real / 256), m
     assert m.tokens_per_s * m.step_time_s == pytest.approx(real, rel=1e-6), "tok/s should count the real tokens only"
-    from tandem.train_cli import progress
+    from tandem.cli.train import progress
 
     line = progress(1, 1, m.loss, m.tokens_per_s, m.model_tflops, 1.0, m.padding_fraction)
     assert f"tok/s ({m.padding_fraction:.0%} padding)" in line, line
@@ -210,7 +210,7 @@ def test_runner_copies_a_hugging_face_models_template(tmp_path):
     (source / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "</s>"}))
     dataset = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "the quick fox"},
                                                                   {"role": "assistant", "content": "jumps over"}]}])
-    summary = TrainRunner(small_job(tmp_path, dataset, model=str(source), steps=1, batch_size=1, seq_len=32),
+    summary = TrainLoop(small_job(tmp_path, dataset, model=str(source), steps=1, batch_size=1, seq_len=32),
                           "hf", tmp_path).run()
     assert ChatTemplate.from_model_dir(summary.checkpoint).source == template
     assert (summary.checkpoint / "tokenizer.json").is_file()
@@ -218,7 +218,7 @@ def test_runner_copies_a_hugging_face_models_template(tmp_path):
 
 def test_text_format_reads_a_jsonl_file_as_text(tmp_path):
     dataset = write_jsonl(tmp_path / "notes.jsonl", finetune_records(20))
-    runner = TrainRunner(small_job(tmp_path, dataset, data_format="text", seq_len=32), "txt", tmp_path)
+    runner = TrainLoop(small_job(tmp_path, dataset, data_format="text", seq_len=32), "txt", tmp_path)
     assert not runner.data.packed and "files" in runner.data.description
 
 
@@ -226,7 +226,7 @@ def test_bad_record_refuses_the_job_before_training(tmp_path):
     lonely = {"messages": [{"role": "user", "content": "x"}]}
     dataset = write_jsonl(tmp_path / "chat.jsonl", [finetune_records(1)[0], lonely])
     with pytest.raises(FinetuneDataError, match=r"chat.jsonl line 2: has no assistant message"):
-        TrainRunner(small_job(tmp_path, dataset), "bad", tmp_path)
+        TrainLoop(small_job(tmp_path, dataset), "bad", tmp_path)
 
 
 @pytest.mark.parametrize("rows,data_format,expected", [
@@ -253,7 +253,7 @@ def test_trainer_service_accepts_a_good_file(tmp_path):
                                                                           pack=False)),
 ])
 def test_cli_flags_reach_the_job(flags, expected, tmp_path):
-    from tandem.train_cli import add_train_parser, build_job
+    from tandem.cli.train import add_train_parser, build_job
 
     parser = argparse.ArgumentParser()
     add_train_parser(parser.add_subparsers(), lambda p: None)

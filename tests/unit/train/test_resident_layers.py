@@ -13,11 +13,11 @@ from train_support import batches
 
 from tandem.shared.model.config import ModelConfig
 from tandem.shared.protocol.training import TrainJob
-from tandem.shared.train.engine import StreamingEngine
 from tandem.shared.train.host_state import HostState
+from tandem.shared.train.loop import TrainLoop
+from tandem.shared.train.offload_step import OffloadStep
 from tandem.shared.train.optimizer import HostAdamW
 from tandem.shared.train.plan import GiB, Placement, memory_plan
-from tandem.shared.train.runner import TrainRunner
 
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                         reason="needs CUDA")])
@@ -31,7 +31,7 @@ def train(device: str, resident: int, layers: int, steps: int = 4) -> tuple[list
     state = HostState.random(CFG, seed=5, work_dtype=dtype, pin=device == "cuda")
     opt = HostAdamW(state, lambda step: 2e-3, 0.1, 0.5)
     opt.start()
-    engine = StreamingEngine(CFG, state, opt, torch.device(device), device_update_layers=layers,
+    engine = OffloadStep(CFG, state, opt, torch.device(device), device_update_layers=layers,
                              device_resident_layers=resident, mlp_chunk=64, loss_chunk=64)
     losses = []
     try:
@@ -78,7 +78,7 @@ def cuda_peak(placement: Placement, compile_layers: bool, batch: int, seq: int) 
     state = HostState.random(WIDE, seed=0, work_dtype=torch.bfloat16, pin=True)
     opt = HostAdamW(state, lambda step: 1e-4, 0.0, 1.0, split=True)
     opt.start()
-    engine = StreamingEngine(WIDE, state, opt, torch.device("cuda"), device_update_layers=placement.device_update,
+    engine = OffloadStep(WIDE, state, opt, torch.device("cuda"), device_update_layers=placement.device_update,
                              device_resident_layers=placement.resident, device_update_sets=placement.sets,
                              compile_layers=compile_layers)
     try:
@@ -116,7 +116,7 @@ def test_auto_placement_keeps_the_peak_under_the_cap(tmp_path):
     base = torch.cuda.memory_allocated()
     job = TrainJob(model="tiny", dataset="random", device="cuda", batch_size=4, seq_len=512, steps=3,
                    gpu_memory_gib=2, output_dir=str(tmp_path / "out"))
-    runner = TrainRunner(job, "auto", tmp_path)  # measures PCIe with its own buffers first: not the job's
+    runner = TrainLoop(job, "auto", tmp_path)  # measures PCIe with its own buffers first: not the job's
     torch.cuda.reset_peak_memory_stats()
     try:
         assert runner.placement.reason.startswith("auto")

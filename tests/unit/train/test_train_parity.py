@@ -14,10 +14,10 @@ from train_support import CLIP, LR, WD, batches, reference_model, reference_opti
 
 from tandem.shared.model.config import ModelConfig
 from tandem.shared.protocol.training import TimelineOp
-from tandem.shared.train.engine import StreamingEngine
 from tandem.shared.train.host_state import HostState
 from tandem.shared.train.lanes import hidden_fraction
 from tandem.shared.train.layout import layer_layout
+from tandem.shared.train.offload_step import OffloadStep
 from tandem.shared.train.optimizer import HostAdamW, lr_schedule
 
 CONFIGS = {
@@ -54,7 +54,7 @@ def test_losses_and_weights_match_plain_pytorch(name, device_layers, host, resid
         pytest.fail("the host AdamW kernel did not build (is a C compiler installed?)")
     opt.start()
     # Small chunks so the chunked MLP and chunked loss paths both run.
-    engine = StreamingEngine(cfg, state, opt, torch.device("cpu"), mlp_chunk=40, loss_chunk=50,
+    engine = OffloadStep(cfg, state, opt, torch.device("cpu"), mlp_chunk=40, loss_chunk=50,
                              device_update_layers=device_layers, device_update_sets=3,
                              device_resident_layers=resident)
     slack = {key: torch.zeros_like(p) for key, p in model.named_parameters()}
@@ -110,7 +110,7 @@ def test_timeline_covers_every_layer_on_every_lane():
     state = HostState.random(cfg, seed=0, work_dtype=torch.float32, pin=False)
     opt = HostAdamW(state, lambda step: 1e-3, 0.0, 1.0)
     opt.start()
-    engine = StreamingEngine(cfg, state, opt, torch.device("cpu"))
+    engine = OffloadStep(cfg, state, opt, torch.device("cpu"))
     (ids, targets), = batches(1, 2, 16, cfg.vocab_size)
     handle = engine.step(ids, targets, record_timeline=True)
     handle.loss()
@@ -143,7 +143,7 @@ def test_split_update_keeps_each_steps_gradients_until_its_commit():
     if opt.kernel is None:
         pytest.fail("the host AdamW kernel did not build (is a C compiler installed?)")
     opt.start()
-    engine = StreamingEngine(cfg, state, opt, torch.device("cpu"))
+    engine = OffloadStep(cfg, state, opt, torch.device("cpu"))
     (ids1, t1), (ids2, t2) = batches(2, 2, 16, cfg.vocab_size)
     try:
         engine.step(ids1, t1).loss()

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from tandem.shared.model.loader import load_model
 from tandem.shared.model.meta import load_model_meta
 from tandem.shared.protocol.training import TrainJob
-from tandem.shared.train.runner import TrainRunner
+from tandem.shared.train.loop import TrainLoop
 
 STEPS = 6
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
@@ -44,14 +44,14 @@ def test_resume_continues_bit_exactly(tmp_path, device, device_layers, split, re
     if device == "cuda":
         how |= dict(seq_len=512, batch_size=4)
     unbroken: list[float] = []
-    TrainRunner(job(tmp_path, "a", **how), "a", tmp_path).run(
+    TrainLoop(job(tmp_path, "a", **how), "a", tmp_path).run(
         on_step=lambda m: unbroken.append(m.loss))
 
     broken: list[float] = []
-    first = TrainRunner(job(tmp_path, "b", **how), "b", tmp_path).run(
+    first = TrainLoop(job(tmp_path, "b", **how), "b", tmp_path).run(
         on_step=lambda m: broken.append(m.loss), should_stop=lambda: len(broken) >= STEPS // 2)
     assert first.state == "stopped" and first.step == STEPS // 2
-    resumed = TrainRunner(job(tmp_path, "b", resume=True, **how), "b", tmp_path)
+    resumed = TrainLoop(job(tmp_path, "b", resume=True, **how), "b", tmp_path)
     assert resumed.placement.resident == (resident or 0)
     assert resumed.start_step == STEPS // 2
     second = resumed.run(on_step=lambda m: broken.append(m.loss))
@@ -67,7 +67,7 @@ def test_resume_continues_bit_exactly(tmp_path, device, device_layers, split, re
 
 def test_checkpoint_serves_as_the_tiny_model(tmp_path):
     out = tmp_path / "models" / "tiny"
-    runner = TrainRunner(job(tmp_path, "unused", steps=2, output_dir=str(out)), "t", tmp_path)
+    runner = TrainLoop(job(tmp_path, "unused", steps=2, output_dir=str(out)), "t", tmp_path)
     runner.run()
     meta = load_model_meta("tiny", data_dir=tmp_path)
     assert meta.checkpoint == out and meta.config.byte_tokenizer
@@ -89,11 +89,11 @@ def test_packed_fine_tuning_resumes_bit_exactly(tmp_path, device):
                                              {"role": "assistant", "content": f"{i} + {i} = {2 * i}."}]}) + "\n")
     how = dict(dataset=str(records), device=device, seq_len=256, batch_size=2)
     unbroken: list[float] = []
-    TrainRunner(job(tmp_path, "a", **how), "a", tmp_path).run(on_step=lambda m: unbroken.append(m.loss))
+    TrainLoop(job(tmp_path, "a", **how), "a", tmp_path).run(on_step=lambda m: unbroken.append(m.loss))
     broken: list[float] = []
-    TrainRunner(job(tmp_path, "b", **how), "b", tmp_path).run(
+    TrainLoop(job(tmp_path, "b", **how), "b", tmp_path).run(
         on_step=lambda m: broken.append(m.loss), should_stop=lambda: len(broken) >= STEPS // 2)
-    TrainRunner(job(tmp_path, "b", resume=True, **how), "b", tmp_path).run(on_step=lambda m: broken.append(m.loss))
+    TrainLoop(job(tmp_path, "b", resume=True, **how), "b", tmp_path).run(on_step=lambda m: broken.append(m.loss))
     assert broken == unbroken, "a resumed packed run must see the same losses as an unbroken one"
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a), "the resumed packed run's weights differ from the unbroken run's"

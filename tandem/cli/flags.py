@@ -191,7 +191,7 @@ class Parser(argparse.ArgumentParser):
     argparse takes ``--nat`` for any one flag it begins (``--nats-url``) unless abbreviations are off;
     here they are always off, so a mistyped flag is an error and adding a flag never changes what
     an old command line means. ``add_subparsers`` makes its parsers of the parent's class, so every
-    subcommand's parser (those ``tandem/up.py`` and ``tandem/train_cli.py`` add too) is one of these.
+    subcommand's parser (those ``tandem/cli/up.py`` and ``tandem/cli/train.py`` add too) is one of these.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

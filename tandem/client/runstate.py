@@ -43,7 +43,7 @@ class RunState:
     nats_monitor_url: str = ""  # the embedded nats-server's monitoring port ("": off, the default, or --nats-url)
     data_dir: str = ""
     # role -> its role key (RoleKey.to_text's fields), for the commands that connect to this up
-    # (tandem.access); empty with --insecure. Why the file is written 0600.
+    # (tandem.client.access); empty with --insecure. Why the file is written 0600.
     keys: dict[str, dict[str, str]] = field(default_factory=dict)
 
 

@@ -23,7 +23,7 @@ beside it while the reader goes on to the next frame); a credit counts only chec
 repeated or corrupted frame is a typed :class:`ProtocolError`, never wrong KV.
 
 Frames go over the service's nats-py connection, or over a :class:`FramePublisher` of bulk
-connections (:mod:`tandem.shared.infra.bulklinks`) that write and read them in place, off the event
+connections (:mod:`tandem.shared.kvtransfer.bulklinks`) that write and read them in place, off the event
 loop; either end may use either, the wire is the same. :class:`KVReceiver` takes a frame whole
 (:meth:`KVReceiver.on_frame`, a nats-py message) or streamed (:meth:`KVReceiver.on_stream`, read
 from the socket straight into the transfer's buffer).

@@ -1,8 +1,8 @@
 """``tandem up`` as a command: refuse what cannot work (a bad model, a taken port, a data dir another
-``up`` holds: :mod:`tandem.runstate`) before anything starts, place the workers on the devices it
-sees (:func:`tandem.gpus.plan_placement`: on one GPU no prefill worker unless asked) and say so in
-one line, start the system (:mod:`tandem.supervisor`), print its URLs, optionally generate a demo,
-then supervise it (:mod:`tandem.scaling`) until Ctrl-C or SIGTERM, drain it (:mod:`tandem.shutdown`;
+``up`` holds: :mod:`tandem.client.runstate`) before anything starts, place the workers on the devices it
+sees (:func:`tandem.cli.gpus.plan_placement`: on one GPU no prefill worker unless asked) and say so in
+one line, start the system (:mod:`tandem.cli.supervisor`), print its URLs, optionally generate a demo,
+then supervise it (:mod:`tandem.cli.scaling`) until Ctrl-C or SIGTERM, drain it (:mod:`tandem.cli.shutdown`;
 a second Ctrl-C stops at once) and stop it all."""
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any
 from tandem.shared.infra.config import Settings
 
 if TYPE_CHECKING:
-    from tandem.gpus import Placement
-    from tandem.supervisor import Supervisor
+    from tandem.cli.gpus import Placement
+    from tandem.cli.supervisor import Supervisor
 
-log = logging.getLogger("tandem.up")
+log = logging.getLogger("tandem.cli.up")
 
 
 def add_up_parser(sub: argparse._SubParsersAction, settings_note: str, demo_prompt: str) -> None:
     """``tandem up``'s flags: its own, then every settings flag (handed on to the children)."""
-    from tandem.flags import UP_SETTINGS, add_settings, int_at_least
+    from tandem.cli.flags import UP_SETTINGS, add_settings, int_at_least
 
     up = sub.add_parser("up", help="run the whole system on this machine", epilog=settings_note,
                         description="The whole system on this machine: an embedded nats-server (unless --nats-url; "
@@ -56,11 +56,11 @@ def run_up(args: argparse.Namespace, settings: Settings, overrides: dict[str, An
 
     Everything that can be refused is refused before anything starts, each in one line: a usage
     problem (a model that cannot load, a fixed port taken) exits 2, a data dir another ``up`` holds 1."""
-    from tandem.gpus import PlacementError
-    from tandem.runstate import AlreadyRunning, claim, nats_dir
+    from tandem.cli.gpus import PlacementError
+    from tandem.cli.supervisor import Supervisor, UsageError
+    from tandem.client.runstate import AlreadyRunning, claim, nats_dir
     from tandem.services.common.runtime import run_async, setup_logging
     from tandem.shared.infra.natsserver import NatsServerError
-    from tandem.supervisor import Supervisor, UsageError
 
     setup_logging(settings.log_level)
     problem = usage_problem(settings)
@@ -165,9 +165,9 @@ async def serve_until_stopped(sup: Supervisor, sync_handler: Callable[[int, Any]
 
 
 def place(settings: Settings, args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[list[str], Placement]:
-    """The GPUs the workers get and how many of each kind run there (:func:`tandem.gpus.plan_placement`).
+    """The GPUs the workers get and how many of each kind run there (:func:`tandem.cli.gpus.plan_placement`).
     Sets the router's ``prefill_on_shared_device`` in ``overrides`` as the placement wants, unless given."""
-    from tandem.gpus import plan_placement, visible_gpus
+    from tandem.cli.gpus import plan_placement, visible_gpus
 
     gpus = visible_gpus(settings.engine.device)
     # --device cuda:N pins every worker to that one device: shared, as one GPU is.

@@ -5,14 +5,14 @@ In order, one log line per step:
 1. the routers stop admitting: SIGTERM, on which a router leaves its endpoints (a new request gets a
    typed ``no_workers`` error, "no router is running", at once) and finishes the placements under way;
 2. every prefill and decode worker drains as for a scale-down (:meth:`Scaler.drain
-   <tandem.scaling.Scaler.drain>`: a ``DrainRequest`` with ``exit``, the path of
+   <tandem.cli.scaling.Scaler.drain>`: a ``DrainRequest`` with ``exit``, the path of
    :mod:`tandem.services.common.drain`): it finishes its streams and hand-offs, then exits with
    ``EXIT_DRAINED``;
 3. a worker still busy when ``--shutdown-timeout`` runs out gets SIGTERM, which tells a draining
    worker its time is up: it ends each request it still holds with a typed ``worker_failure`` error
    on its stream and exits (SIGKILL :data:`KILL_AFTER_S` later if it does not).
 
-Then :meth:`Supervisor.stop <tandem.supervisor.Supervisor.stop>` stops the services that hold no
+Then :meth:`Supervisor.stop <tandem.cli.supervisor.Supervisor.stop>` stops the services that hold no
 requests (frontend, planner, KV-stores) and the nats-server last. Meanwhile a dead nats-server is
 still restarted; a second signal (:attr:`Supervisor.stop_now`) ends the waiting at once.
 """
@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING
 
 import nats
 
-from tandem.supervisor import ENGINE_SERVICES
+from tandem.cli.supervisor import ENGINE_SERVICES
 
 if TYPE_CHECKING:
-    from tandem.scaling import Scaler
-    from tandem.supervisor import Child
+    from tandem.cli.scaling import Scaler
+    from tandem.cli.supervisor import Child
 
-log = logging.getLogger("tandem.up")
+log = logging.getLogger("tandem.cli.up")
 
 POLL_S = 0.1
 ROUTER_STOP_S = 5.0  # a router only finishes placements (milliseconds each) before it exits

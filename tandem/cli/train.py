@@ -122,7 +122,7 @@ def exit_status(signum: int) -> int:
 
 def add_train_parser(sub: argparse._SubParsersAction, add_common) -> None:  # noqa: ANN001
     """The ``train`` subcommand; ``add_common`` adds --nats-url/--data-dir/--log-level."""
-    from tandem.flags import int_at_least
+    from tandem.cli.flags import int_at_least
 
     p = sub.add_parser("train", help="train a model in this process (layers streamed from host RAM on a GPU)")
     add_common(p)
@@ -200,7 +200,7 @@ def job_problem(exc: Exception) -> str:
     """A refused job in one line: a field's bad value as the flag that gave it (``--steps must be >= 1``)."""
     from pydantic import ValidationError
 
-    from tandem.flags import invalid_value
+    from tandem.cli.flags import invalid_value
     from tandem.shared.protocol.base import ProtocolError
     from tandem.shared.protocol.training import TrainJob
 
@@ -238,7 +238,7 @@ def train(args: argparse.Namespace, settings, stops: StopSignals) -> int:  # noq
     from pydantic import ValidationError
 
     from tandem.shared.protocol.base import ProtocolError
-    from tandem.shared.train.runner import TrainRunner
+    from tandem.shared.train.loop import TrainLoop
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -248,7 +248,7 @@ def train(args: argparse.Namespace, settings, stops: StopSignals) -> int:  # noq
         if getattr(args, "plan", False):
             return print_plan(job, job_id, settings.data_dir)
         started = time.perf_counter()
-        runner = TrainRunner(job, job_id, settings.data_dir)
+        runner = TrainLoop(job, job_id, settings.data_dir)
     except (ValidationError, ProtocolError, ValueError) as exc:
         print(f"tandem train: {job_problem(exc)}", file=sys.stderr)
         return 2
@@ -257,7 +257,7 @@ def train(args: argparse.Namespace, settings, stops: StopSignals) -> int:  # noq
           f"checkpoints in {runner.output_dir}", flush=True)
     print(f"tandem train: placement: {runner.placement.describe(runner.config.num_layers)} "
           f"({runner.placement.reason})", flush=True)
-    from tandem.access import BusConnectError
+    from tandem.client.access import BusConnectError
     from tandem.shared.auth.credentials import CredentialsError
 
     try:
@@ -330,8 +330,8 @@ def kept_checkpoint(args: argparse.Namespace, output_dir: Path) -> str:
 
 def print_plan(job, job_id: str, data_dir: Path) -> int:  # noqa: ANN001 - TrainJob
     """``--plan``: the plan (allocating nothing large); 0 when it fits, 2 (with the refusal) when not."""
+    from tandem.shared.train.loop import output_dir_of, plan_job
     from tandem.shared.train.plan import PlanError
-    from tandem.shared.train.runner import output_dir_of, plan_job
 
     setup = plan_job(job, output_dir_of(job, job_id, data_dir))
     print(setup.plan.describe())
@@ -370,7 +370,7 @@ class _Publisher:
     def __init__(self, settings, model: str, job_id: str) -> None:  # noqa: ANN001 - Settings
         import asyncio
 
-        from tandem.access import connect_command, operator_options
+        from tandem.client.access import connect_command, operator_options
 
         url = settings.bus.nats_url
         self.model, self.job_id = model, job_id

@@ -5,7 +5,7 @@ The decode worker (consumer) creates its ring at start and advertises ``ring.nam
 transfer into free slots and sends only a :class:`SlotDescriptor` over NATS; the consumer copies
 the bytes out (generation checked) and releases the slots. A transfer spans as many slots as it
 needs (adjacent ones when free, so copies go in large bursts); when the ring has too few free
-slots ``try_write`` returns None and the caller sends NATS frames (:mod:`tandem.shared.protocol.frames`)::
+slots ``try_write`` returns None and the caller sends NATS frames (:mod:`tandem.shared.kvtransfer.frames`)::
 
     ring = ShmRing.create("decode-0", slot_bytes=2 << 20, num_slots=256)   # consumer
     prod = ShmRing.attach(ring.name)                                        # producer process
@@ -57,7 +57,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandem.shared.infra.devcopy import copy_stream
+from tandem.shared.kvtransfer.devcopy import copy_stream
 
 SHM_DIR = "/dev/shm"
 PREFIX = "tandem-kv-"

@@ -138,8 +138,8 @@ def run_bench(args: argparse.Namespace, settings: Settings, overrides: dict[str,
     machine the bus path splits the cores between a prefill and a decode worker)."""
     import torch
 
+    from tandem.cli.supervisor import Supervisor
     from tandem.services.common.runtime import run_async, setup_logging
-    from tandem.supervisor import Supervisor
 
     setup_logging("WARNING")
     # On a GPU the in-process engine and the system's workers hold their KV pools at once: half each.

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import nats
 
-from tandem.runstate import find_running
+from tandem.client.runstate import find_running
 from tandem.shared.auth.credentials import Credentials, RoleKey, connect_options, load_credentials, tls_context
 from tandem.shared.infra.config import Settings
 

@@ -1,4 +1,4 @@
-"""The streaming engine: one training step of a model whose weights live in host RAM.
+"""The offloaded step: one training step of a model whose weights live in host RAM.
 
 GPU residents: two layer-sized weight slots and two gradient slots used in turn, the extras
 (embedding, final norm, head: small next to the layers, so they stay resident and are refreshed
@@ -63,7 +63,7 @@ class StepHandle:
         return float(self.loss_host)
 
 
-class StreamingEngine:
+class OffloadStep:
     def __init__(self, config: ModelConfig, state: HostState, optimizer: HostAdamW, device: torch.device,
                  mlp_chunk: int = 16384, loss_chunk: int | None = None, device_update_layers: int = 0,
                  compile_layers: bool = False, device_update_sets: int = 2, device_resident_layers: int = 0,

@@ -1,9 +1,9 @@
 """One training job from start to finish: what `tandem train`, the trainer service and the
 benchmark run. Builds the host state (fresh, from a Hugging Face directory, or resumed from the
-job's own checkpoint), the host optimizer and the streaming engine, then steps, reporting each step,
+job's own checkpoint), the host optimizer and the offloaded step, then steps, reporting each step,
 a per-op trace at a bounded rate, and checkpoints.
 
-    runner = TrainRunner(TrainJob(model="tiny", steps=100), "job-1", data_dir=Path("~/.local/share/tandem"))
+    runner = TrainLoop(TrainJob(model="tiny", steps=100), "job-1", data_dir=Path("~/.local/share/tandem"))
     summary = runner.run(on_step=print)
 """
 
@@ -38,11 +38,11 @@ from tandem.shared.train.checkpoint import (
     save_checkpoint,
 )
 from tandem.shared.train.data import TokenData
-from tandem.shared.train.engine import StepHandle, StreamingEngine
 from tandem.shared.train.finetune_data import FinetuneData, records_kind, training_template
 from tandem.shared.train.host_state import HostState
 from tandem.shared.train.lanes import hidden_fraction
 from tandem.shared.train.layout import count_parameters
+from tandem.shared.train.offload_step import OffloadStep, StepHandle
 from tandem.shared.train.optimizer import HostAdamW, lr_schedule
 from tandem.shared.train.plan import (
     H200,
@@ -209,7 +209,7 @@ def output_dir_of(job: TrainJob, job_id: str, data_dir: Path) -> Path:
     return Path(job.output_dir) if job.output_dir else Path(data_dir) / "train" / job_id
 
 
-class TrainRunner:
+class TrainLoop:
     """A job (its placement: see :func:`plan_job`). Refuses (ProtocolError, one line) a job
     whose memory plan does not fit before allocating anything large."""
 
@@ -244,7 +244,7 @@ class TrainRunner:
         self.lr_at = lr_schedule(job.lr, job.warmup_steps, job.steps)
         self.optimizer = HostAdamW(self.state, self.lr_at, job.weight_decay, job.grad_clip, split=setup.split)
         self.compile_layers = job.compile_layers if job.compile_layers is not None else self.device.type == "cuda"
-        self.engine = StreamingEngine(config, self.state, self.optimizer, self.device, mlp_chunk=mlp_chunk,
+        self.engine = OffloadStep(config, self.state, self.optimizer, self.device, mlp_chunk=mlp_chunk,
                                       device_update_layers=self.placement.device_update,
                                       device_update_sets=self.placement.sets,
                                       device_resident_layers=self.placement.resident,

@@ -4,16 +4,16 @@ Starts an embedded nats-server (unless given a URL; on ``--port`` if given), the
 and prefill workers, a router and (for ``tandem up``) the HTTP frontend as child processes, waits
 until every one answers ``$SRV.PING`` (``--planner`` starts the planner then, once it can count the
 workers), reads every URL the children serve from their ``$SRV.INFO`` metadata (``metrics_url``,
-the frontend's ``http_url``) and writes them to the state file (:mod:`tandem.runstate`) so
+the frontend's ``http_url``) and writes them to the state file (:mod:`tandem.client.runstate`) so
 ``tandem generate``, the console and a Prometheus scrape config find them. While it runs,
-:mod:`tandem.scaling` keeps the wanted number of each service alive: it restarts a child that
+:mod:`tandem.cli.scaling` keeps the wanted number of each service alive: it restarts a child that
 crashed, and with the planner on it carries out the planner's decisions within
 ``--min/--max-prefill`` and ``--min/--max-decode``, draining a worker before it goes; and it
 restarts the embedded nats-server in place if that dies (:meth:`Supervisor.ensure_server`). At the
-end :mod:`tandem.shutdown` drains the system, then :meth:`Supervisor.stop` stops what is left (the
+end :mod:`tandem.cli.shutdown` drains the system, then :meth:`Supervisor.stop` stops what is left (the
 server last) and removes the state file and the server's folder. Children die with it even if it
 is killed with SIGKILL (Linux PDEATHSIG: SIGHUP, which a service takes as "stop at once"). GPUs:
-see :mod:`tandem.gpus`.
+see :mod:`tandem.cli.gpus`.
 
 Ports a client may hold stay the same across restarts. The frontend's HTTP port: with ``--http-port
 0`` the first frontend takes a free port, and every later one (a crashed one restarted, a hung one
@@ -51,11 +51,11 @@ from urllib.parse import urlsplit
 
 import nats
 
-from tandem.access import bus_options
-from tandem.discovery import service_infos, service_pongs
-from tandem.flags import SERVICE_SETTINGS, argv
-from tandem.gpus import memory_share, pick_gpus, visible_gpus
-from tandem.runstate import RunState, remove_state, state_file, write_state
+from tandem.cli.flags import SERVICE_SETTINGS, argv
+from tandem.cli.gpus import memory_share, pick_gpus, visible_gpus
+from tandem.client.access import bus_options
+from tandem.client.discovery import service_infos, service_pongs
+from tandem.client.runstate import RunState, remove_state, state_file, write_state
 from tandem.shared.auth.credentials import connect_options
 from tandem.shared.auth.keyring import Keyring, private_folder, write_private
 from tandem.shared.auth.roles import role_for_service
@@ -63,7 +63,7 @@ from tandem.shared.infra.config import Settings
 from tandem.shared.infra.natsserver import NatsServer, NatsServerError, die_with_parent
 from tandem.shared.protocol import subjects
 
-log = logging.getLogger("tandem.up")
+log = logging.getLogger("tandem.cli.up")
 
 SERVICE_ORDER = ("frontend", "planner", "router", "prefill", "decode", "kvstore")  # stop order
 STOP_STAGES = (("frontend",), ("planner", "router"), ("prefill", "decode"), ("kvstore",))  # SERVICE_ORDER, in steps
@@ -306,7 +306,7 @@ class Supervisor:
         if service == "frontend" and self.fixed_http_port():
             decided["http_port"] = self.fixed_http_port()
             skip = (*DECIDED_HERE, "http_port")
-        cmd = [sys.executable, "-m", "tandem.cli", "serve", service, *argv(decided, *specs)]
+        cmd = [sys.executable, "-m", "tandem", "serve", service, *argv(decided, *specs)]
         cmd += argv(self.overrides, *specs, skip=skip)
         if service == "planner":
             limits = {}
@@ -421,7 +421,7 @@ class Supervisor:
 
     async def supervise(self) -> None:
         """Keep the system as wanted until cancelled (Ctrl-C): restarts, the planner's decisions."""
-        from tandem.scaling import Scaler
+        from tandem.cli.scaling import Scaler
 
         await Scaler(self).run()
 
@@ -438,7 +438,7 @@ class Supervisor:
         return True
 
     def command_keys(self) -> dict[str, dict[str, str]]:
-        """The role keys the commands that find this up connect with (see :mod:`tandem.access`)."""
+        """The role keys the commands that find this up connect with (see :mod:`tandem.client.access`)."""
         if self.keyring is None:
             return {}
         return {role: dataclasses.asdict(self.keyring.role_key(role)) for role in ("client", "operator")}
@@ -464,7 +464,7 @@ class Supervisor:
     def stop(self, timeout_s: float = 15.0) -> None:
         """Stop every child left, stage by stage (:data:`STOP_STAGES`), then the server; with
         :attr:`stop_now` (a second Ctrl-C) all at once, SIGKILL for any not gone within
-        :data:`AT_ONCE_KILL_AFTER_S`. After :mod:`tandem.shutdown`'s drain, only services that
+        :data:`AT_ONCE_KILL_AFTER_S`. After :mod:`tandem.cli.shutdown`'s drain, only services that
         hold no requests are left."""
         groups = [[c for c in self.children if c.service in stage] for stage in STOP_STAGES]
         signum = signal.SIGTERM

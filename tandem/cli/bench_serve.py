@@ -6,7 +6,7 @@
     tandem bench serve --dataset-name prefix --prefix-ratio 0.75 --max-concurrency 16
     tandem bench serve --base-url http://127.0.0.1:8000 --max-concurrency 32   # the OpenAI HTTP API
 
-Prompts are token ids valid for the served model (see :mod:`tandem.bench_data`); requests use
+Prompts are token ids valid for the served model (see :mod:`tandem.cli.bench_data`); requests use
 ``ignore_eos`` and greedy sampling so output lengths are exact. ``--num-warmups`` requests go first
 and are not counted. TTFT is measured from just before the request is sent to the arrival of its
 first token. The table ends with the services' own TTFT for the same requests: the difference of
@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tandem.bench_data import BenchRequest, RequestResult, arrival_gaps, make_requests, parse_goodput, summarize
+from tandem.cli.bench_data import BenchRequest, RequestResult, arrival_gaps, make_requests, parse_goodput, summarize
 from tandem.shared.infra.config import Settings
 
 TTFT_METRIC = "tandem:time_to_first_token_seconds"
@@ -48,7 +48,7 @@ API_KEY_ENV = "TANDEM_API_KEY"  # the frontend's own key variable: a bench run b
 
 class BenchLimits(BaseModel):
     """What each flag of ``tandem bench serve`` may be: a value outside is refused with the flag and
-    this bound (:func:`tandem.flags.invalid_value`), before anything is sent."""
+    this bound (:func:`tandem.cli.flags.invalid_value`), before anything is sent."""
 
     model_config = ConfigDict(extra="ignore")
     input_len: int = Field(ge=1)
@@ -150,7 +150,7 @@ class Backend(Protocol):
 
 
 async def router_model(nc) -> tuple[str, int]:  # noqa: ANN001 - a nats.NATS
-    from tandem.discovery import service_infos
+    from tandem.client.discovery import service_infos
 
     for info in await service_infos(nc, name="tandem-router"):
         meta = info.get("metadata", {})
@@ -161,7 +161,7 @@ async def router_model(nc) -> tuple[str, int]:  # noqa: ANN001 - a nats.NATS
 
 async def server_ttft(nc) -> dict[str, tuple[float, int]]:  # noqa: ANN001 - a nats.NATS
     """instance -> (TTFT sum, count) from every engine worker's page."""
-    from tandem.discovery import scrape_services
+    from tandem.client.discovery import scrape_services
 
     pages = await scrape_services(nc, ("tandem-prefill", "tandem-decode"))
     return {iid: (page[2][TTFT_METRIC].sum, page[2][TTFT_METRIC].count)
@@ -326,8 +326,8 @@ async def nats_backend(url: str, *, timeout_s: float, model: str | None = None, 
     arguments), and with ``watch_options`` (an operator's identity) a second connection that reads
     the workers' metrics: a client's role may not ask the workers, so without it the run has no
     server-side TTFT."""
-    from tandem.access import BusConnectError, connect_command
     from tandem.client import connect
+    from tandem.client.access import BusConnectError, connect_command
 
     watch = None
     if watch_options is not None:
@@ -351,7 +351,7 @@ async def http_backend(base_url: str, *, timeout_s: float, api_key: str | None =
     vocabulary size, the services' TTFT) with ``nats_options`` (an operator's identity)."""
     import httpx
 
-    from tandem.access import BusConnectError, connect_command
+    from tandem.client.access import BusConnectError, connect_command
 
     async with AsyncExitStack() as stack:
         # No pool limit: a bench of N requests in flight must not queue them in the client; and no
@@ -504,7 +504,7 @@ def strict_json(value: Any) -> Any:
 
 def check_args(args: argparse.Namespace) -> str | None:
     """The first flag of ``args`` outside its bound, as one line (None: all fine)."""
-    from tandem.flags import invalid_value
+    from tandem.cli.flags import invalid_value
 
     try:
         BenchLimits.model_validate(vars(args))
@@ -519,7 +519,7 @@ def check_args(args: argparse.Namespace) -> str | None:
 def nats_url_for_http(base_url: str, settings: Settings) -> str | None:
     """The NATS URL behind ``base_url`` when it is known: ``--nats-url`` (or ``TANDEM_NATS_URL``), or
     the running ``tandem up`` whose frontend is that very URL (never another system's)."""
-    from tandem.runstate import find_running
+    from tandem.client.runstate import find_running
 
     if settings.bus.nats_url:
         return settings.bus.nats_url
@@ -530,9 +530,9 @@ def nats_url_for_http(base_url: str, settings: Settings) -> str | None:
 
 
 def run_bench_serve(args: argparse.Namespace, settings: Settings) -> int:
-    from tandem.access import command_auth, operator_options
     from tandem.client import TandemError
-    from tandem.runstate import find_running_url
+    from tandem.client.access import command_auth, operator_options
+    from tandem.client.runstate import find_running_url
     from tandem.services.common.runtime import run_async
     from tandem.shared.auth.credentials import CredentialsError
 

@@ -1,16 +1,16 @@
 """A process's bulk NATS connections: KV frames striped across them, sent and landed from their threads.
 
-One :class:`tandem.shared.infra.bulkconn.BulkConnection` is one socket and, on each side of it,
+One :class:`tandem.shared.kvtransfer.bulkconn.BulkConnection` is one socket and, on each side of it,
 one core's worth of copying at most; :class:`BulkLinks` holds ``size`` of them to the server the
 service's own nats-py connection uses, with its identity, and is what
-:func:`tandem.shared.protocol.frames.send_kv` takes as ``links``:
+:func:`tandem.shared.kvtransfer.frames.send_kv` takes as ``links``:
 
 - :meth:`BulkLinks.publish` sends each frame on the next connection in turn, from that
   connection's own writer thread (the frame's checksums are computed there once it is out, while
   the receiver lands it);
 - :meth:`BulkLinks.serve_kv` subscribes every connection to a subject in one queue group, so each
   frame goes to one of them, and lands it from that connection's reader thread straight into the
-  :class:`tandem.shared.protocol.frames.KVReceiver`'s buffer, its blocks checksummed on a pool of
+  :class:`tandem.shared.kvtransfer.frames.KVReceiver`'s buffer, its blocks checksummed on a pool of
   ``check_threads`` while the reader reads on, replying (credit or typed error) on the same
   connection.
 
@@ -30,10 +30,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.shared.infra.bulkconn import Buffer, BulkConnection, BulkConnectionError, Delivery, Handler, PayloadReader
 from tandem.shared.infra.log_limit import LimitedLog
+from tandem.shared.kvtransfer.bulkconn import (
+    Buffer,
+    BulkConnection,
+    BulkConnectionError,
+    Delivery,
+    Handler,
+    PayloadReader,
+)
+from tandem.shared.kvtransfer.frames import KVReceiver, error_payload
 from tandem.shared.protocol.base import ErrorCode, ProtocolError
-from tandem.shared.protocol.frames import KVReceiver, error_payload
 
 log = logging.getLogger("tandem.bulklinks")
 limited = LimitedLog(log)  # a sender's frames can repeat a refusal's line

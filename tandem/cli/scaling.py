@@ -29,7 +29,7 @@
 - the embedded nats-server, if it died, is started again on its port with its JetStream store
   (:meth:`Supervisor.ensure_server`); the children reconnect by themselves.
 
-When ``tandem up`` is told to stop, the loop ends and :mod:`tandem.shutdown` takes over: nothing
+When ``tandem up`` is told to stop, the loop ends and :mod:`tandem.cli.shutdown` takes over: nothing
 is restarted from then on.
 """
 
@@ -45,18 +45,18 @@ import nats
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from tandem.discovery import service_pongs
+from tandem.cli.shutdown import drain_system
+from tandem.client.discovery import service_pongs
 from tandem.services.common.runtime import EXIT_DRAINED
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ProtocolError
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.fleet import DrainRequest, Heartbeat, ScalingDecision
-from tandem.shutdown import drain_system
 
 if TYPE_CHECKING:
-    from tandem.supervisor import Child, Supervisor
+    from tandem.cli.supervisor import Child, Supervisor
 
-log = logging.getLogger("tandem.up")
+log = logging.getLogger("tandem.cli.up")
 
 TICK_S = 0.25
 URLS_S = 1.0

@@ -17,8 +17,8 @@ Both release the GIL for the kernel's copy, and so does ``zlib.crc32``, so sever
 and check bytes on several cores at once. The identity is the service's own (the JWT and nonce
 signature callbacks of :func:`tandem.shared.auth.credentials.connect_options`, user/password or a
 token), TLS as the server asks. Deliberately small: no reconnect (a broken connection fails what it
-carries, and :class:`tandem.shared.infra.bulklinks.BulkLinks` opens a new one), no JetStream, no
-headers on publish. Used only through :mod:`tandem.shared.infra.bulklinks`.
+carries, and :class:`tandem.shared.kvtransfer.bulklinks.BulkLinks` opens a new one), no JetStream, no
+headers on publish. Used only through :mod:`tandem.shared.kvtransfer.bulklinks`.
 """
 
 from __future__ import annotations

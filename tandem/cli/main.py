@@ -19,7 +19,7 @@
                   [--force] [--dry-run]      (everything an offline host needs: wheels, images, install.sh)
     tandem --version
 
-The settings flags are generated from :mod:`tandem.shared.infra.config` (:mod:`tandem.flags`): every
+The settings flags are generated from :mod:`tandem.shared.infra.config` (:mod:`tandem.cli.flags`): every
 one is also a ``TANDEM_*`` environment variable, and ``tandem serve <service> --help`` lists each
 with its default. Every other flag's help ends with its default too. Flags are never abbreviated
 (``--nats`` is an error, not ``--nats-url``), and a command line that cannot run gets one line naming
@@ -37,9 +37,8 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any, TextIO
 
-from tandem import __version__
-from tandem.bench_serve import add_arguments as add_bench_serve
-from tandem.flags import (
+from tandem.cli.bench_serve import add_arguments as add_bench_serve
+from tandem.cli.flags import (
     CLIENT,
     SERVICE_SETTINGS,
     Parser,
@@ -51,6 +50,7 @@ from tandem.flags import (
     settings_from,
     show_defaults,
 )
+from tandem.shared.infra.version import VERSION
 
 SERVICES = tuple(SERVICE_SETTINGS)
 SERVICE_HELP = {
@@ -91,13 +91,13 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    # Parser (tandem.flags): no abbreviated flags, one-line errors; every subparser below, those
-    # tandem/up.py and tandem/train_cli.py add included, is made of the same class by argparse.
+    # Parser (tandem.cli.flags): no abbreviated flags, one-line errors; every subparser below, those
+    # tandem/cli/up.py and tandem/cli/train.py add included, is made of the same class by argparse.
     root = Parser(prog="tandem", description=__doc__.split("\n\n")[0])
-    root.add_argument("--version", action="version", version=f"tandem {__version__}")
+    root.add_argument("--version", action="version", version=f"tandem {VERSION}")
     sub = root.add_subparsers(dest="command", required=True)
 
-    from tandem.up import add_up_parser
+    from tandem.cli.up import add_up_parser
 
     add_up_parser(sub, SETTINGS_NOTE, DEMO_PROMPT)
 
@@ -164,16 +164,16 @@ def parser() -> argparse.ArgumentParser:
                      help="print one JSON object instead of streaming: prompt_token_ids and outputs (each text, "
                           "token_ids, finish_reason, cumulative_logprob, logprobs), best first")
 
-    from tandem.train_cli import add_train_parser
+    from tandem.cli.train import add_train_parser
 
     add_train_parser(sub, add_common)
     describe_train_defaults(sub.choices["train"])
 
-    from tandem.auth_init import add_auth_parser
+    from tandem.cli.auth_init import add_auth_parser
 
     add_auth_parser(sub)
 
-    from tandem.bundle import add_bundle_parser
+    from tandem.cli.bundle import add_bundle_parser
 
     add_bundle_parser(sub)
 
@@ -219,8 +219,8 @@ def describe_train_defaults(train: argparse.ArgumentParser) -> None:
     """Put each job flag's default in its help. The flags themselves default to None (a flag left out
     takes the TrainJob field's default, or the tiny run's with --default: train_cli.DEFAULT_JOB), so
     the generic ``(default: ...)`` of :func:`show_defaults` would say "unset" for all of them."""
+    from tandem.cli.train import DEFAULT_JOB, JOB_FLAGS
     from tandem.shared.protocol.training import TrainJob
-    from tandem.train_cli import DEFAULT_JOB, JOB_FLAGS
 
     for action in train._actions:
         text = action.help or ""
@@ -271,7 +271,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from tandem.up import run_up
+    from tandem.cli.up import run_up
 
     return run_up(args, settings_from(args), given(args))
 
@@ -383,9 +383,9 @@ def labelled_outputs(result) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from tandem.access import command_auth
     from tandem.client import TandemError, connect
-    from tandem.runstate import find_running_url
+    from tandem.client.access import command_auth
+    from tandem.client.runstate import find_running_url
     from tandem.services.common.runtime import run_async
 
     prog = "tandem generate"
@@ -440,8 +440,8 @@ async def discover(url: str, wait_s: float, options: dict[str, Any] | None = Non
     """Every ``$SRV.INFO`` answer on the NATS server at ``url`` within ``wait_s``; ``options``:
     ``nats.connect``'s (the identity, TLS)."""
 
-    from tandem.access import BusConnectError, connect_command
-    from tandem.discovery import service_infos
+    from tandem.client.access import BusConnectError, connect_command
+    from tandem.client.discovery import service_infos
 
     try:
         # Two tries, then NoServersError: nats-py retries an initial connect forever with
@@ -486,7 +486,7 @@ def services_table(rows: list[dict[str, Any]]) -> str:
 def bus_target(prog: str, args: argparse.Namespace):
     """(settings, the NATS URL) of a command that asks the bus for ``--wait`` seconds, or None after
     saying in one line what to change (a bad ``--wait``, no URL and no running ``tandem up``)."""
-    from tandem.runstate import find_running_url
+    from tandem.client.runstate import find_running_url
 
     if not args.wait > 0:
         print(f"{prog}: --wait must be > 0", file=sys.stderr)
@@ -503,7 +503,7 @@ def cmd_ping(args: argparse.Namespace) -> int:
     import asyncio
     import socket
 
-    from tandem.access import BusConnectError, bus_options, command_auth, connect_command
+    from tandem.client.access import BusConnectError, bus_options, command_auth, connect_command
     from tandem.services.common.runtime import run_async
     from tandem.shared.auth.credentials import CredentialsError
 
@@ -552,7 +552,7 @@ def cmd_ping(args: argparse.Namespace) -> int:
 
 
 def cmd_services(args: argparse.Namespace) -> int:
-    from tandem.access import operator_options
+    from tandem.client.access import operator_options
     from tandem.services.common.runtime import run_async
     from tandem.shared.auth.credentials import CredentialsError
 
@@ -585,8 +585,8 @@ def cmd_console(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from tandem.cli.train import cmd_train as run_train
     from tandem.services.common.runtime import setup_logging
-    from tandem.train_cli import cmd_train as run_train
 
     settings = settings_from(args)
     setup_logging(settings.log_level)
@@ -594,23 +594,23 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_auth(args: argparse.Namespace) -> int:
-    from tandem.auth_init import run_auth
+    from tandem.cli.auth_init import run_auth
 
     return run_auth(args)
 
 
 def cmd_bundle(args: argparse.Namespace) -> int:
-    from tandem.bundle import run_bundle
+    from tandem.cli.bundle import run_bundle
 
     return run_bundle(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "serve":
-        from tandem.bench_serve import run_bench_serve
+        from tandem.cli.bench_serve import run_bench_serve
 
         return run_bench_serve(args, settings_from(args))
-    from tandem.bench import run_bench
+    from tandem.cli.bench import run_bench
 
     return run_bench(args, settings_from(args), given(args))
 
