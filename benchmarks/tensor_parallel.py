@@ -32,6 +32,7 @@ from serving_gpu import greedy_tokens, hbm_read_gbps, make_engine, random_prompt
 
 from tandem.shared.model.loader import load_model
 from tandem.shared.parallel.ranks import RankJob, dismiss, lead
+from tandem.shared.parallel.sharding import sharder
 
 
 def load(model: str, size: int, device: torch.device, threads: int, shared_memory_commands: bool = True):
@@ -41,7 +42,7 @@ def load(model: str, size: int, device: torch.device, threads: int, shared_memor
     job = RankJob(model=model, data_dir=None, dtype="auto", quantization="none", torch_threads=threads,
                   engine={"num_blocks": 1})
     group, followers = lead(job, size, device, shared_memory_commands)
-    loaded = load_model(model, device=device, tensor_parallel=group)
+    loaded = load_model(model, device=device, shard=sharder(group))
     group.min_over_ranks(1 << 40)  # the followers size their pools too; the engine sets its own below
     return loaded, followers, group
 

@@ -5,6 +5,12 @@ and :mod:`tandem.cli` (the ``tandem`` command; above everything). ``shared``, ``
 ``console`` are the checkout's top-level folders, linked in here so the checkout reads as the
 installed package does."""
 
-from tandem.shared.infra.version import VERSION as __version__
 
-__all__ = ["__version__"]
+
+def __getattr__(name: str) -> str:
+    # Looked up on first use, so importing any tandem module does not read package metadata.
+    if name == "__version__":
+        from tandem.shared.infra.version import VERSION
+
+        return VERSION
+    raise AttributeError(f"module 'tandem' has no attribute {name!r}")

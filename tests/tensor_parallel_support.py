@@ -10,6 +10,7 @@ import torch
 
 from tandem.shared.model.loader import LoadedModel, load_model
 from tandem.shared.parallel.ranks import RankJob, dismiss, lead
+from tandem.shared.parallel.sharding import sharder
 
 
 @contextmanager
@@ -23,7 +24,7 @@ def sharded_model(model: str, size: int, data_dir: str, device: str = "cpu",
     group, followers = lead(job, size, torch.device(device))
     try:
         loaded = load_model(model, device=device, dtype=getattr(torch, dtype), data_dir=data_dir,
-                            tensor_parallel=group)
+                            shard=sharder(group))
         assert group.min_over_ranks(64) == 64
         yield loaded
     finally:

@@ -9,7 +9,7 @@ contiguous chunk: handing a prompt's KV from a prefill worker to a decode worker
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -17,7 +17,15 @@ from tandem.shared.kvtransfer.devcopy import host_values_to
 
 if TYPE_CHECKING:
     from tandem.shared.infra.config import EngineSettings
-    from tandem.shared.model.config import ModelConfig
+
+
+class CacheShape(Protocol):
+    """What the KV pool needs of a model's shape (a ModelConfig has it): the cache sits below the
+    model layer, so it names the fields rather than importing the model's config."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
 
 ACTIVATION_HEADROOM = 1 << 30  # GPU bytes left free for activations and the allocator's slack
 
@@ -58,7 +66,7 @@ def num_blocks_for_memory(
     return max(0, int(bytes_budget) // per_block)
 
 
-def size_kv_pool(settings: EngineSettings, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
+def size_kv_pool(settings: EngineSettings, cfg: CacheShape, device: torch.device, dtype: torch.dtype) -> int:
     """Blocks for the KV pool (``settings`` is the engine section; ``cfg`` the shape this process holds,
     one rank's share under tensor parallelism): as configured, else from a memory budget.
 

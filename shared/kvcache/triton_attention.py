@@ -21,24 +21,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except Exception:  # ImportError, or a Triton whose backend fails to initialise on this machine
-    HAS_TRITON = False
-
-    class _NoTriton:
-        """Stand-in so the kernel below still parses: ``@triton.jit`` is identity, annotations None."""
-
-        constexpr = None
-
-        @staticmethod
-        def jit(fn):  # noqa: ANN001, ANN205 - mirrors triton.jit
-            return fn
-
-    triton = tl = _NoTriton()  # type: ignore[assignment]
+from tandem.shared.infra.triton_runtime import HAS_TRITON, tl, triton
 
 LOG2_E = 1.4426950408889634  # scores scaled by it go through exp2, the hardware's own exponential
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_attention import HAS_TRITON, tl, triton
+from tandem.shared.infra.triton_runtime import HAS_TRITON, tl, triton
 
 
 @triton.jit

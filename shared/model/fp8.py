@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.shared.kvcache.triton_attention import HAS_TRITON, tl, triton
+from tandem.shared.infra.triton_runtime import HAS_TRITON, tl, triton
 from tandem.shared.model import fp8_few_rows
 from tandem.shared.model.config import ModelLoadError
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.shared.infra.device_timing import graph_microseconds
-from tandem.shared.kvcache.triton_attention import HAS_TRITON, tl, triton
+from tandem.shared.infra.triton_runtime import HAS_TRITON, tl, triton
 
 log = logging.getLogger("tandem.model")
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -25,9 +25,6 @@ from tandem.shared.model.llama import LlamaForCausalLM
 from tandem.shared.model.meta import is_random_spec, load_model_meta, weight_files
 from tandem.shared.model.presets import build_preset_model
 from tandem.shared.text.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from tandem.shared.parallel.group import TensorParallelGroup
 
 TINY_SEED = 1234
 INIT_STD = 0.02
@@ -52,14 +49,14 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     data_dir: str | os.PathLike | None = None,
     quantization: str = "none",
-    tensor_parallel: TensorParallelGroup | None = None,
+    shard: Callable[[LlamaForCausalLM], object] | None = None,
 ) -> LoadedModel:
     """Load "tiny", "tiny-random" or a Hugging Face directory, ready for serving (eval mode, no grads).
 
     ``quantization="fp8"`` stores the decoder layers' linears as fp8 (``fp8.quantize_model``: fused
     first, the float copies freed), so a worker sizes its KV pool with the smaller weights.
-    ``tensor_parallel``: keep only this rank's share (``parallel.sharding``), cut before quantizing;
-    ``LoadedModel.config`` stays the whole model's."""
+    ``shard`` cuts the model to one tensor-parallel rank's share in place, before quantizing
+    (``parallel.sharding.sharder`` makes it); ``LoadedModel.config`` stays the whole model's."""
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     check_quantization(quantization, dtype)  # before the weights are read: a refusal costs nothing
@@ -73,10 +70,8 @@ def load_model(
     loaded = LoadedModel(model, meta.tokenizer, meta.config, meta.name, meta.weights_id())
     loaded.model.eval()
     loaded.model.requires_grad_(False)
-    if tensor_parallel is not None and tensor_parallel.size > 1:
-        from tandem.shared.parallel.sharding import shard_model
-
-        shard_model(loaded.model, tensor_parallel)
+    if shard is not None:
+        shard(loaded.model)
     if quantization != "none":
         quantize_model(loaded.model, quantization)
         loaded.weights_id = f"{loaded.weights_id}+{quantization}"

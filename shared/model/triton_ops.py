@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.shared.kvcache.triton_attention import HAS_TRITON, tl, triton
+from tandem.shared.infra.triton_runtime import HAS_TRITON, tl, triton
 
 
 @triton.jit

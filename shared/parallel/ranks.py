@@ -143,6 +143,7 @@ def run_follower(rank: int, size: int, port: int, device: torch.device, job: Ran
     from tandem.shared.infra.config import EngineSettings
     from tandem.shared.kvcache.cache import size_kv_pool
     from tandem.shared.model.loader import load_model, resolve_dtype
+    from tandem.shared.parallel.sharding import sharder
     from tandem.shared.parallel.tp_model_runner import follow
 
     if job.torch_threads:
@@ -152,7 +153,7 @@ def run_follower(rank: int, size: int, port: int, device: torch.device, job: Ran
     try:
         dtype = resolve_dtype(job.dtype, device)
         loaded = load_model(job.model, device=device, dtype=dtype, data_dir=job.data_dir,
-                            quantization=job.quantization, tensor_parallel=group)
+                            quantization=job.quantization, shard=sharder(group))
         engine = EngineSettings(**job.engine)
         group.min_over_ranks(size_kv_pool(engine, loaded.model.config, device, dtype))
         log.info("rank %d of %d ready on %s", rank, size, device)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -124,3 +125,10 @@ def shard_model(model: LlamaForCausalLM, group: TensorParallelGroup) -> LlamaFor
     if model.model.embed_tokens.weight.is_cuda:
         torch.cuda.empty_cache()  # the whole matrices' blocks back, before the KV pool is sized
     return model
+
+
+def sharder(group: TensorParallelGroup | None) -> Callable[[LlamaForCausalLM], LlamaForCausalLM] | None:
+    """What ``load_model(shard=...)`` takes for ``group``: None when there is nothing to split."""
+    if group is None or group.size <= 1:
+        return None
+    return lambda model: shard_model(model, group)

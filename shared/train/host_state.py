@@ -108,9 +108,6 @@ class HostState:
             unit.work.copy_(unit.master)
         return state
 
-    def grad_nbytes(self) -> int:
-        return sum(u.grad.numel() * u.grad.element_size() for u in self.units)
-
     def add_grad_spares(self) -> None:
         for unit in self.units:
             if unit.grad_spare is None:
@@ -122,9 +119,6 @@ class HostState:
         for unit in self.units:
             out.update(unit.master_views())
         return out
-
-    def num_parameters(self) -> int:
-        return sum(p.numel for u in self.units for p in u.layout.params)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for u in self.units

@@ -1,17 +1,96 @@
-"""The layer rule, checked in fresh interpreters: what runs no model loads no torch.
+"""The layer rule (docs/architecture.md), checked two ways.
 
-docs/architecture.md states the rule: the wire protocol imports neither torch nor the engine, and
-the router, the KV-store's service side, the HTTP frontend and ``tandem.client`` need no torch. Each case imports its
-modules in a new Python process (this one has torch loaded already) and lists what it pulled in.
+From the source (``scripts/import_graph.py`` reads every import, lazy ones included): no arrow runs
+back up the layers (shared < client < services, console < cli), no service imports a peer service,
+no two packages import each other through any path, and the wire protocol and the client library
+import no torch and nothing of tandem's beside what the rule lets them.
+
+In fresh interpreters: what runs no model loads no torch. The router, the KV-store's service side,
+the HTTP frontend and ``tandem.client`` need no torch. Each case imports its modules in a new Python
+process (this one has torch loaded already) and lists what it pulled in.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_import_graph():
+    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["import_graph"] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+import_graph = _load_import_graph()
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return import_graph.build()
+
+
+def test_the_graph_sees_every_part(graph):
+    """The checks below can fail: the graph holds modules of every part and arrows between them."""
+    parts = {import_graph.part_of(m) for m in graph.modules}
+    assert {"tandem.shared", "tandem.client", "tandem.services", "tandem.console", "tandem.cli"} <= parts, parts
+    arrows = import_graph.part_arrows(graph)
+    assert arrows.get(("tandem.services", "tandem.shared"), 0) > 10, arrows
+
+
+def test_no_arrow_runs_back_up_the_layers(graph):
+    bad = import_graph.upward_arrows(graph)
+    assert not bad, "imports against the layers: " + "; ".join(f"{a} imports {b}" for a, b in bad)
+
+
+def test_no_service_imports_a_peer_service(graph):
+    bad = import_graph.peer_service_imports(graph)
+    assert not bad, "a service imports another: " + "; ".join(f"{a} imports {b}" for a, b in bad)
+
+
+def test_no_import_circle_between_packages(graph):
+    cycles = import_graph.package_cycles(import_graph.package_edges(graph))
+    assert not cycles, "packages that import each other: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+# tandem modules each low layer may import (beside its own package)
+MAY_IMPORT = {
+    "tandem.shared.protocol": ("tandem.shared.protocol",),
+    "tandem.client": ("tandem.client", "tandem.shared.protocol", "tandem.shared.infra.config",
+                      "tandem.shared.infra.liveness", "tandem.shared.infra.metrics", "tandem.shared.auth"),
+}
+COMPUTE_LIBRARIES = ("torch", "triton", "numpy", "safetensors")
+
+
+@pytest.mark.parametrize("layer", MAY_IMPORT)
+def test_low_layers_import_only_what_the_rule_allows(graph, layer):
+    bad = sorted((m, t) for m, targets in graph.imports.items() if m == layer or m.startswith(layer + ".")
+                 for t in targets if not t.startswith(MAY_IMPORT[layer]))
+    assert not bad, f"{layer} reaches beyond its layer: " + "; ".join(f"{a} imports {b}" for a, b in bad)
+
+
+@pytest.mark.parametrize("layer", MAY_IMPORT)
+def test_low_layers_name_no_compute_library(graph, layer):
+    """Even a lazy import counts: a torch import inside a function still needs torch installed."""
+    found = []
+    for module, path in graph.modules.items():
+        if not (module == layer or module.startswith(layer + ".")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{module}: {n}" for n in names if n.split(".")[0] in COMPUTE_LIBRARIES]
+    assert not found, f"{layer} imports compute libraries: " + "; ".join(found)
 
 # The model package's ``config`` and ``meta`` are plain data (the router reads a model's shape and
 # tokenizer); every other compute module is forbidden.
