@@ -5,18 +5,18 @@
     found, blob, block_bytes = await store.get(namespace, hashes[:leading], prefix_only=True)
     await store.put(namespace, new_hashes, blob, block_bytes)
 
-Bytes move as credited binary frames (:mod:`tandem.shared.kvtransfer.frames`), over the worker's bulk
-connections when it has them (``links``), and are verified block by block (crc32) on arrival; every
-refusal comes back as :class:`ProtocolError` with its typed code.
+Bytes move as credited binary frames through a :class:`tandem.shared.kvtransfer.channel.KVChannel`: the
+worker's own (``channel``: over its bulk connections when it has them), else one over ``nc``; they are
+verified block by block (crc32) on arrival. Every refusal comes back as :class:`ProtocolError` with its
+typed code.
 """
 
 from __future__ import annotations
 
 import uuid
 
-from tandem.shared.infra.config import BusSettings
-from tandem.shared.kvtransfer.bulklinks import BulkLinks
-from tandem.shared.kvtransfer.frames import KVReceiver, send_kv
+from tandem.shared.kvtransfer.channel import KVChannel
+from tandem.shared.kvtransfer.frames import KVReceiver
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorReply, ProtocolError
 from tandem.shared.protocol.codec import decode, encode
@@ -27,19 +27,15 @@ from tandem.shared.protocol.kv import (
     KVLookupRequest,
     KVPutReply,
     KVPutRequest,
-    KVTransfer,
 )
-
-MIB = 1024 * 1024
 
 
 class KVStoreClient:
     """One KV-store instance, over an existing NATS connection."""
 
-    def __init__(self, nc, store_id: str, timeout_s: float = 30.0, window: int = BusSettings().kv_window,
-                 links: BulkLinks | None = None) -> None:
-        self.nc, self.store_id, self.timeout_s, self.window = nc, store_id, timeout_s, window
-        self.links = links  # a BulkLinks: frames sent and landed on its threads
+    def __init__(self, nc, store_id: str, timeout_s: float = 30.0, channel: KVChannel | None = None) -> None:
+        self.nc, self.store_id, self.timeout_s = nc, store_id, timeout_s
+        self.channel = channel if channel is not None else KVChannel(nc)
 
     async def _ask(self, subject: str, message, expect):
         reply = decode((await self.nc.request(subject, encode(message), timeout=self.timeout_s)).data,
@@ -56,16 +52,7 @@ class KVStoreClient:
                   max_bytes: int = 1 << 30) -> tuple[list[int], bytearray, int]:
         """(hashes found, their blocks end to end, bytes per block); blocks come in ``found`` order."""
         receiver, inbox = KVReceiver(max_bytes), self.nc.new_inbox()
-
-        async def on_frame(msg) -> None:
-            reply = receiver.answer(msg.data)
-            if reply is not None and msg.reply:
-                await self.nc.publish(msg.reply, reply)
-
-        if self.links is not None and self.links.usable:  # the inbox is this identity's: its bulk connections read it
-            sub = await self.links.serve_kv(inbox, receiver)
-        else:
-            sub = await self.nc.subscribe(inbox, cb=on_frame, pending_bytes_limit=256 * MIB)
+        sub = await self.channel.listen(inbox, receiver)
         try:
             request = KVGetRequest(request_id=uuid.uuid4().hex, namespace=namespace, hashes=hashes, inbox=inbox,
                                    prefix_only=prefix_only)
@@ -78,10 +65,7 @@ class KVStoreClient:
 
     async def put(self, namespace: str, hashes: list[int], blob: bytes | memoryview, block_bytes: int) -> KVPutReply:
         """Store ``len(hashes)`` blocks laid end to end in ``blob``."""
-        transfer_id = uuid.uuid4().hex
-        checksums = await send_kv(self.nc, subjects.kvstore_kv(self.store_id), transfer_id, blob, window=self.window,
-                                  timeout_s=self.timeout_s, block_bytes=block_bytes, links=self.links)
-        transfer = KVTransfer(transfer_id=transfer_id, num_blocks=len(hashes), block_bytes=block_bytes,
-                              checksums=checksums)
-        request = KVPutRequest(request_id=transfer_id, namespace=namespace, hashes=hashes, transfer=transfer)
+        transfer = await self.channel.send(subjects.kvstore_kv(self.store_id), blob, num_blocks=len(hashes),
+                                           block_bytes=block_bytes, timeout_s=self.timeout_s)
+        request = KVPutRequest(request_id=transfer.transfer_id, namespace=namespace, hashes=hashes, transfer=transfer)
         return await self._ask(subjects.kvstore_put(self.store_id), request, KVPutReply)

@@ -37,11 +37,9 @@ from tandem.shared.auth.credentials import CredentialsError, connect_options, lo
 from tandem.shared.infra.config import Settings
 from tandem.shared.infra.log_limit import LimitedLog, flush_all
 from tandem.shared.infra.metrics import MetricsPublisher, MetricsRegistry
+from tandem.shared.infra.process import run_async
 from tandem.shared.infra.version import VERSION
-from tandem.shared.kvtransfer.bulklinks import BulkLinks
-from tandem.shared.kvtransfer.frames import KVReceiver
 from tandem.shared.protocol import subjects
-from tandem.shared.protocol.base import ProtocolError
 from tandem.shared.protocol.codec import encode, error_reply
 from tandem.shared.protocol.fleet import Heartbeat
 
@@ -53,19 +51,11 @@ EXIT_DRAINED = 0  # stopped as asked: what was in flight finished or ended with 
 EXIT_LOST_BUS = 1  # the NATS connection closed for good: a supervisor should restart this service
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)-5s %(name)s %(message)s",
-    )
-
-
 class ServiceRuntime:
     """Base class of the router, prefill and decode services."""
 
     name = "service"
     description = ""
-    moves_kv = False  # True: KV frames go and come over bulk connections of its own (--kv-connections)
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -75,7 +65,6 @@ class ServiceRuntime:
         self.log = logging.getLogger(f"tandem.{self.name}")
         self.limited = LimitedLog(self.log)  # lines a bus message causes: at most one per kind and interval
         self.nc: nats.NATS | None = None
-        self.links: BulkLinks | None = None  # bulk connections for KV frames, when moves_kv
         self.started_at = time.time()
         self._service = None
         self._endpoints: list[EndpointConfig] = []  # added by setup, served once the service is announced
@@ -97,6 +86,10 @@ class ServiceRuntime:
 
     async def teardown(self) -> None:
         """Release what setup acquired; called before the connection drains."""
+
+    async def disconnected(self) -> None:
+        """Release what setup acquired that serves alongside the connection (a KV channel's bulk
+        connections); called once the connection has drained or closed."""
 
     def heartbeat(self) -> Heartbeat | None:
         """This instance's load, published every ``heartbeat_interval_s``; None publishes nothing."""
@@ -155,24 +148,6 @@ class ServiceRuntime:
             self._endpoints.append(config)
         else:
             await self._service.add_endpoint(config)
-
-    async def add_kv_endpoint(self, name: str, subject: str, receiver: KVReceiver) -> None:
-        """Land the KV frames sent to ``subject`` in ``receiver``: from the bulk connections' reader
-        threads when this process has them open, else as a ``bulk`` endpoint on the loop. Either way
-        each frame's reply (a credit, or a typed error) goes to its reply subject."""
-        if self.links is not None and self.links.usable:
-            try:
-                await self.links.serve_kv(subject, receiver)
-                return
-            except ProtocolError as exc:  # none could subscribe: the loop takes the frames instead
-                self.log.warning("%s: %s; KV frames land on the event loop", name, exc.message)
-
-        async def on_frame(request: Request) -> None:
-            reply = receiver.on_frame(request.data)  # a refusal raises: ``guarded`` replies the typed error
-            if reply is not None and request.reply:
-                await request.respond(reply)
-
-        await self.add_endpoint(name, subject, on_frame, bulk=True)
 
     def spawn(self, coro: Awaitable[None], what: str, in_flight: bool = True) -> asyncio.Task:
         """Run ``coro`` in the background, keep a reference, log if it fails. Once the service
@@ -316,12 +291,6 @@ class ServiceRuntime:
             self.log.info("%s %s stopped before reaching NATS at %s", self.name, self.instance_id,
                           self.settings.bus.nats_url)
             return
-        if self.moves_kv and bus.kv_connections and isinstance(self.nc, nats.aio.client.Client):
-            # The server and identity of the service's own connection; not over an in-process test bus.
-            nc = self.nc
-            self.links = await BulkLinks(lambda: nc.connected_url.geturl(), options=self.bus_options,
-                                         name=f"tandem-{self.name}-{self.instance_id}", size=bus.kv_connections,
-                                         check_threads=bus.kv_check_threads, timeout_s=bus.request_timeout_s).start()
         if self.settings.metrics.port >= 0:  # before registering: the URL goes into the micro metadata
             self.log.info("metrics at %s", self.prom.serve(self.settings.metrics.port, self.settings.metrics.host))
         # Setup first: an instance that answers $SRV.PING has every subscription in place (a router
@@ -374,8 +343,7 @@ class ServiceRuntime:
                 await asyncio.wait_for(self.nc.close(), 2.0)
             except Exception:
                 pass
-        if self.links is not None:
-            await self.links.close()
+        await self.disconnected()
 
     async def _on_alive(self, msg) -> None:
         if msg.reply:
@@ -389,15 +357,6 @@ class ServiceRuntime:
                 await self.nc.publish(subject, encode(beat))
             flush_all()  # what rate-limited logs held back, once their interval is over
             await asyncio.sleep(self.settings.bus.heartbeat_interval_s)
-
-
-def run_async(coro):
-    """Run a coroutine on uvloop where it is installed, else on asyncio's own loop; return its result."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 async def _serve(service: ServiceRuntime) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import logging
 import math
@@ -29,14 +30,15 @@ from tandem.services.common.runtime import ServiceRuntime
 from tandem.services.common.service_metrics import WorkerMetrics
 from tandem.shared.engine.engine import EngineConfig, LLMEngine
 from tandem.shared.engine.sequence import EngineRequest, RequestOutput
+from tandem.shared.engine.tp_ranks import Followers, RankJob, dismiss, lead, rank_devices
 from tandem.shared.infra.config import Settings
 from tandem.shared.kvcache.cache import kv_namespace, size_kv_pool
+from tandem.shared.kvtransfer.channel import KVChannel
 from tandem.shared.kvtransfer.devcopy import tensor_bytes, to_host
 from tandem.shared.model.loader import LoadedModel, load_model, resolve_dtype
 from tandem.shared.model.meta import load_model_meta
 from tandem.shared.parallel.group import TensorParallelError, TensorParallelGroup
-from tandem.shared.parallel.ranks import Followers, RankJob, dismiss, lead, rank_devices
-from tandem.shared.parallel.sharding import shard_config
+from tandem.shared.parallel.sharding import shard_config, sharder
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError, shortened
 from tandem.shared.protocol.block_hashes import prefix_hashes
@@ -131,7 +133,7 @@ class EngineWorker(ServiceRuntime):
         self.tensor_parallel, self.followers = self.start_ranks(settings)
         # Quantized here, not by the engine: the KV pool is then sized with the smaller weights.
         self.loaded = load_model(settings.model, device=self.device, dtype=self.dtype, data_dir=settings.data_dir,
-                                 quantization=quantization, tensor_parallel=self.tensor_parallel)
+                                 quantization=quantization, shard=sharder(self.tensor_parallel))
         self.model_name = self.loaded.name
         self.engine_config = engine_config(settings, self.loaded, self.device, self.dtype)
         if self.tensor_parallel is not None:  # the pool every rank can hold
@@ -148,6 +150,7 @@ class EngineWorker(ServiceRuntime):
                                      lambda: self.thread.busy_s if self.thread else 0.0,
                                      lambda: self.thread.steps if self.thread else 0, lambda: self.draining)
         self.thread: EngineThread | None = None
+        self.kv_channel: KVChannel | None = None  # opened in setup
         self._outbox: list[tuple[str, str, bytes]] = []  # (request id, its stream subject, a chunk)
         cfg = self.loaded.config
         self.kv_namespace = kv_namespace(f"{self.model_name}@{self.loaded.weights_id}", self.dtype, cfg.num_layers,
@@ -187,6 +190,10 @@ class EngineWorker(ServiceRuntime):
         return group, followers
 
     async def setup(self) -> None:
+        # KV frames (hand-offs, KV-store puts and gets) go and come over bulk connections of its own.
+        self.kv_channel = await KVChannel.open(self.nc, self.settings.bus, options=self.bus_options,
+                                               name=f"tandem-{self.name}-{self.instance_id}", log=self.log,
+                                               add_endpoint=functools.partial(self.add_endpoint, bulk=True))
         loop = asyncio.get_running_loop()
         self.kv_events = KVEventPublisher(self.nc, self.name, self.instance_id)
         self.spawn(self.kv_events.run(), "KV event publisher")
@@ -203,6 +210,10 @@ class EngineWorker(ServiceRuntime):
             await asyncio.get_running_loop().run_in_executor(None, self.thread.stop)
         if self.followers is not None:  # the engine thread has stopped: nothing else talks to the ranks
             await asyncio.get_running_loop().run_in_executor(None, dismiss, self.tensor_parallel, self.followers)
+
+    async def disconnected(self) -> None:
+        if self.kv_channel is not None:
+            await self.kv_channel.close()
 
     async def drain(self) -> None:
         """A stop drains as a scale-down does (:mod:`tandem.services.common.drain`)."""
@@ -258,7 +269,7 @@ class EngineWorker(ServiceRuntime):
         start = time.time()
         try:
             blob = await asyncio.to_thread(lambda: tensor_bytes(to_host(blocks)))  # device copy: off the loop
-            client = KVStoreClient(self.nc, store, window=self.settings.bus.kv_window, links=self.links)
+            client = KVStoreClient(self.nc, store, channel=self.kv_channel)
             reply = await client.put(self.kv_namespace, hashes, blob, len(blob) // len(hashes))
         except Exception as exc:
             self.log.warning("offering %s's blocks to kvstore %s failed: %s", request_id, store, exc)
@@ -281,7 +292,7 @@ class EngineWorker(ServiceRuntime):
         hashes = prefix_hashes(spec.prompt_token_ids, bs)[:want]
         start = time.time()
         try:
-            client = KVStoreClient(self.nc, store, window=self.settings.bus.kv_window, links=self.links)
+            client = KVStoreClient(self.nc, store, channel=self.kv_channel)
             found, blob, block_bytes = await client.get(self.kv_namespace, hashes, prefix_only=True)
         except Exception as exc:
             self.log.warning("kvstore %s fetch for %s failed (%s); computing the prefix", store, spec.request_id, exc)
@@ -289,7 +300,7 @@ class EngineWorker(ServiceRuntime):
         if found:
             await publish_transfer(self.nc, spec.request_id, store, self.instance_id, "store", len(found), len(blob),
                                    start, time.time())
-        layout = self.engine.runner.kv_layout
+        layout = self.engine.kv_layout
         if not found or block_bytes != math.prod(layout) * self.dtype.itemsize:
             return None  # nothing cached, or blocks of another layout under this namespace: compute
         return torch.frombuffer(blob, dtype=torch.uint8).view(self.dtype).view(len(found), *layout)

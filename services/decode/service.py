@@ -8,8 +8,9 @@
   frames and is verified here, or lies in this worker's shared-memory ring when the prefill worker
   is on the same host) or to prefill locally.
 
-The ring (:mod:`tandem.shared.kvtransfer.ring`, ``--kv-ring-mib``, 0 disables it) is created at start and
-advertised in heartbeats with this host's id; the router passes both on to prefill workers.
+Both paths end in the worker's :class:`HandoffReceiver` (:mod:`tandem.shared.kvtransfer.handoff`), which
+creates the ring (``--kv-ring-mib``, 0 disables it) at start; heartbeats advertise it with this host's
+id, and the router passes both on to prefill workers.
 
 The scheduler (:mod:`tandem.shared.engine.scheduler`) queues sequences when blocks run out and
 preempts by recompute when the running batch outgrows the pool. Every ``probe_interval_s`` the
@@ -20,10 +21,7 @@ aborted and its blocks freed.
 from __future__ import annotations
 
 import asyncio
-import re
-import threading
 
-import torch
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.micro.request import Request
@@ -32,72 +30,52 @@ from tandem.services.common.runtime import run_service
 from tandem.services.common.worker import EngineWorker, Stream, engine_request
 from tandem.shared.engine.sequence import RequestOutput
 from tandem.shared.infra.config import Settings
-from tandem.shared.kvtransfer.frames import KVReceiver
-from tandem.shared.kvtransfer.ring import RingError, ShmRing, SlotDescriptor, host_id
+from tandem.shared.kvtransfer.handoff import HandoffReceiver
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import Ack, ErrorCode, ProtocolError
 from tandem.shared.protocol.codec import decode, encode, error_reply
 from tandem.shared.protocol.fleet import Heartbeat
 from tandem.shared.protocol.serving import DecodeRequest, Probe
 
-RING_STALE_S = 120.0  # a READY slot whose admit never came: far beyond any admit timeout
-
-
-RING_AUTO_MAX_BYTES = 4 << 30  # the largest ring a CUDA decode worker sizes for itself (pinned host memory)
-
 
 class DecodeService(EngineWorker):
     name = "decode"
     description = "continuous-batching decode worker over a paged KV cache"
-    moves_kv = True
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
-        cfg = self.loaded.config
-        self.kv_shape = (cfg.num_layers, 2, settings.engine.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.block_bytes = torch.Size(self.kv_shape).numel() * torch.empty((), dtype=self.dtype).element_size()
-        # Room for prompts in flight: a quarter of the pool, at least one full-length prompt.
-        blocks_for_one = -(-self.max_model_len // settings.engine.block_size)
-        budget = max(self.engine_config.num_blocks // 4, blocks_for_one) * self.block_bytes
-        self.receiver = KVReceiver(max_bytes_in_flight=budget)
-        self.ring: ShmRing | None = None
-        self.ring_copies = threading.Semaphore(settings.kv_ring.copies)
-        self.transfers = {"ring": 0, "nats": 0}
+        cfg, engine = self.loaded.config, settings.engine
+        self.kv_receiver = HandoffReceiver(
+            self.instance_id, kv_namespace=self.kv_namespace,
+            kv_shape=(cfg.num_layers, 2, engine.block_size, cfg.num_kv_heads, cfg.head_dim), dtype=self.dtype,
+            device=self.device,
+            # Room for prompts in flight: a quarter of the pool, at least one full-length prompt.
+            frames_blocks=max(self.engine_config.num_blocks // 4, -(-self.max_model_len // engine.block_size)),
+            step_blocks=-(-engine.max_num_batched_tokens // engine.block_size), ring=settings.kv_ring, log=self.log)
         self.offers: dict[str, tuple[str, int]] = {}  # request -> (kvstore, leading blocks it holds)
         self.admitting: set[str] = set()  # requests whose KV is being read, not yet in self.streams
-        if settings.kv_ring.mib:
-            slot = settings.kv_ring.slot_kib * 1024
-            ring_bytes = settings.kv_ring.mib << 20
-            if self.device.type == "cuda":
-                # Room for two full prefill steps of hand-offs: an 8B model's 1k-token prompt is 134 MB,
-                # and a hand-off that finds the ring full waits, then falls back to NATS frames.
-                step_bytes = -(-settings.engine.max_num_batched_tokens // settings.engine.block_size) * self.block_bytes
-                ring_bytes = max(ring_bytes, min(RING_AUTO_MAX_BYTES, 2 * step_bytes))
-            label = re.sub(r"[^A-Za-z0-9_.]", "_", self.instance_id)[:64]  # ring labels allow fewer characters
-            self.ring = ShmRing.create(label, slot_bytes=slot, num_slots=max(1, ring_bytes // slot))
-            self.log.info("KV ring %s: %d MiB in %d KiB slots", self.ring.name, ring_bytes >> 20,
-                          settings.kv_ring.slot_kib)
 
     def heartbeat(self) -> Heartbeat:
+        transfers = self.kv_receiver.transfers
         return super().heartbeat().model_copy(update={
-            "host_id": host_id(), "kv_ring": self.ring.name if self.ring else "",
-            "kv_transfers_ring": self.transfers["ring"], "kv_transfers_nats": self.transfers["nats"],
+            "host_id": self.kv_receiver.host, "kv_ring": self.kv_receiver.ring_name,
+            "kv_transfers_ring": transfers["ring"], "kv_transfers_nats": transfers["nats"],
         })
 
     def metrics(self) -> dict:
-        return {**super().metrics(), "kv_transfers_ring": self.transfers["ring"],
-                "kv_transfers_nats": self.transfers["nats"]}
+        transfers = self.kv_receiver.transfers
+        return {**super().metrics(), "kv_transfers_ring": transfers["ring"], "kv_transfers_nats": transfers["nats"]}
 
     async def teardown(self) -> None:
         await super().teardown()
-        if self.ring is not None:
-            self.ring.close()  # the process leaves by os._exit: atexit would not unlink it
+        self.kv_receiver.close()
 
     async def setup(self) -> None:
         await super().setup()
-        await self.add_kv_endpoint("kv", subjects.decode_kv(self.instance_id), self.receiver)
+        await self.kv_receiver.serve(self.kv_channel, subjects.decode_kv(self.instance_id))
         await self.add_endpoint("admit", subjects.decode_admit(self.instance_id), self.on_admit)
         self.spawn(self.probe_loop(), "probe loop")
+        self.spawn(self.kv_receiver.reclaim_every(self.settings.bus.probe_interval_s), "ring reclaim")
 
     async def on_admit(self, request: Request) -> None:
         # Admission waits for the ring copy and the engine thread (up to a step): from a task, or
@@ -118,14 +96,11 @@ class DecodeService(EngineWorker):
         spec = msg.spec
         self.check_request(spec)
         if spec.request_id in self.streams or spec.request_id in self.admitting:
-            self.discard_kv(msg)  # refused before its blocks are copied; their slots go back at once
+            self.kv_receiver.discard(msg)  # refused before its blocks are copied; their slots go back at once
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"request {spec.request_id} is already running here")
         self.admitting.add(spec.request_id)  # a duplicate arriving during the copy is refused too
         try:
-            # A 1k-token prompt of an 8B model is 134 MB: the ring is read on a thread, or every admit
-            # and token stream of this worker waits behind the copy (frames were reassembled and
-            # checksummed as they landed: taking them only compares the checksums).
-            kv = await asyncio.to_thread(self.received_kv, msg) if msg.ring is not None else self.received_kv(msg)
+            kv = await self.kv_receiver.take(msg)  # a ring copy runs on a thread: admits and streams go on
             if kv is None:  # prefilled here: the store's cached prefix first, as a prefill worker would
                 kv = await self.fetch_prefix(spec, msg.kvstore, msg.kvstore_fetch_blocks)
         finally:
@@ -168,50 +143,10 @@ class DecodeService(EngineWorker):
             self.offers.pop(request_id, None)
         super().on_failure(request_ids, exc)
 
-    def discard_kv(self, msg: DecodeRequest) -> None:
-        """Give back what a refused admit's KV holds here (its ring slots, its reassembled frames)."""
-        try:
-            if msg.ring is not None and self.ring is not None and msg.ring.ring == self.ring.name:
-                desc = SlotDescriptor.from_wire(msg.ring.model_dump())
-                self.ring.claim(desc)
-                self.ring.release(desc)
-            elif msg.transfer is not None:
-                self.receiver.take(msg.transfer)
-        except Exception as exc:  # already gone, stale or incomplete: nothing left to give back
-            self.log.debug("discarding %s's KV: %s", msg.spec.request_id, exc)
-
-    def received_kv(self, msg: DecodeRequest) -> torch.Tensor | None:
-        """The prompt's KV blocks that came with ``msg``, from NATS frames or the ring; None if none."""
-        if (msg.ring or msg.transfer) and msg.kv_namespace != self.kv_namespace:
-            raise ProtocolError(ErrorCode.INVALID_REQUEST,
-                                f"KV blocks of layout {msg.kv_namespace!r} cannot enter a {self.kv_namespace!r} cache")
-        if msg.ring is not None:
-            if self.ring is None or msg.ring.ring != self.ring.name:
-                raise ProtocolError(ErrorCode.INVALID_REQUEST, f"ring {msg.ring.ring!r} is not this worker's")
-            try:
-                # On a GPU worker the slots go straight into device memory (pinned -> GPU DMA).
-                staging = torch.empty(msg.ring.length, dtype=torch.uint8, device=self.device)
-                # The ring is thread-safe; kv_ring_copies copies out of it at once keep the link busy.
-                with self.ring_copies:
-                    raw = self.ring.read(SlotDescriptor.from_wire(msg.ring.model_dump()), out=staging)
-            except RingError as exc:
-                raise ProtocolError(ErrorCode.BAD_FRAME, f"ring slots unusable: {exc}") from None
-            self.transfers["ring"] += 1
-        elif msg.transfer is not None:
-            raw = torch.frombuffer(self.receiver.take(msg.transfer), dtype=torch.uint8)
-            self.transfers["nats"] += 1
-        else:
-            return None
-        if raw.numel() % self.block_bytes:
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, "KV bytes are not a whole number of this worker's blocks")
-        return raw.view(self.dtype).view(raw.numel() // self.block_bytes, *self.kv_shape)
-
     async def probe_loop(self) -> None:
         """Abort sequences whose client stopped listening (closed, crashed, or cancelled silently)."""
         while True:
             await asyncio.sleep(self.settings.bus.probe_interval_s)
-            if self.ring is not None:
-                self.ring.reclaim(stale_after_s=RING_STALE_S)
             streams = list(self.streams.items())
             results = await asyncio.gather(*(self._listening(rid, s) for rid, s in streams))
             for (request_id, _), alive in zip(streams, results):

@@ -9,7 +9,7 @@
 - ``tandem.v1.kvstore.<id>.get``: :class:`KVGetRequest` -> the blocks found go as KV frames to the
   request's ``inbox`` (the requester credits them, as a decode worker does), then
   :class:`KVGetReply` lists the hashes sent and a :class:`KVTransfer` (block_bytes, crc32 per block);
-- ``tandem.v1.kvstore.<id>.kv``: KV frames of a put (:func:`tandem.shared.kvtransfer.frames.send_kv`),
+- ``tandem.v1.kvstore.<id>.kv``: KV frames of a put (:meth:`tandem.shared.kvtransfer.channel.KVChannel.send`),
   landed by the reader threads of the store's bulk connections (``--kv-connections``);
 - ``tandem.v1.kvstore.<id>.put``: :class:`KVPutRequest` naming that transfer and one hash per block
   -> :class:`KVPutReply`; the blocks' checksums are verified before anything is stored;
@@ -23,6 +23,7 @@ Every bad input gets a typed :class:`ErrorReply`. Blocks stored and removed are 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +38,8 @@ from tandem.services.common.runtime import ServiceRuntime, run_service
 from tandem.services.common.service_metrics import kvstore_metrics
 from tandem.services.kvstore.store import KVBlockStore
 from tandem.shared.infra.config import Settings
-from tandem.shared.kvtransfer.frames import KVReceiver, send_kv
+from tandem.shared.kvtransfer.channel import KVChannel
+from tandem.shared.kvtransfer.frames import KVReceiver
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ProtocolError
 from tandem.shared.protocol.codec import decode, encode, error_reply
@@ -49,7 +51,6 @@ from tandem.shared.protocol.kv import (
     KVLookupRequest,
     KVPutReply,
     KVPutRequest,
-    KVTransfer,
 )
 
 MIB = 1 << 20
@@ -62,7 +63,6 @@ WRITE_BEHIND_BYTES = 64 * MIB  # written to disk per write-behind round at most
 class KVStoreService(ServiceRuntime):
     name = "kvstore"
     description = "KV-block store: host RAM and local disk tiers, by chained block hash"
-    moves_kv = True
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
@@ -70,6 +70,7 @@ class KVStoreService(ServiceRuntime):
         disk_dir = (settings.kvstore.dir or settings.data_dir / "kvstore") if disk_bytes else None
         self.store = KVBlockStore(int(settings.kvstore.ram_mib * MIB), disk_bytes, disk_dir)
         self.receiver = KVReceiver(max_bytes_in_flight=PUT_BYTES_IN_FLIGHT)
+        self.kv_channel: KVChannel | None = None  # opened in setup
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstore")
         self.tier_stats: dict = self.store.stats()  # refreshed after every store operation
         kvstore_metrics(self.prom, lambda: self.tier_stats)
@@ -77,6 +78,10 @@ class KVStoreService(ServiceRuntime):
         self.kv_events = KVEventPublisher(None, self.name, self.instance_id)  # connected in setup
 
     async def setup(self) -> None:
+        # Gets and puts move their blocks over bulk connections of the store's own.
+        self.kv_channel = await KVChannel.open(self.nc, self.settings.bus, options=self.bus_options,
+                                               name=f"tandem-{self.name}-{self.instance_id}", log=self.log,
+                                               add_endpoint=functools.partial(self.add_endpoint, bulk=True))
         self.kv_events.nc = self.nc
         for namespace, hashes in (await self._call(self.store.namespaces)).items():
             self.kv_events.add(namespace, hashes, [])  # what survived on disk; the first event clears the rest
@@ -85,7 +90,7 @@ class KVStoreService(ServiceRuntime):
         await self.add_endpoint("lookup", subjects.kvstore_lookup(iid), self.on_lookup)
         await self.add_endpoint("lookup_all", subjects.KVSTORE_LOOKUP_ALL, self.on_lookup, queue_group=iid)
         await self.add_endpoint("get", subjects.kvstore_get(iid), self.on_get)
-        await self.add_kv_endpoint("kv", subjects.kvstore_kv(iid), self.receiver)
+        await self.kv_channel.serve("kv", subjects.kvstore_kv(iid), self.receiver)
         await self.add_endpoint("put", subjects.kvstore_put(iid), self.on_put)
         await self.add_endpoint("stats", subjects.kvstore_stats(iid), self.on_stats)
         if self.settings.kvstore.write_behind_s > 0 and self.store.disk_capacity:
@@ -94,6 +99,10 @@ class KVStoreService(ServiceRuntime):
     async def teardown(self) -> None:
         await self._call(self.store.close)  # RAM blocks go to disk, so a restart keeps them
         self._thread.shutdown(wait=True)
+
+    async def disconnected(self) -> None:
+        if self.kv_channel is not None:
+            await self.kv_channel.close()
 
     async def write_behind_loop(self) -> None:
         """RAM blocks to disk every ``--kvstore-write-behind-s``, a bounded amount per round so gets
@@ -152,17 +161,13 @@ class KVStoreService(ServiceRuntime):
         found, blob, block_bytes = await self._call(self._gather, msg)
         if not found:
             return KVGetReply(request_id=msg.request_id, found=[])
-        transfer_id = f"{self.instance_id}-{uuid.uuid4().hex[:12]}"
         try:
-            checksums = await send_kv(self.nc, msg.inbox, transfer_id, blob, window=self.settings.bus.kv_window,
-                                      timeout_s=self.settings.bus.request_timeout_s, block_bytes=block_bytes,
-                                      links=self.links)
+            transfer = await self.kv_channel.send(msg.inbox, blob, num_blocks=len(found), block_bytes=block_bytes,
+                                                  transfer_id=f"{self.instance_id}-{uuid.uuid4().hex[:12]}")
         except NoRespondersError:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"nobody listens on inbox {msg.inbox}") from None
         except NatsTimeoutError:
             raise ProtocolError(ErrorCode.TIMEOUT, f"inbox {msg.inbox} did not acknowledge KV frames") from None
-        transfer = KVTransfer(transfer_id=transfer_id, num_blocks=len(found), block_bytes=block_bytes,
-                              checksums=checksums)
         return KVGetReply(request_id=msg.request_id, found=found, transfer=transfer)
 
     async def on_put(self, request: Request) -> None:

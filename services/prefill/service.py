@@ -5,16 +5,15 @@
 batched with other prompts), samples the first token, which goes straight to the client, then
 the prompt's KV blocks travel to the chosen decode worker — through its shared-memory ring when
 both are on one host, otherwise as checksummed binary frames over NATS, striped across this
-worker's bulk connections (``--kv-connections``) — followed by a
+worker's bulk connections (``--kv-connections``; :mod:`tandem.shared.kvtransfer.handoff` picks the
+path) — followed by a
 :class:`DecodeRequest` that admits the sequence there. If the first token already ends the
 request (EOS, a stop string, ``max_tokens=1``) nothing is handed off.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-import uuid
 from collections import Counter
 
 import torch
@@ -25,15 +24,13 @@ from tandem.services.common.runtime import run_service
 from tandem.services.common.worker import EngineWorker, Stream, engine_request
 from tandem.shared.engine.sequence import RequestOutput
 from tandem.shared.infra.config import Settings
-from tandem.shared.kvtransfer.devcopy import tensor_bytes, to_host
-from tandem.shared.kvtransfer.frames import send_kv
-from tandem.shared.kvtransfer.ring import RingError, ShmRing, host_id
+from tandem.shared.kvtransfer.handoff import Destination, HandoffSender
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import Ack, ErrorCode, ErrorReply, ProtocolError
 from tandem.shared.protocol.block_hashes import prefix_hashes
 from tandem.shared.protocol.codec import decode, encode, error_reply
 from tandem.shared.protocol.fleet import Heartbeat
-from tandem.shared.protocol.kv import KVTransfer, RingSlots
+from tandem.shared.protocol.kv import RingSlots
 from tandem.shared.protocol.serving import DecodeRequest, PrefillRequest
 
 PREFILLED = "prefilled"  # the engine's finish reason for a prefill-only sequence it handed back
@@ -55,17 +52,16 @@ def handoff_request(msg: PrefillRequest, output_token_ids: list[int], kv_namespa
 class PrefillService(EngineWorker):
     name = "prefill"
     description = "chunked prefill worker; hands KV blocks to decode workers"
-    moves_kv = True
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         self.pending: dict[str, PrefillRequest] = {}
-        self.rings: dict[str, ShmRing] = {}  # decode workers' rings on this host, attached on first use
         self.handoffs: dict[str, str] = {}  # request -> decode worker, while its hand-off is under way
-        self.ring_copies: dict[str, asyncio.Semaphore] = {}
+        self.kv_sender: HandoffSender | None = None  # made in setup, on the KV channel
 
     async def setup(self) -> None:
         await super().setup()
+        self.kv_sender = HandoffSender(self.kv_channel, self.settings.kv_ring, log=self.log)
         await self.add_endpoint("prefill", subjects.prefill(self.instance_id), self.on_prefill)
 
     async def on_prefill(self, request: Request) -> None:
@@ -137,15 +133,13 @@ class PrefillService(EngineWorker):
         # ones (the KV covers them too) and the one sampled here.
         admit = handoff_request(msg, [*msg.spec.resume_output_token_ids, *out.new_token_ids], self.kv_namespace,
                                 self.settings.engine.block_size, stream.first_token, out.cumulative_logprob or 0.0)
-        timeout = self.settings.bus.request_timeout_s
+        to = Destination(worker=msg.decode_worker, subject=subjects.decode_kv(msg.decode_worker),
+                         ring=msg.decode_ring, host=msg.decode_host)
         try:
-            slots = await self.write_to_ring(msg, kv)
-            if slots is not None:
-                admit = admit.model_copy(update={"ring": slots})
-            else:
-                admit = admit.model_copy(update={"transfer": await self.send_frames(msg, kv, timeout)})
+            sent = await self.kv_sender.send(kv, to, request_id)
+            admit = admit.model_copy(update={"ring": sent} if isinstance(sent, RingSlots) else {"transfer": sent})
             reply = decode((await self.nc.request(subjects.decode_admit(msg.decode_worker), encode(admit),
-                                                  timeout=timeout)).data)
+                                                  timeout=self.settings.bus.request_timeout_s)).data)
         except Exception as exc:
             self.log.warning("hand-off of %s to %s failed: %s", request_id, msg.decode_worker, exc)
             self.fail(request_id, stream, exc)
@@ -167,51 +161,10 @@ class PrefillService(EngineWorker):
             hashes = prefix_hashes(prompt, self.settings.engine.block_size)
             await self.offer_blocks(msg.kvstore, request_id, hashes[held:full], kv[held:full])
 
-    async def write_to_ring(self, msg: PrefillRequest, kv: torch.Tensor) -> RingSlots | None:
-        """The KV written into the decode worker's ring, or None: another host, fast path off
-        (``--kv-ring-mib 0``), ring gone, too small, or still full after ``kv_ring_wait_s``. None
-        means NATS frames, two orders of magnitude slower on one host, hence the wait for room."""
-        if not (self.settings.kv_ring.mib and msg.decode_ring and msg.decode_host == host_id()):
-            return None
-        ring = self.rings.get(msg.decode_ring)
-        if ring is None:
-            try:
-                ring = self.rings[msg.decode_ring] = ShmRing.attach(msg.decode_ring)
-            except RingError as exc:
-                self.log.warning("cannot attach KV ring %s (%s); using NATS frames", msg.decode_ring, exc)
-                return None
-        data = kv.view(torch.uint8).view(-1)
-        if data.numel() > ring.capacity:
-            return None
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.kv_ring.wait_s
-        copies = self.ring_copies.setdefault(msg.decode_ring, asyncio.Semaphore(self.settings.kv_ring.copies))
-        while True:
-            async with copies:  # at most kv_ring_copies into one ring at once
-                # From GPU memory straight into pinned slots, on a thread: the loop keeps serving.
-                desc = await asyncio.to_thread(ring.try_write, data)
-            if desc is not None:
-                return RingSlots(**desc.to_wire())
-            if loop.time() >= deadline:
-                self.log.warning("KV ring %s still full after %.1f s; %s goes as NATS frames", msg.decode_ring,
-                                 self.settings.kv_ring.wait_s, msg.spec.request_id)
-                return None
-            await asyncio.sleep(0.002)
-
-    async def send_frames(self, msg: PrefillRequest, kv: torch.Tensor, timeout: float) -> KVTransfer:
-        blob = await asyncio.to_thread(lambda: tensor_bytes(to_host(kv)))  # a device copy: off the event loop
-        transfer_id, block_bytes = uuid.uuid4().hex, len(blob) // kv.shape[0]
-        # The checksums are computed as the frames go out, on the bulk connections' threads.
-        checksums = await send_kv(self.nc, subjects.decode_kv(msg.decode_worker), transfer_id, blob,
-                                  window=self.settings.bus.kv_window, timeout_s=timeout, block_bytes=block_bytes,
-                                  links=self.links)
-        return KVTransfer(transfer_id=transfer_id, num_blocks=kv.shape[0], block_bytes=block_bytes,
-                          checksums=checksums)
-
     async def teardown(self) -> None:
         await super().teardown()
-        for ring in self.rings.values():
-            ring.close()
+        if self.kv_sender is not None:
+            self.kv_sender.close()
 
     def on_failure(self, request_ids: list[str], exc: BaseException) -> None:
         for request_id in request_ids:

@@ -26,7 +26,8 @@ Frames go over the service's nats-py connection, or over a :class:`FramePublishe
 connections (:mod:`tandem.shared.kvtransfer.bulklinks`) that write and read them in place, off the event
 loop; either end may use either, the wire is the same. :class:`KVReceiver` takes a frame whole
 (:meth:`KVReceiver.on_frame`, a nats-py message) or streamed (:meth:`KVReceiver.on_stream`, read
-from the socket straight into the transfer's buffer).
+from the socket straight into the transfer's buffer). Services send and land frames through their
+:class:`tandem.shared.kvtransfer.channel.KVChannel`.
 
 Frame layout: ``>I`` header length | msgpack header | payload bytes. The header: ``v``
 (``SCHEMA_VERSION``), ``kind`` (``kv_frame``), ``transfer_id``, ``offset``, ``total_bytes``,
@@ -557,10 +558,6 @@ class KVReceiver:
             raise ProtocolError(ErrorCode.BAD_FRAME,
                                 f"transfer {transfer.transfer_id}: checksum mismatch in blocks {bad[:20]}")
         return assembly.buffer
-
-    def drop_stale(self) -> None:
-        with self._lock:
-            self._drop_stale()
 
     def _drop_stale(self) -> None:
         now = time.monotonic()

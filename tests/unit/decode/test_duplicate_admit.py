@@ -33,13 +33,13 @@ async def decode_worker(tmp_path, tiny):
 async def test_a_duplicate_admit_is_refused_before_its_kv_is_read(decode_worker, monkeypatch) -> None:
     bus, service = decode_worker
     reads: list[str] = []
-    real = service.received_kv
+    real = service.kv_receiver.take
 
-    def counting(msg):  # noqa: ANN001 - a DecodeRequest
+    async def counting(msg):  # noqa: ANN001 - a DecodeRequest
         reads.append(msg.spec.request_id)
-        return real(msg)
+        return await real(msg)
 
-    monkeypatch.setattr(service, "received_kv", counting)
+    monkeypatch.setattr(service.kv_receiver, "take", counting)
     spec = RequestSpec(request_id="twice", prompt_token_ids=[70, 117, 122, 33], model=service.model_name,
                        params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
                        stream_subject="_INBOX.tandem.client.twice")
