@@ -30,8 +30,8 @@ import time
 import torch
 from serving_gpu import greedy_tokens, hbm_read_gbps, make_engine, random_prompts, run_requests
 
+from tandem.shared.engine.tp_ranks import RankJob, dismiss, lead
 from tandem.shared.model.loader import load_model
-from tandem.shared.parallel.ranks import RankJob, dismiss, lead
 from tandem.shared.parallel.sharding import sharder
 
 

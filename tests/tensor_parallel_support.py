@@ -8,8 +8,8 @@ from contextlib import contextmanager
 
 import torch
 
+from tandem.shared.engine.tp_ranks import RankJob, dismiss, lead
 from tandem.shared.model.loader import LoadedModel, load_model
-from tandem.shared.parallel.ranks import RankJob, dismiss, lead
 from tandem.shared.parallel.sharding import sharder
 
 

@@ -1,6 +1,7 @@
 """What a worker serves the ops console: its KV block snapshot, and KV-transfer events.
 
-``take_snapshot(engine, instance_id)`` reads the block manager and the scheduler into a
+``take_snapshot(engine, instance_id)`` reads the engine's KV pool and its sequences (what
+:class:`~tandem.shared.engine.engine_view.EngineView` offers) into a
 :class:`BlockSnapshot`: one state byte per physical block (0 free, 1 in use, 2 free but cached,
 3 shared by more than one block table) and its ref count, the blocks copy-on-write has copied so
 far (forked samples and beams share blocks until one writes), and every live sequence's block
@@ -27,7 +28,7 @@ from tandem.shared.protocol.views import MAX_SHOWN_REF_COUNT, BlockSnapshot, KVT
 
 if TYPE_CHECKING:
     from tandem.services.common.worker import EngineWorker
-    from tandem.shared.engine.engine import LLMEngine
+    from tandem.shared.engine.engine_view import EngineView
 
 log = logging.getLogger("tandem.blocks")
 
@@ -36,24 +37,22 @@ SNAPSHOT_TIMEOUT_S = 5.0
 MAX_SEQUENCES = 1024  # a snapshot lists at most this many sequences (running first)
 
 
-def take_snapshot(engine: LLMEngine, instance_id: str) -> BlockSnapshot:
+def take_snapshot(engine: EngineView, instance_id: str) -> BlockSnapshot:
     """The engine's KV pool as it is now. Call it on the thread that steps the engine."""
-    bm = engine.block_manager
+    pool = engine.kv_pool()
     states = bytes(
-        (SHARED if b.ref_count > 1 else IN_USE) if b.ref_count else (CACHED if b.block_hash is not None else FREE)
-        for b in bm.blocks
+        (SHARED if refs > 1 else IN_USE) if refs else (CACHED if cached else FREE)
+        for refs, cached in zip(pool.ref_counts, pool.cached)
     )
-    ref_counts = bytes(min(b.ref_count, MAX_SHOWN_REF_COUNT) for b in bm.blocks)
-    sched = engine.scheduler
+    ref_counts = bytes(min(refs, MAX_SHOWN_REF_COUNT) for refs in pool.ref_counts)
     sequences = [
         SequenceBlocks(request_id=seq.request_id, num_tokens=seq.num_tokens, block_table=list(seq.block_table),
                        prefix_cached_blocks=seq.prefix_cached_blocks, imported_blocks=seq.imported_blocks,
-                       sample_index=getattr(seq, "sample_index", 0))
-        for seq in [*sched.running, *sched.waiting][:MAX_SEQUENCES]
+                       sample_index=seq.sample_index)
+        for seq in engine.sequences(limit=MAX_SEQUENCES) if seq.status != "swapped"
     ]
-    return BlockSnapshot(instance_id=instance_id, num_blocks=bm.num_blocks, block_size=bm.block_size,
-                         states=states, ref_counts=ref_counts, cow_copies=getattr(bm, "num_cow_copies", 0),
-                         sequences=sequences)
+    return BlockSnapshot(instance_id=instance_id, num_blocks=pool.num_blocks, block_size=pool.block_size,
+                         states=states, ref_counts=ref_counts, cow_copies=pool.cow_copies, sequences=sequences)
 
 
 async def register_blocks_endpoint(worker: EngineWorker) -> None:

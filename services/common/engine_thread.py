@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from tandem.shared.engine.engine import LLMEngine
+from tandem.shared.engine.engine_view import EngineStats, EngineView
 from tandem.shared.engine.sequence import EngineRequest, RequestOutput
 
 log = logging.getLogger("tandem.engine")
@@ -39,7 +39,7 @@ class _Abort:
 
 @dataclass
 class _Call:
-    fn: Callable[[LLMEngine], object]
+    fn: Callable[[EngineView], object]
     done: Future
 
 
@@ -49,11 +49,12 @@ class _WhenIdle(_Call):
 
 
 class EngineThread:
-    """Owns one :class:`LLMEngine`; every engine call happens on this thread."""
+    """Owns one engine (an ``LLMEngine``, used only as an :class:`EngineView`); every engine call
+    happens on this thread."""
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: EngineView,
         loop: asyncio.AbstractEventLoop,
         on_outputs: Callable[[list[RequestOutput]], None],
         on_failure: Callable[[list[str], BaseException], None],
@@ -71,7 +72,7 @@ class EngineThread:
         self._live: set[str] = set()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self.stats: dict = engine.stats()
+        self.stats: EngineStats = engine.stats()
         self.steps = 0
         self.busy_s = 0.0  # time inside engine.step(), for the busy-seconds metric
         self._when_idle: list[_WhenIdle] = []  # e.g. a weight reload: runs once in-flight requests finish
@@ -93,14 +94,14 @@ class EngineThread:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
-    async def call(self, fn: Callable[[LLMEngine], object]) -> object:
+    async def call(self, fn: Callable[[EngineView], object]) -> object:
         """``fn(engine)`` run on the engine thread between two steps (a consistent view of its
         state, e.g. a block snapshot); returns its result or raises what it raised."""
         done: Future = Future()
         self._commands.put(_Call(fn, done))
         return await asyncio.wrap_future(done)
 
-    async def call_when_idle(self, fn: Callable[[LLMEngine], object]) -> object:
+    async def call_when_idle(self, fn: Callable[[EngineView], object]) -> object:
         """``fn(engine)`` once every request in flight has finished; new requests are held back until
         it has run (a weight reload: in-flight requests finish on the old weights, new ones use the new)."""
         done: Future = Future()
@@ -150,8 +151,7 @@ class EngineThread:
 
     def _note_scheduled(self, outputs: list[RequestOutput], started: float) -> None:
         """Report requests this step ran for the first time (queue time ends when a step first runs them)."""
-        running = getattr(getattr(self.engine, "scheduler", None), "running", ())
-        ids = {seq.request_id for seq in running} | {out.request_id for out in outputs}
+        ids = set(self.engine.running_request_ids()) | {out.request_id for out in outputs}
         new = [rid for rid in ids if rid in self._live and rid not in self._scheduled]
         if new:
             self._scheduled.update(new)

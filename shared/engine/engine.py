@@ -2,6 +2,7 @@
 
 ``step()`` = schedule a batch -> queue its swaps, scatter imported KV -> run the model and sample -> postprocess
 (append tokens, stop checks, free finished) -> one ``RequestOutput`` per request that got a token.
+Services use an engine only as an ``EngineView`` (``engine_view.py``); its parts stay in here.
 
 Prefill/decode hand-off: a ``prefill_only`` request finishes right after its first sampled token
 with reason "prefilled" and its output carries the KV of its computed tokens (gathered before the
@@ -33,19 +34,21 @@ import torch
 
 from tandem.shared.engine.beam_search import BeamHypothesis, token_entry
 from tandem.shared.engine.detokenizer import IncrementalDetokenizer, can_defer_text, catch_up_text
+from tandem.shared.engine.engine_view import EngineStats, KVPoolView, SequenceView
 from tandem.shared.engine.model_runner import ModelRunner, PendingStep, SampledTokens
 from tandem.shared.engine.overlap import InFlightStep, is_pure_decode, plan_ahead
 from tandem.shared.engine.preemption_cost import PreemptionCosts
 from tandem.shared.engine.prompt_logprobs import PromptLogprobs
-from tandem.shared.engine.scheduler import ScheduledBatch, ScheduledSequence, Scheduler
+from tandem.shared.engine.scheduler import Scheduler
+from tandem.shared.engine.scheduler_output import ScheduledBatch, ScheduledSequence
 from tandem.shared.engine.sequence import EngineRequest, RequestOutput, Sequence, SequenceStatus, checked_params
 from tandem.shared.engine.sequence_group import SequenceGroup
 from tandem.shared.engine.swapping import Swapper
+from tandem.shared.engine.tp_model_runner import TensorParallelRunner
 from tandem.shared.infra.config import EngineSettings
 from tandem.shared.kvcache.block_manager import BlockManager
 from tandem.shared.kvcache.cache import kv_cache_bytes_per_block
 from tandem.shared.kvcache.swap_space import SwapSpace
-from tandem.shared.parallel.tp_model_runner import TensorParallelRunner
 from tandem.shared.protocol.block_hashes import prefix_hashes
 from tandem.shared.protocol.serving import SamplingParams, TokenLogprobs
 from tandem.shared.text.tokenizer import Tokenizer
@@ -508,7 +511,8 @@ class LLMEngine:
         return (self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._aborted_outputs)
                 or bool(self._text_pending) or bool(self._failed_rows))
 
-    def stats(self) -> dict[str, float | int]:
+    # -- what services read (engine_view.py: nothing outside shared/engine reads the parts) -----------
+    def stats(self) -> EngineStats:
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -528,6 +532,32 @@ class LLMEngine:
             "cached_blocks": self.block_manager.num_cached_blocks,  # free but holding a cached prefix
             "cow_copies": self.block_manager.num_cow_copies,  # blocks copied on a forked sequence's first write
         }
+
+    @property
+    def kv_layout(self) -> tuple[int, ...]:
+        """The shape of one exported or imported KV block (``RequestOutput.kv[i]``, ``EngineRequest.kv[i]``)."""
+        return self.runner.kv_layout
+
+    def running_request_ids(self) -> list[str]:
+        """Requests with a running sequence, by arrival (a request with several outputs once)."""
+        return list(dict.fromkeys(seq.request_id for seq in self.scheduler.running))
+
+    def sequences(self, limit: int | None = None) -> list[SequenceView]:
+        """Unfinished sequences: running, then waiting, then swapped, each by arrival; at most ``limit``."""
+        queues = itertools.chain(self.scheduler.running, self.scheduler.waiting, self.scheduler.swapped)
+        return [SequenceView(request_id=seq.request_id, sample_index=seq.sample_index, status=seq.status.value,
+                             num_tokens=seq.num_tokens, num_output_tokens=seq.num_output_tokens,
+                             block_table=tuple(seq.block_table), prefix_cached_blocks=seq.prefix_cached_blocks,
+                             imported_blocks=seq.imported_blocks)
+                for seq in itertools.islice(queues, limit)]
+
+    def kv_pool(self) -> KVPoolView:
+        """The device KV pool's blocks as they are now."""
+        blocks = self.block_manager.blocks
+        return KVPoolView(num_blocks=self.block_manager.num_blocks, block_size=self.block_manager.block_size,
+                          ref_counts=tuple(block.ref_count for block in blocks),
+                          cached=tuple(block.block_hash is not None for block in blocks),
+                          cow_copies=self.block_manager.num_cow_copies)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy new weights (same names and shapes) into the served model, in place, and forget every

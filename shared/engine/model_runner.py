@@ -19,7 +19,7 @@ from tandem.shared.engine.cuda_graphs import DecodeGraphs
 from tandem.shared.engine.logits_processors import process_logits
 from tandem.shared.engine.prompt_logprobs import PromptRows, compute_prompt_logprobs, rows_scoring_prompt
 from tandem.shared.engine.sampling import SampledLogprobs, gather_logprobs, sample, sample_rows_alone
-from tandem.shared.engine.scheduler import ScheduledBatch
+from tandem.shared.engine.scheduler_output import ScheduledBatch
 from tandem.shared.kvcache.attention import AttentionMetadata, build_attention_metadata
 from tandem.shared.kvcache.cache import allocate_kv_cache, gather_blocks, scatter_blocks
 from tandem.shared.kvcache.swap_space import SwapSpace
@@ -28,9 +28,9 @@ from tandem.shared.model.fp8 import quantize_model
 from tandem.shared.protocol.serving import TokenLogprobs
 
 # (compute FLOP/s, host copy bytes/s) by device type: the effective rates the preemption policy
-# prices recompute and swap with (engine/preemption_cost.py); defaults, not measurements. CPU: a few
-# hundred GFLOP/s of float32 matmul, copies at memory bandwidth. CUDA: bf16 tensor cores at about
-# 40% of an H100's peak, pinned copies over PCIe at about 25 GB/s each way.
+# prices recompute and swap with (engine/preemption_cost.py); rough defaults, not measurements, that
+# only need to rank recompute against swap: float32 matmul and memory-bandwidth copies on a CPU,
+# bf16 tensor cores well below their peak and pinned copies over PCIe on a GPU.
 DEVICE_RATES: dict[str, tuple[float, float]] = {"cpu": (300e9, 10e9), "cuda": (400e12, 25e9)}
 
 

@@ -30,7 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.shared.engine.model_runner import SampledTokens
-from tandem.shared.engine.scheduler import ScheduledBatch, ScheduledSequence, Scheduler
+from tandem.shared.engine.scheduler import Scheduler
+from tandem.shared.engine.scheduler_output import ScheduledBatch, ScheduledSequence
 from tandem.shared.engine.sequence import Sequence, SequenceStatus
 
 

@@ -1,7 +1,7 @@
 """Continuous-batching scheduler with chunked prefill, on-demand blocks and preemption by recompute or swap.
 
-Each ``schedule()`` builds one batch under two limits, ``max_num_batched_tokens`` (query tokens)
-and ``max_num_seqs``:
+Each ``schedule()`` builds one batch (a ``ScheduledBatch``, ``scheduler_output.py``: what the model
+runner gets) under two limits, ``max_num_batched_tokens`` (query tokens) and ``max_num_seqs``:
 1. decode steps (1 token) of running sequences, oldest arrival first;
 2. the next prefill chunk of a running, partially prefilled sequence;
 3. swapped and waiting sequences, first come first served by arrival (so a swapped sequence resumes
@@ -74,41 +74,13 @@ import dataclasses
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
-
-import torch
 
 from tandem.shared.engine.detokenizer import can_defer_text, check_stop
 from tandem.shared.engine.prompt_logprobs import owes_prompt_logprobs
+from tandem.shared.engine.scheduler_output import ScheduledBatch, ScheduledSequence
 from tandem.shared.engine.sequence import Sequence, SequenceStatus
 from tandem.shared.engine.swapping import Swapper
 from tandem.shared.kvcache.block_manager import BlockManager
-
-
-@dataclass
-class ScheduledSequence:
-    seq: Sequence
-    num_query_tokens: int  # tokens computed this step, from seq.num_computed_tokens on
-    samples: bool  # this step computes the last known token, so a new token is sampled
-
-
-@dataclass
-class ScheduledBatch:
-    items: list[ScheduledSequence] = field(default_factory=list)
-    # Admitted hand-offs: scatter each CPU kv into seq.block_table before running the batch.
-    # (sequence, K/V blocks to scatter, index of its first block they go to: blocks before it were cached)
-    imports: list[tuple[Sequence, torch.Tensor, int]] = field(default_factory=list)
-    # (source block, destination block): copy-on-write copies to make before the forward.
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    # (device block, host block): swaps to queue before anything else of the batch, swap-outs first
-    # (a swap-in or a copy may land in device blocks a swap-out freed; every swap-out of a batch was
-    # decided before its swap-ins).
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
 
 
 def _arrival(seq: Sequence) -> int:

@@ -1,6 +1,6 @@
 """Starting a tensor-parallel worker's follower ranks, and running one.
 
-Rank 0 is the service process. It starts ranks 1.. as ``python -m tandem.shared.parallel.ranks``
+Rank 0 is the service process. It starts ranks 1.. as ``python -m tandem.shared.engine.tp_ranks``
 processes (spawned, not forked: the service runs an event loop and torch threads), then all of them
 meet at a TCP rendezvous on 127.0.0.1. Each rank loads the model and keeps its shard, sizes the KV
 pool it could hold, and all take the smallest (:meth:`TensorParallelGroup.min_over_ranks`).
@@ -111,7 +111,7 @@ def lead(job: RankJob, size: int, device: torch.device, shared_memory_commands: 
     processes = []
     try:
         for rank in range(1, size):
-            argv = [sys.executable, "-m", "tandem.shared.parallel.ranks", "--rank", str(rank), "--size", str(size),
+            argv = [sys.executable, "-m", "tandem.shared.engine.tp_ranks", "--rank", str(rank), "--size", str(size),
                     "--port", str(port), "--device", str(devices[rank]), "--job", payload]
             if sender is not None:
                 argv += ["--commands", sender.fds_for(rank - 1).encode()]
@@ -140,11 +140,11 @@ def run_follower(rank: int, size: int, port: int, device: torch.device, job: Ran
                  channel: commands.ChannelFds | None = None) -> None:
     """One follower rank, from the rendezvous to rank 0's stop (its commands through ``channel``
     where rank 0 opened one)."""
+    from tandem.shared.engine.tp_model_runner import follow
     from tandem.shared.infra.config import EngineSettings
     from tandem.shared.kvcache.cache import size_kv_pool
     from tandem.shared.model.loader import load_model, resolve_dtype
     from tandem.shared.parallel.sharding import sharder
-    from tandem.shared.parallel.tp_model_runner import follow
 
     if job.torch_threads:
         torch.set_num_threads(job.torch_threads)

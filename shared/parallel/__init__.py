@@ -1,6 +1,7 @@
-"""Tensor parallelism: one engine worker spread over several devices of one host (Megatron-style).
+"""Tensor parallelism below the engine: one engine worker spread over several devices of one host (Megatron-style).
 
 ``group`` (the ranks and their collectives), ``sharding`` (which weights each rank keeps),
-``runner`` (rank 0 leads the engine's model operations, the others follow), ``ranks`` (starting
-the follower processes and running one).
+``commands`` (what rank 0 tells the others to do). The runner that leads and follows
+(``engine/tp_model_runner.py``) and the follower processes (``engine/tp_ranks.py``) live with the
+engine they drive.
 """

@@ -45,7 +45,7 @@ def followers_of(pid: int) -> list[int]:
                 cmdline = cmd.read()
         except OSError:
             continue
-        if parent == pid and b"tandem.shared.parallel.ranks" in cmdline:
+        if parent == pid and b"tandem.shared.engine.tp_ranks" in cmdline:
             children.append(int(entry))
     return children
 

@@ -15,6 +15,7 @@ from factories import greedy, make_engine
 from tandem.services.common.block_snapshot import CACHED, FREE, IN_USE, SHARED, take_snapshot
 from tandem.services.common.engine_thread import EngineThread
 from tandem.shared.engine.engine import LLMEngine
+from tandem.shared.engine.engine_view import KVPoolView, SequenceView
 from tandem.shared.engine.sequence import EngineRequest
 
 BS = 16
@@ -86,14 +87,13 @@ def test_copy_on_write_copies_are_counted(tiny):
 
 def test_ref_counts_saturate_and_samples_are_named():
     """A block every sample of 300 requests shares shows 255; a request's outputs keep their index."""
-    blocks = [SimpleNamespace(ref_count=count, block_hash=None) for count in (0, 1, 2, 300)]
-    sequences = [SimpleNamespace(request_id="r", num_tokens=20, block_table=[1, 3], prefix_cached_blocks=0,
-                                 imported_blocks=0, sample_index=i) for i in range(2)]
-    engine = SimpleNamespace(block_manager=SimpleNamespace(blocks=blocks, num_blocks=4, block_size=BS),
-                             scheduler=SimpleNamespace(running=sequences, waiting=[]))
+    pool = KVPoolView(num_blocks=4, block_size=BS, ref_counts=(0, 1, 2, 300), cached=(False,) * 4, cow_copies=0)
+    sequences = [SequenceView(request_id="r", sample_index=i, status="running", num_tokens=20, num_output_tokens=4,
+                              block_table=(1, 3), prefix_cached_blocks=0, imported_blocks=0) for i in range(2)]
+    engine = SimpleNamespace(kv_pool=lambda: pool, sequences=lambda limit=None: sequences[:limit])  # an EngineView
     snap = take_snapshot(engine, "w")
     assert list(snap.ref_counts) == [0, 1, 2, 255] and list(snap.states) == [FREE, IN_USE, SHARED, SHARED]
-    assert [s.sample_index for s in snap.sequences] == [0, 1] and snap.cow_copies == 0, "no counter: none counted"
+    assert [s.sample_index for s in snap.sequences] == [0, 1] and snap.cow_copies == 0
 
 
 async def test_snapshot_on_the_engine_thread_while_it_steps(tiny):
