@@ -21,7 +21,7 @@ CONSOLE_ENDPOINTS = {"blocks", "stats", "drain"}  # polled by the console itself
 # The front end's answers by route and status (services/frontend/metrics.py): its traffic is HTTP,
 # which no $SRV endpoint counts, so its row takes requests and errors from its metrics snapshots.
 HTTP_ANSWERS = "tandem:http_requests_total"
-HTTP_LATENCY = "tandem:e2e_request_latency_seconds"
+HTTP_LATENCY = "tandem:http_e2e_request_latency_seconds"
 HTTP_POLLS = ("/health", "/metrics")  # probes and scrapes, like the console's own polls: not traffic
 LATENCY_KINDS = ("ttft", "tpot")
 # The services' histogram of each kind (tandem.services.common.service_metrics); other names that contain

@@ -24,6 +24,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
+from tandem.shared.infra.liveness import Liveness
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import Ack, ErrorCode, ProtocolError
 from tandem.shared.protocol.codec import decode, encode
@@ -40,7 +41,9 @@ class Drainer:
 
     def __init__(self, worker: EngineWorker) -> None:
         self.worker = worker
-        self.owed: dict[str, float] = {}  # prefill workers that still owe this worker a hand-off -> last seen
+        # Prefill workers whose last heartbeat said they still owe this worker a hand-off: owing while
+        # they beat, not once they stopped (a dead one's hand-off never comes).
+        self.owed: Liveness[None] = Liveness(worker.settings.bus.worker_timeout_s)
         self.exiting = False  # a drain will end the process
         self._idle: asyncio.Task | None = None  # one wait for idleness, however many ask for a drain
 
@@ -121,9 +124,7 @@ class Drainer:
         return len(held)
 
     def busy(self, now: float) -> bool:
-        timeout = self.worker.settings.bus.worker_timeout_s
-        owed = any(now - seen < timeout for seen in self.owed.values())
-        return owed or self.worker.busy()
+        return bool(self.owed.alive(now=now)) or self.worker.busy()
 
     async def _on_beat(self, msg) -> None:
         try:
@@ -133,6 +134,6 @@ class Drainer:
         if beat.service != "prefill":
             return
         if self.worker.instance_id in beat.pending_decode:
-            self.owed[beat.instance_id] = time.monotonic()
+            self.owed.beat(beat.instance_id)
         else:
-            self.owed.pop(beat.instance_id, None)
+            self.owed.forget(beat.instance_id)

@@ -1,5 +1,9 @@
 """The serving metrics of tandem's services, named after vLLM's (``vllm:`` becomes ``tandem:``).
 
+One name, one meaning: the HTTP front end's figures that mean something else (its time to first
+token runs from the HTTP request to the first token sent back) are ``tandem:http_...``
+(:mod:`tandem.services.frontend.metrics`); those it shares with the workers mean the same there.
+
 Workers (:class:`WorkerMetrics`, fed from each engine step's outputs in ``EngineWorker.on_outputs``):
 
 - ``tandem:time_to_first_token_seconds``: from the router's accept time (``arrival_time`` of the
@@ -62,7 +66,8 @@ class WorkerMetrics:
     def __init__(self, prom: MetricsRegistry, stats: Callable[[], dict], busy_s: Callable[[], float],
                  steps: Callable[[], int], draining: Callable[[], bool]) -> None:
         h = prom.histogram
-        self.ttft = h("tandem:time_to_first_token_seconds", "router accept to first token", TTFT_BUCKETS)
+        self.ttft = h("tandem:time_to_first_token_seconds", "router accept to first token handed to the bus",
+                      TTFT_BUCKETS)
         self.itl = h("tandem:inter_token_latency_seconds", "time between consecutive outputs", ITL_BUCKETS)
         self.tpot = h("tandem:request_time_per_output_token_seconds", "per request, after the first token",
                       ITL_BUCKETS)

@@ -40,6 +40,7 @@ from tandem.services.planner.policy import Decision, Load, Planner, Targets
 from tandem.services.planner.window import LoadWindow
 from tandem.shared.infra.config import Settings
 from tandem.shared.infra.jetstream import ensure_stream
+from tandem.shared.infra.liveness import Liveness
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ProtocolError
 from tandem.shared.protocol.codec import decode, encode
@@ -130,7 +131,8 @@ class PlannerService(ServiceRuntime):
         super().__init__(settings)
         self.actuator = actuator
         self.actuator_kind = actuator_kind
-        self.beats: dict[str, tuple[str, str, float]] = {}  # worker instance id -> (service, host, last beat)
+        # The prefill and decode workers' last heartbeats (which host each beats from), for drains.
+        self.beats: Liveness[Heartbeat] = Liveness(settings.bus.worker_timeout_s)
         self.target: dict[str, int] = {}  # what the actuator is to bring the platform to
         self.acting: asyncio.Task | None = None
         self.act_failed = False  # a step failed: tried again at the next interval
@@ -192,7 +194,7 @@ class PlannerService(ServiceRuntime):
             return
         self.window.add_heartbeat(beat)
         if beat.service in SCALED:
-            self.beats[beat.instance_id] = (beat.service, beat.host, time.monotonic())
+            self.beats.beat(beat.instance_id, beat, incarnation=beat.incarnation)
 
     async def loop(self) -> None:
         interval = self.settings.planner.interval_s
@@ -274,16 +276,14 @@ class PlannerService(ServiceRuntime):
 
     def workers_on(self, service: str, hosts: list[str]) -> dict[str, str]:
         """The live workers of ``service`` on ``hosts``, from their heartbeats: instance id -> host."""
-        now, fresh = time.monotonic(), self.settings.bus.worker_timeout_s
-        for instance, (_, _, seen) in list(self.beats.items()):
-            if now - seen > FORGET_AFTER_S:
-                del self.beats[instance]
+        self.beats.forget_stale(FORGET_AFTER_S)
         wanted = set(hosts)
-        return {instance: host for instance, (svc, host, seen) in self.beats.items()
-                if svc == service and host in wanted and now - seen <= fresh}
+        return {instance: beat.host for instance, beat in self.beats.alive().items()
+                if beat.service == service and beat.host in wanted}
 
     def gone(self, instance: str) -> bool:
-        return time.monotonic() - self.beats.get(instance, ("", "", 0.0))[2] > self.settings.bus.worker_timeout_s
+        """Whether ``instance`` stopped beating ``worker_timeout_s`` ago (or was never heard from)."""
+        return not self.beats.is_alive(instance)
 
     async def drain_hosts(self, service: str, hosts: list[str]) -> list[str]:
         """The actuator's ``drain``: send every ``service`` worker beating from ``hosts`` a

@@ -16,8 +16,9 @@ where that pays. Not when the chosen decode worker would have to prefill at most
 ``local_prefill_max_tokens`` tokens (the transfer would cost more than the work), and not on a prefill
 worker computing on the decode worker's own device (the heartbeats' ``device``): two processes on one
 GPU time-slice it, so the prefill's kernels stall the decode batch's steps just as a chunk mixed into
-them would, and the hand-off and a second set of weights come on top (issue 19, one H200, c = 32:
-TPOT 1.82x and throughput 0.77x the engine alone). There the decode worker prefills by itself, chunked
+them would, and the hand-off and a second set of weights come on top: both TPOT and throughput come
+out worse than the engine alone (``benchmarks/serving_system.py --placements auto disaggregated``
+compares the two on one GPU). There the decode worker prefills by itself, chunked
 into its decode steps (``max_num_batched_tokens`` bounds what one step adds), unless the operator
 asked for prefill on the shared device (``--router-prefill-on-shared-device``: to exercise the
 hand-off, or to measure exactly this). Workers that say no device (CPU, or an older worker) are never

@@ -8,11 +8,12 @@ and replies :class:`GenerateAccepted` (tokens then flow from the workers straigh
 stream subject) or a typed :class:`ErrorReply`. With no prefill worker alive, when the chosen one
 does not answer, or when little of the prompt is uncached, the decode worker prefills by itself.
 
-Workers are known from their heartbeats (``tandem.v1.heartbeat.>``); a worker silent for
-``worker_timeout_s`` is dropped. Load is running + waiting sequences from the last heartbeat plus
-what this router assigned since, so a burst does not all land on one worker. Which worker caches
-which blocks comes from the KV events stream (:mod:`tandem.services.router.kv_index`), read from
-its start, so a restarted router routes as its predecessor did.
+Workers are known from their heartbeats (``tandem.v1.heartbeat.>``), kept per service in a
+:class:`~tandem.shared.infra.liveness.Liveness`; a worker silent for ``worker_timeout_s`` is dropped.
+Load is running + waiting sequences from the last heartbeat plus what this router assigned since,
+so a burst does not all land on one worker. Which worker caches which blocks comes from the KV
+events stream (:mod:`tandem.services.router.kv_index`), read from its start, so a restarted router
+routes as its predecessor did.
 
 A request asking ``ack_placement`` gets :class:`PlacementReceived` (this router's id) the moment
 it is taken, and ``tandem.v1.router.<id>.alive`` answers for as long as the router's process is on
@@ -41,7 +42,7 @@ from tandem.services.router.kv_index import KVIndex
 from tandem.services.router.policy import Candidate, rank, remote_prefill_workers, shares_device
 from tandem.shared.infra.config import Settings
 from tandem.shared.infra.kvevents import ensure_kv_events_stream
-from tandem.shared.infra.liveness import on_bus
+from tandem.shared.infra.liveness import Liveness, on_bus
 from tandem.shared.model.meta import load_model_meta
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import Ack, ErrorCode, ErrorReply, ProtocolError
@@ -147,8 +148,10 @@ def admission_key(request_id: str, stream_subject: str) -> str:
 
 @dataclass
 class Worker:
+    """A worker as its last heartbeat says (when it came: the router's :class:`Liveness` of its
+    service), with what this router assigned it since."""
+
     beat: Heartbeat
-    seen: float
     assigned: list[float] = field(default_factory=list)  # times of assignments since the last beat
 
     def load(self) -> int:
@@ -204,7 +207,8 @@ class Router(ServiceRuntime):
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         self.meta = load_model_meta(settings.model, data_dir=settings.data_dir)
-        self.workers: dict[str, dict[str, Worker]] = {"prefill": {}, "decode": {}, "kvstore": {}}
+        timeout = settings.bus.worker_timeout_s
+        self.workers: dict[str, Liveness[Worker]] = {s: Liveness(timeout) for s in ("prefill", "decode", "kvstore")}
         self.index = KVIndex()
         self._stream_seq = 0
         router = settings.router
@@ -274,17 +278,18 @@ class Router(ServiceRuntime):
         if pool is None:
             return
         now = time.monotonic()
-        worker = pool.get(beat.instance_id)
+        worker = pool.payload(beat.instance_id)
         if worker is None:
             self.log.info("%s worker %s joined (host %s, model %s)", beat.service, beat.instance_id, beat.host,
                           beat.model)
-            pool[beat.instance_id] = Worker(beat, now)
+            worker = Worker(beat)
         else:
             if beat.incarnation != worker.beat.incarnation and worker.beat.incarnation:
                 self.log.info("%s worker %s restarted (pid %d, was %d): what the old process held is gone",
                               beat.service, beat.instance_id, beat.pid, worker.beat.pid)
-            worker.beat, worker.seen = beat, now
+            worker.beat = beat
             worker.assigned = [t for t in worker.assigned if t > now - self.settings.bus.heartbeat_interval_s]
+        pool.beat(beat.instance_id, worker, incarnation=beat.incarnation, at=now)
         self.pump_admission()
 
     async def on_cancel(self, msg) -> None:
@@ -304,7 +309,7 @@ class Router(ServiceRuntime):
 
     def admission_load(self, worker: Worker) -> WorkerLoad:
         instance = worker.beat.instance_id
-        owed = sum(p.beat.owed_requests.get(instance, 0) for p in self.workers["prefill"].values())
+        owed = sum(p.beat.owed_requests.get(instance, 0) for p in self.workers["prefill"].payloads())
         return worker.admission_load(owed)
 
     def pump_admission(self) -> None:
@@ -337,34 +342,31 @@ class Router(ServiceRuntime):
             return
         self.restart_deadline = time.monotonic() + wait
         # Not self.alive(): it sweeps, and a sweep is what may have called this.
-        if not any(w.beat.model == self.meta.name and not w.beat.draining for w in self.workers["decode"].values()):
+        if not any(w.beat.model == self.meta.name and not w.beat.draining for w in self.workers["decode"].payloads()):
             self.log.info("no decode worker left; requests wait up to %g s for one to (re)start", wait)
         # When the wait runs out with none back, the requests still queued hear it then.
         asyncio.get_running_loop().call_later(wait + 0.05, self.pump_admission)
 
     def sweep(self) -> None:
         """Drop workers and stores silent for ``worker_timeout_s``, and what the index says they hold."""
-        deadline = time.monotonic() - self.settings.bus.worker_timeout_s
         for service, pool in self.workers.items():
-            for instance_id in [i for i, w in pool.items() if w.seen < deadline]:
+            for instance_id, last in pool.forget_stale():
                 self.log.info("%s %s left (no heartbeat)", service, instance_id)
-                worker = pool.pop(instance_id, None)
-                if worker is not None:
-                    self.lost(worker)
+                self.lost(last.payload)
                 self.index.forget(instance_id)
 
     def alive(self, service: str, model: str, excluded: list[str] = ()) -> list[Worker]:
         """Live workers of ``service`` serving ``model``, without the ``excluded`` ones (a client saw
         them die) unless they beat again since: a worker restarted under the same instance id is back."""
         self.sweep()
-        stale = time.monotonic() - self.settings.bus.heartbeat_interval_s
-        return [w for w in self.workers[service].values()
+        pool, again = self.workers[service], self.settings.bus.heartbeat_interval_s
+        return [w for w in pool.payloads()
                 if w.beat.model == model and not w.beat.draining
-                and not (w.beat.instance_id in excluded and w.seen < stale)]
+                and not (w.beat.instance_id in excluded and not pool.is_alive(w.beat.instance_id, again))]
 
     def forget(self, worker: Worker) -> None:
         """Drop a worker found gone (off the bus, or silent past a forward)."""
-        if self.workers[worker.beat.service].pop(worker.beat.instance_id, None) is not None:
+        if self.workers[worker.beat.service].forget(worker.beat.instance_id) is not None:
             self.lost(worker)
         self.index.forget(worker.beat.instance_id)
 
@@ -532,7 +534,7 @@ class Router(ServiceRuntime):
     def best_store(self, worker: Worker, prompt: PromptBlocks) -> tuple[str, int]:
         """The live KV-store holding the longest cached prefix in ``worker``'s layout, and its length."""
         self.sweep()
-        stores = list(self.workers["kvstore"].values())
+        stores = self.workers["kvstore"].payloads()
         if not stores:
             return "", 0
         overlap = self.index.prefix_overlap(worker.beat.kv_namespace, prompt.hashes(worker.beat.block_size))
@@ -591,7 +593,7 @@ class Router(ServiceRuntime):
                     return None
             reply = decode(answer.result().data)
         except NatsTimeoutError:
-            if time.monotonic() - worker.seen < self.settings.bus.worker_timeout_s:
+            if self.heard_within(worker):
                 # Alive (its heartbeats arrive) but slow: it may still take this request, so placing
                 # it elsewhere could run it twice. The request fails; the worker stays.
                 self.log.warning("%s worker %s is alive but did not answer within %.1f s", worker.beat.service,
@@ -615,10 +617,14 @@ class Router(ServiceRuntime):
             raise ProtocolError(ErrorCode.WORKER_FAILURE, f"worker answered {reply.kind!r}")
         return reply.incarnation or worker.beat.incarnation
 
+    def heard_within(self, worker: Worker, window_s: float | None = None) -> bool:
+        """Whether ``worker`` beat within ``window_s`` (default: ``worker_timeout_s``)."""
+        return self.workers[worker.beat.service].is_alive(worker.beat.instance_id, window_s)
+
     async def still_there(self, worker: Worker) -> bool:
         """False (and the worker forgotten) for one whose heartbeats are late and who is off the bus:
         a request handed to a prefill worker for a dead decode worker would fail only at the hand-off."""
-        if time.monotonic() - worker.seen <= 2 * self.settings.bus.heartbeat_interval_s:
+        if self.heard_within(worker, 2 * self.settings.bus.heartbeat_interval_s):
             return True
         if await on_bus(self.nc, worker.beat.service, worker.beat.instance_id, WORKER_CHECK_S * 2):
             return True

@@ -19,6 +19,8 @@ whose every field has a ``description`` and its bounds:
     ``settings.kvstore``  the KV store's tiers
     ``settings.frontend`` the OpenAI-compatible HTTP front end: address, key, served name, admission
     ``settings.trainer``  the trainer service: the folders jobs from the bus may read
+    ``settings.host_adam``  the training library's host AdamW: its threads, chunk, C kernel and cache;
+                          variables only (see below)
 
 Names. Every field has one *flat name*, unique across all sections: its section's ``prefix`` then
 its own name (``kv_ring.mib`` is ``kv_ring_mib``, ``planner.window_s`` is ``planner_window_s``; the
@@ -42,6 +44,16 @@ engine section, the engine's config all follow from it.
 
 ``Settings(num_blocks=512)`` and :func:`load_settings` take flat names too. Nothing here imports
 torch: the router, the KV store and clients load settings without it.
+
+Reading the environment. Every ``TANDEM_*`` variable a tandem process reads is a field here, and
+only this module reads them (``tests/unit/test_settings_env.py`` fails naming any read elsewhere).
+Library code that runs without a whole ``Settings`` (the client's ``connect()``, which finds the
+server and its credentials from ``TANDEM_NATS_URL``, ``TANDEM_NATS_CREDS``, ``TANDEM_TLS_*`` and
+``TANDEM_DATA_DIR``; the host AdamW kernel) asks :func:`from_env` for the one part it needs: its
+arguments first, then the variables, then the defaults, and a bad value elsewhere in the
+environment is none of its business. The ``host_adam`` section is such a part: the training library
+reads it where it runs (``tandem train``, the trainer service), so no command takes it as flags
+(:data:`ENV_ONLY_SECTIONS`).
 """
 
 from __future__ import annotations
@@ -55,7 +67,7 @@ import uuid
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -338,6 +350,24 @@ class TrainerSettings:
         return value
 
 
+@dataclass(config=SECTION)
+class HostAdamSettings:
+    """The training library's AdamW on the host (shared/train/optimizer.py, host_kernel.py), read by
+    the library from these variables wherever it runs (:func:`from_env`): tuning and measuring knobs."""
+
+    prefix: ClassVar[str] = ""
+
+    adam_threads: int = Field(0, ge=0, description="threads of the host AdamW kernel (0: every core this process "
+                                                   "may use but one, which stays with the engine's thread)")
+    adam_chunk: int = Field(1 << 23, ge=1, description="elements per torch fused AdamW call where the C kernel is "
+                                                       "not used (its fp32 scratch buffer: 4 bytes each)")
+    host_kernel: Literal["auto", "torch"] = Field(
+        "auto", description="the host AdamW's arithmetic: auto (the fused C kernel, built with the machine's C "
+                            "compiler on first use; torch's ops where none works), torch (torch's ops always)")
+    kernel_cache: Path | None = Field(None, description="folder the built C kernel is cached under, in "
+                                                        "tandem/kernels (unset: $XDG_CACHE_HOME, else ~/.cache)")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
@@ -371,6 +401,8 @@ class Settings(BaseSettings):
                                        description="the OpenAI-compatible HTTP API (tandem serve frontend)")
     trainer: TrainerSettings = Field(default_factory=TrainerSettings,
                                      description="the trainer service (tandem serve trainer)")
+    host_adam: HostAdamSettings = Field(default_factory=HostAdamSettings,
+                                        description="the training library's host AdamW (variables only)")
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
@@ -420,12 +452,22 @@ class FlatEnvSource(PydanticBaseSettingsSource):
         return None, field_name, False  # unused: __call__ reads every field at once
 
     def __call__(self) -> dict[str, Any]:
-        env = {k.upper(): v for k, v in os.environ.items() if k.upper().startswith(ENV_PREFIX)}
-        values: dict[str, Any] = {}
-        for knob in FIELDS:
-            if knob.env in env:
-                (values.setdefault(knob.section, {}) if knob.section else values)[knob.name] = env[knob.env]
-        return values
+        return _env_values(FIELDS)
+
+
+def tandem_environ() -> dict[str, str]:
+    """The ``TANDEM_*`` variables, names upper-cased (pydantic-settings reads them in any case)."""
+    return {k.upper(): v for k, v in os.environ.items() if k.upper().startswith(ENV_PREFIX)}
+
+
+def _env_values(knobs: tuple[Knob, ...] | list[Knob], empty_is_unset: bool = False) -> dict[str, Any]:
+    """The variables set for ``knobs``, nested as ``Settings`` takes them."""
+    env = tandem_environ()
+    values: dict[str, Any] = {}
+    for knob in knobs:
+        if knob.env in env and (env[knob.env] or not empty_is_unset):
+            (values.setdefault(knob.section, {}) if knob.section else values)[knob.name] = env[knob.env]
+    return values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -491,6 +533,52 @@ def _collect() -> tuple[Knob, ...]:
 FIELDS: tuple[Knob, ...] = _collect()
 BY_FLAT: dict[str, Knob] = {k.flat: k for k in FIELDS}
 SECTIONS: tuple[str, ...] = tuple(dict.fromkeys(k.section for k in FIELDS if k.section))
+# Sections read by library code from their variables alone, wherever it runs: no command takes them as flags.
+ENV_ONLY_SECTIONS: tuple[str, ...] = ("host_adam",)
+
+
+class EnvSettingsError(ValueError):
+    """A ``TANDEM_*`` variable with a value its field refuses; ``str()`` is one line naming the variable."""
+
+
+def from_env(name: str) -> Any:
+    """One part of the settings from the ``TANDEM_*`` variables and the defaults alone: a section
+    (``from_env("bus")`` is a :class:`BusSettings`) or one of the process's own fields
+    (``from_env("data_dir")`` is a ``Path``), validated as ``Settings`` validates it, the rest of the
+    environment left unread. For library code that runs without a ``Settings`` (see the module's
+    docstring); its caller's own arguments come first. A variable set empty (``TANDEM_DATA_DIR= cmd``)
+    counts as unset, as that code always took it. Raises :class:`EnvSettingsError` for a bad value."""
+    if name not in Settings.model_fields:
+        raise KeyError(f"no settings section or field {name!r}")
+    section = Settings.model_fields[name].annotation
+    if dataclasses.is_dataclass(section):
+        try:
+            return section(**_env_values([k for k in FIELDS if k.section == name], empty_is_unset=True).get(name, {}))
+        except ValidationError as exc:
+            raise EnvSettingsError(env_problem(exc, name)) from None
+    knob = next(k for k in FIELDS if not k.section and k.name == name)
+    value = tandem_environ().get(knob.env)
+    if not value:
+        return knob.default()
+    # Not Settings(...), which reads every variable: one field validated alone, its validators included.
+    try:
+        return getattr(Settings.__pydantic_validator__.validate_assignment(Settings.model_construct(), name, value),
+                       name)
+    except ValidationError as exc:
+        raise EnvSettingsError(env_problem(exc)) from None
+
+
+def env_problem(exc: ValidationError, section: str = "") -> str:
+    """``exc`` of values read from variables (of ``section``'s fields, or the process's own), in one
+    line naming each variable and its value."""
+    found = []
+    for err in exc.errors():
+        loc = (section, *err["loc"]) if section else err["loc"]
+        knob = knob_at(loc) if loc else None
+        msg = err["msg"].removeprefix("Value error, ")
+        where = f"{knob.env} {err.get('input')!r}" if knob is not None else ".".join(map(str, loc))
+        found.append(f"{where}: {msg}")
+    return "; ".join(found)
 
 
 def knob_at(loc: tuple) -> Knob | None:

@@ -5,7 +5,9 @@ Why C: the update is bound by host memory bandwidth, and torch's CPU ops need se
 (convert the bf16 gradient, scale it, update, write the working copy); one fused pass moves ~40%
 fewer bytes. ctypes drops the GIL for the call, so the engine's thread runs on meanwhile (a
 ``torch.compile``d CPU kernel holds it). Where no compiler works, :func:`load` returns ``None``
-and the optimizer keeps its torch path; ``TANDEM_HOST_KERNEL=torch`` forces that path.
+and the optimizer keeps its torch path; ``TANDEM_HOST_KERNEL=torch`` forces that path. Its knobs
+are the settings' ``host_adam`` section (:class:`~tandem.shared.infra.config.HostAdamSettings`),
+read from their ``TANDEM_*`` variables when the kernel is first loaded.
 
     kernel = load()
     if kernel:
@@ -27,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from tandem.shared.infra.config import HostAdamSettings, from_env
+
 log = logging.getLogger("tandem.train")
 
 SOURCE = Path(__file__).with_name("host_adam.c")
@@ -44,19 +48,19 @@ def _cpu_signature() -> str:
     return flags
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("TANDEM_KERNEL_CACHE") or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+def _cache_dir(settings: HostAdamSettings) -> Path:
+    base = settings.kernel_cache or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "tandem" / "kernels"
 
 
 class HostAdamKernel:
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, threads: int = 0) -> None:
         self._fn = library.tandem_adamw
         self._fn.restype = None
         self._fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.c_int,
                                                      ctypes.c_int]
-        # one core stays with the engine's thread; TANDEM_ADAM_THREADS overrides (measuring contention)
-        self.threads = int(os.environ.get("TANDEM_ADAM_THREADS") or max(1, len(os.sched_getaffinity(0)) - 1))
+        # 0: one core stays with the engine's thread; TANDEM_ADAM_THREADS overrides (measuring contention)
+        self.threads = threads or max(1, len(os.sched_getaffinity(0)) - 1)
         self._bench = library.tandem_membench
         self._bench.restype = ctypes.c_uint32
         self._bench.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
@@ -90,10 +94,10 @@ class HostAdamKernel:
                  values, flags, self.threads)
 
 
-def _build() -> Path:
+def _build(settings: HostAdamSettings) -> Path:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"host_adam-{key}.so"
+    target = _cache_dir(settings) / f"host_adam-{key}.so"
     if target.is_file():
         return target
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -117,10 +121,11 @@ def _build() -> Path:
 @functools.cache
 def load() -> HostAdamKernel | None:
     """The kernel, or ``None`` (torch fallback) where it cannot be built or is turned off."""
-    if os.environ.get("TANDEM_HOST_KERNEL", "auto") == "torch":
+    settings = from_env("host_adam")
+    if settings.host_kernel == "torch":
         return None
     try:
-        return HostAdamKernel(ctypes.CDLL(str(_build())))
+        return HostAdamKernel(ctypes.CDLL(str(_build(settings))), settings.adam_threads)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("host AdamW kernel unavailable, using torch's (slower): %s", exc)
         return None

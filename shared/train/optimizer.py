@@ -27,7 +27,6 @@ gradient buffer (:meth:`Unit.grad_for`). :meth:`wait_all` waits for commits.
 from __future__ import annotations
 
 import math
-import os
 import queue
 import threading
 import time
@@ -36,12 +35,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.shared.infra.config import from_env
 from tandem.shared.train import host_kernel
 from tandem.shared.train.host_state import HostState, Unit
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8
-CHUNK = int(os.environ.get("TANDEM_ADAM_CHUNK", 1 << 23))  # elements per fused call: 32 MiB per fp32 tensor
 
 
 def lr_schedule(base_lr: float, warmup_steps: int, total_steps: int, min_ratio: float = 0.1) -> Callable[[int], float]:
@@ -95,7 +94,9 @@ class HostAdamW:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._tmp = torch.empty(CHUNK, dtype=torch.float32)
+        # Elements per torch fused call (TANDEM_ADAM_CHUNK; 32 MiB per fp32 tensor by default).
+        self.chunk = from_env("host_adam").adam_chunk
+        self._tmp = torch.empty(self.chunk, dtype=torch.float32)
         self.skip: set[int] = set()  # units another updater (the GPU: device_update.py) takes care of
 
     # -- the engine's side -----------------------------------------------------------------------
@@ -182,8 +183,8 @@ class HostAdamW:
             return
         unit.step += 1
         n = unit.layout.numel
-        for start in range(0, n, CHUNK):
-            end = min(start + CHUNK, n)
+        for start in range(0, n, self.chunk):
+            end = min(start + self.chunk, n)
             g = grad[start:end]
             if g.dtype != torch.float32:
                 g = self._tmp[: end - start].copy_(g)

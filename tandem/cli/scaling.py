@@ -48,6 +48,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from tandem.cli.shutdown import drain_system
 from tandem.client.discovery import service_pongs
 from tandem.services.common.runtime import EXIT_DRAINED
+from tandem.shared.infra.liveness import Liveness
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ProtocolError
 from tandem.shared.protocol.codec import decode, encode
@@ -72,10 +73,10 @@ class Scaler:
         self.crashes: dict[str, list[float]] = {}  # service -> monotonic times of recent crashes
         self.not_before: dict[str, float] = {}  # service -> earliest restart time
         self.decisions = 0
-        self.heard: dict[str, float] = {}  # instance id -> monotonic time it last pinged back or beat
-        self.draining: set[str] = set()  # instance ids whose heartbeats say they drain
-        self.load: dict[str, int] = {}  # worker instance id -> running + waiting, from its last heartbeat
         self.stale_after_s = sup.settings.supervisor.health_timeout_s
+        # Every child heard from: its last heartbeat (load, draining), and when it last beat or
+        # answered a ping; stale (off the bus) after ``--health-timeout-s``.
+        self.heard: Liveness[Heartbeat] = Liveness(self.stale_after_s)
         self.port_waits: dict[str, int] = {}  # service -> the fixed port its next child waits for
 
     async def run(self) -> None:
@@ -151,12 +152,7 @@ class Scaler:
             beat = decode(msg.data, Heartbeat)
         except ProtocolError:
             return
-        self.heard[beat.instance_id] = time.monotonic()
-        self.load[beat.instance_id] = beat.running + beat.waiting
-        if beat.draining:
-            self.draining.add(beat.instance_id)
-        else:
-            self.draining.discard(beat.instance_id)
+        self.heard.beat(beat.instance_id, beat, incarnation=beat.incarnation)
 
     async def ping_loop(self, nc: nats.NATS) -> None:
         """Which children answer ``$SRV.PING`` (their metadata names their instance id)."""
@@ -170,22 +166,21 @@ class Scaler:
                 for pong in pongs:
                     instance = (pong.get("metadata") or {}).get("instance_id")
                     if instance:
-                        self.heard[instance] = now
+                        self.heard.touch(instance, at=now)
             await asyncio.sleep(PING_S)
 
     def check_health(self, child: Child, now: float) -> None:
         """Stop a child that went silent on the bus; replace one drained from outside (see the module)."""
         if child.leaving:
             return
-        if child.instance_id in self.draining:
+        if self.drains_unasked(child):
             log.warning("%s %s is draining, not asked by tandem up; starting a replacement", child.service,
                         child.instance_id)
             child.draining_since = now
             return
-        heard = self.heard.get(child.instance_id)
-        if heard is not None and now - heard > self.stale_after_s:
+        if self.heard.is_stale(child.instance_id, now=now):
             log.warning("%s %s (pid %d) is off the bus: silent for %.0fs; restarting it", child.service,
-                        child.instance_id, child.process.pid, now - heard)
+                        child.instance_id, child.process.pid, now - self.heard.last(child.instance_id))
             self.terminate(child, kill_after_s=HEALTH_KILL_AFTER_S)
 
     async def on_decision(self, msg) -> None:
@@ -203,16 +198,22 @@ class Scaler:
                 log.info("planner: %s %d -> %d (%s)", service, self.sup.wanted.get(service, 0), count, decision.reason)
                 self.sup.wanted[service] = count
 
+    def drains_unasked(self, child: Child) -> bool:
+        """Whether ``child``'s last heartbeat says it drains (:meth:`check_health` asks only of a child
+        up did not ask to leave)."""
+        beat = self.heard.payload(child.instance_id)
+        return beat is not None and beat.draining
+
     def in_flight(self) -> int:
         """Requests the live workers hold, as their last heartbeats say (a prompt being handed off
         counts on both sides)."""
-        live = self.live_ids()
-        return sum(n for instance, n in self.load.items() if instance in live)
+        beats = [self.heard.payload(instance) for instance in self.live_ids()]
+        return sum(beat.running + beat.waiting for beat in beats if beat is not None)
 
     async def reconcile(self, nc: nats.NATS) -> None:
         now = time.monotonic()
         if self.sup.ensure_server():  # every child was cut off meanwhile: give it time to reconnect
-            self.heard = dict.fromkeys(self.heard, now)
+            self.heard.refresh(now)
         for child in list(self.sup.children):
             code = child.process.poll()
             if code is None:
@@ -221,9 +222,7 @@ class Scaler:
                 continue
             self.sup.children.remove(child)
             self.sup.forget(child)
-            self.heard.pop(child.instance_id, None)
-            self.load.pop(child.instance_id, None)
-            self.draining.discard(child.instance_id)
+            self.heard.forget(child.instance_id)
             if child.leaving:
                 log.info("%s %s left (exit code %d)", child.service, child.instance_id, code)
             elif code == EXIT_DRAINED:

@@ -12,7 +12,6 @@ come from ``--tls-ca/--tls-cert/--tls-key`` or their ``TANDEM_TLS_*`` variables.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -22,14 +21,14 @@ import nats
 
 from tandem.client.runstate import find_running
 from tandem.shared.auth.credentials import Credentials, RoleKey, connect_options, load_credentials, tls_context
-from tandem.shared.infra.config import Settings
+from tandem.shared.infra.config import Settings, from_env
 
 
 def credentials_for(role: str, url: str | None, creds_file: str | None = None,
                     data_dir: Path | str | None = None) -> Credentials | None:
     """The credentials a command of ``role`` presents to ``url`` (see the module's order);
     ``data_dir``: where to look for the running up (default: ``TANDEM_DATA_DIR``, else the default)."""
-    path = creds_file or os.environ.get("TANDEM_NATS_CREDS")
+    path = creds_file or from_env("bus").nats_creds
     if path:
         return load_credentials(path)
     state = find_running(data_dir)
@@ -51,9 +50,8 @@ def bus_options(role: str, name: str, url: str | None, *, creds: str | None = No
                 tls_key: str | None = None) -> dict[str, Any]:
     """``nats.connect`` keyword arguments for a command of ``role`` (``client`` or ``operator``)
     connecting to ``url`` as ``name``; raises ``CredentialsError`` (one line) for a bad file."""
-    env = os.environ.get
-    tls = tls_context(tls_ca or env("TANDEM_TLS_CA"), tls_cert or env("TANDEM_TLS_CERT"),
-                      tls_key or env("TANDEM_TLS_KEY"))
+    bus = from_env("bus")  # what the arguments leave unset
+    tls = tls_context(tls_ca or bus.tls_ca, tls_cert or bus.tls_cert, tls_key or bus.tls_key)
     return connect_options(credentials_for(role, url, creds, data_dir), name, tls=tls)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -14,6 +13,7 @@ from tandem.client.runstate import find_running_url
 from tandem.client.session import Client
 from tandem.client.stream import RECONNECT_WAIT_S
 from tandem.shared.auth.credentials import CredentialsError
+from tandem.shared.infra.config import EnvSettingsError, from_env
 
 log = logging.getLogger("tandem.client")
 
@@ -22,7 +22,10 @@ log = logging.getLogger("tandem.client")
 def resolve_url(url: str | None) -> str:
     """``url``, else ``TANDEM_NATS_URL``, else the running ``tandem up``'s (its state file in the data
     dir, ``TANDEM_DATA_DIR`` or the default); :class:`TandemError` when there is none."""
-    found = url or os.environ.get("TANDEM_NATS_URL") or find_running_url()
+    try:
+        found = url or from_env("bus").nats_url or find_running_url()
+    except EnvSettingsError as exc:
+        raise TandemError(str(exc)) from None
     if not found:
         raise TandemError("no running tandem found: start one with `tandem up`, or pass its NATS URL to connect()")
     return found
@@ -46,7 +49,7 @@ async def connect(url: str | None = None, *, request_timeout_s: float = 30.0, wo
     try:
         options = bus_options("client", "tandem-client", url, creds=creds, data_dir=data_dir, tls_ca=tls_ca,
                               tls_cert=tls_cert, tls_key=tls_key)
-    except CredentialsError as exc:
+    except (CredentialsError, EnvSettingsError) as exc:
         raise TandemError(str(exc)) from None
     holder: list[Client] = []
 

@@ -26,12 +26,13 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from tandem.shared.auth.keyring import write_private
-from tandem.shared.infra.config import default_data_dir
+from tandem.shared.infra.config import from_env
 
 
 def data_dir_in_use() -> Path:
-    """``TANDEM_DATA_DIR``, else the settings' default: the data dir a command given none uses."""
-    return Path(os.environ["TANDEM_DATA_DIR"]) if os.environ.get("TANDEM_DATA_DIR") else default_data_dir()
+    """The settings' ``data_dir`` as the environment gives it (``TANDEM_DATA_DIR``, else the
+    default): the data dir a command given none uses."""
+    return from_env("data_dir")
 
 
 @dataclass

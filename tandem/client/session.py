@@ -44,7 +44,7 @@ from tandem.client.stream import (
     WorkerGone,
     get_within,
 )
-from tandem.shared.infra.liveness import on_bus
+from tandem.shared.infra.liveness import Liveness, on_bus
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorReply, ProtocolError
 from tandem.shared.protocol.codec import decode, encode
@@ -81,9 +81,9 @@ class Client:
         self._alive_checks: dict[str, tuple[float, asyncio.Future]] = {}  # instance -> (asked at, its answer)
         self.client_id = uuid.uuid4().hex[:12]
         self._inbox_prefix = ""
-        self._last_beat: dict[str, float] = {}
-        # instance -> the incarnation its latest beat named, and when a beat first named that one
-        self._incarnation: dict[str, tuple[str, float]] = {}
+        # Every worker's last heartbeat: when it came, and the incarnation it named since when. Judged
+        # against ``worker_timeout_s`` as it is at the time (a caller may change it).
+        self._workers: Liveness[None] = Liveness(worker_timeout_s)
         self._beats = None
         self._open: dict[str, asyncio.Queue] = {}  # placement id -> its stream's queue, while it streams
         self._cleanup: set[asyncio.Task] = set()  # cancels sent for streams dropped mid-way
@@ -97,14 +97,12 @@ class Client:
             return
 
         async def on_beat(msg) -> None:
-            instance, now = msg.subject.rsplit(".", 1)[-1], time.monotonic()
-            self._last_beat[instance] = now
+            instance = msg.subject.rsplit(".", 1)[-1]
             try:
                 incarnation = decode(msg.data, Heartbeat).incarnation
-            except ProtocolError:
-                return
-            if incarnation and incarnation != self._incarnation.get(instance, ("", 0.0))[0]:
-                self._incarnation[instance] = (incarnation, now)
+            except ProtocolError:  # a beat all the same: the worker is there
+                incarnation = ""
+            self._workers.beat(instance, incarnation=incarnation)
 
         self._beats = await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
 
@@ -119,18 +117,18 @@ class Client:
         now = time.monotonic()
         for holder in holders:
             service, worker = holder.service, holder.instance
-            incarnation, first_seen = self._incarnation.get(worker, ("", 0.0))
-            if (since is not None and holder.incarnation and incarnation and incarnation != holder.incarnation
-                    and first_seen > since):
+            heard = self._workers.get(worker)
+            if (since is not None and heard is not None and holder.incarnation and heard.incarnation
+                    and heard.incarnation != holder.incarnation and heard.incarnation_at > since):
                 return worker, f"worker {worker} restarted (its new process does not hold the request)"
-            last = self._last_beat.get(worker, since)
-            if last is None:
+            if heard is None:
+                if since is not None and now - since > self.worker_timeout_s:
+                    return worker, f"worker {worker} stopped sending heartbeats"
                 continue
-            if now - last > self.worker_timeout_s:
+            if self._workers.is_stale(worker, self.worker_timeout_s, now):
                 return worker, f"worker {worker} stopped sending heartbeats"
             # Only one heard from: an instance that never beat (a test's stand-in) has no alive subject either.
-            if now - last > LATE_BEAT_S and worker in self._last_beat and not await self._instance_alive(service,
-                                                                                                         worker):
+            if self._workers.is_stale(worker, LATE_BEAT_S, now) and not await self._instance_alive(service, worker):
                 return worker, f"worker {worker} left the bus"
         return None
 
@@ -157,8 +155,7 @@ class Client:
 
     def connection_back(self) -> None:
         """The connection came back: heartbeats missed meanwhile say nothing about the workers."""
-        now = time.monotonic()
-        self._last_beat = dict.fromkeys(self._last_beat, now)
+        self._workers.refresh()
         self._connected.set()
 
     async def _until_connected(self, request_id: str | None) -> None:

@@ -360,9 +360,10 @@ async def test_models_health_version_and_metrics(api):
         assert (await http.get(f"{base}/health")).status_code == 200
         assert (await http.get(f"{base}/version")).json()["version"]
         page = (await http.get(f"{base}/metrics")).text
-    for name in ("tandem:time_to_first_token_seconds_bucket", "tandem:e2e_request_latency_seconds_count",
-                 'tandem:request_success_total{finished_reason="length"}', "tandem:generation_tokens_total",
-                 'tandem:http_requests_total{handler="/v1/completions",status="400"}', "tandem:num_requests_running"):
+    for name in ("tandem:http_time_to_first_token_seconds_bucket", "tandem:http_e2e_request_latency_seconds_count",
+                 'tandem:request_success_total{finished_reason="length"}', "tandem:http_generation_tokens_total",
+                 'tandem:http_requests_total{handler="/v1/completions",status="400"}',
+                 "tandem:http_generation_requests_running"):
         assert name in page, f"{name} missing from the frontend's /metrics"
 
 

@@ -12,7 +12,16 @@ import pytest
 
 from tandem.cli.flags import SERVICE_SETTINGS, argv, given, select, settings_from
 from tandem.cli.main import parser
-from tandem.shared.infra.config import BY_FLAT, ENV_PREFIX, FIELDS, SECTIONS, EngineSettings, Settings, load_settings
+from tandem.shared.infra.config import (
+    BY_FLAT,
+    ENV_ONLY_SECTIONS,
+    ENV_PREFIX,
+    FIELDS,
+    SECTIONS,
+    EngineSettings,
+    Settings,
+    load_settings,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +46,7 @@ def subparser(*path: str):
 
 def test_every_field_is_documented_and_named_once():
     assert SECTIONS == ("bus", "supervisor", "engine", "kv_ring", "router", "metrics", "planner", "kvstore",
-                        "frontend", "trainer")
+                        "frontend", "trainer", "host_adam")
     for name, info in Settings.model_fields.items():
         assert info.description, f"Settings.{name} has no description"
     for knob in FIELDS:
@@ -60,6 +69,9 @@ def test_each_field_is_one_flag_on_the_commands_that_take_it():
             served.setdefault(dest, set()).update(options)
     for knob in FIELDS:
         expected = {knob.flag, "--no-" + knob.flag[2:]} if knob.kind is bool else {knob.flag}
+        if knob.section in ENV_ONLY_SECTIONS:  # read by the library from its variable, wherever it runs
+            assert knob.flat not in served and knob.flat not in up, f"{knob.path} is read from {knob.env} only"
+            continue
         if knob.section == "supervisor":  # read by tandem up, and by a service that names the field itself
             named = [svc for svc, parts in SERVICE_SETTINGS.items() if knob.path in parts]
             assert (knob.flat in served) == bool(named), f"{knob.path}: tandem serve takes it ({named} name it)"
@@ -112,7 +124,8 @@ PRECEDENCE = [
 
 
 def test_precedence_covers_every_section():
-    assert {BY_FLAT[row[1]].section for row in PRECEDENCE} == {"", *SECTIONS}
+    """(The variables-only sections' order, argument then variable then default: test_settings_env.py.)"""
+    assert {BY_FLAT[row[1]].section for row in PRECEDENCE} == {"", *SECTIONS} - set(ENV_ONLY_SECTIONS)
 
 
 @pytest.mark.parametrize(("service", "flat", "env_value", "from_env", "flag", "from_flag"), PRECEDENCE)

@@ -183,7 +183,7 @@ async def test_a_migrated_request_is_never_placed_on_a_worker_its_client_saw_die
     for pool in service.workers.values():  # the client saw them die: their last beats are a second old
         for name in excluded:
             if name in pool:
-                pool[name].seen -= 1.0
+                pool.beat(name, pool.payload(name), at=pool.last(name) - 1.0)
     reply = await place(bus, generate(exclude_workers=excluded))
 
     if "decode-a" in excluded:
