@@ -1,7 +1,7 @@
 """Running ``tandem`` as a user does, in child processes: the command, its environment, waiting on it.
 
 ``TANDEM``, ``tandem_env``, ``ctrl_c_reaches_it`` and ``wait_for`` serve the tests of ``tandem up`` /
-``generate`` / ``bench``;
+``generate`` / ``bench``; ``running_up`` keeps a ``tandem up`` running for a block of them;
 ``service_env`` and ``launch`` start one ``tandem serve <service>`` (conftest's ``start_system``
 uses them, as do tests that start a service of their own); ``run_sync`` runs a coroutine to the end
 from sync code or from inside a running loop.
@@ -15,7 +15,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 TANDEM = [sys.executable, "-m", "tandem"]
@@ -47,6 +49,25 @@ def wait_for(predicate, timeout_s: float, what: str):
             return value
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@contextmanager
+def running_up(data_dir: Path, *args: str) -> Iterator[Path]:
+    """``tandem up ARGS`` in its own data dir, from the moment its state file says it serves until
+    the block ends (then Ctrl-C, as a user stops it); yields the data dir."""
+    proc = subprocess.Popen([*TANDEM, "up", *args], env=tandem_env(data_dir), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: (data_dir / "run" / "up.json").exists() or proc.poll() is not None, 120, "tandem up")
+        assert proc.poll() is None, f"tandem up exited early:\n{proc.stdout.read()}"
+        yield data_dir
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def service_env(data_dir: Path) -> dict[str, str]:

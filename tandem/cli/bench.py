@@ -139,7 +139,7 @@ def run_bench(args: argparse.Namespace, settings: Settings, overrides: dict[str,
     import torch
 
     from tandem.cli.supervisor import Supervisor
-    from tandem.services.common.runtime import run_async, setup_logging
+    from tandem.shared.infra.process import run_async, setup_logging
 
     setup_logging("WARNING")
     # On a GPU the in-process engine and the system's workers hold their KV pools at once: half each.

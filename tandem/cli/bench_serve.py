@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -40,10 +39,11 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tandem.cli.bench_data import BenchRequest, RequestResult, arrival_gaps, make_requests, parse_goodput, summarize
-from tandem.shared.infra.config import Settings
+from tandem.shared.infra.config import BY_FLAT, Settings
 
 TTFT_METRIC = "tandem:time_to_first_token_seconds"
-API_KEY_ENV = "TANDEM_API_KEY"  # the frontend's own key variable: a bench run beside it sends the same key
+# The frontend's own key (its --api-key setting): a bench run beside it sends the same key.
+API_KEY = BY_FLAT["api_key"]
 
 
 class BenchLimits(BaseModel):
@@ -85,8 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json-out", help="write the full result (summary and every request) here (default: not written)")
     p.add_argument("--base-url", metavar="URL",
                    help="an OpenAI-compatible HTTP API (http://HOST:PORT) to load instead of NATS (default: NATS)")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"sent as Authorization: Bearer KEY with --base-url (default: ${API_KEY_ENV}, else none)")
+    p.add_argument("--api-key", default=None,
+                   help=f"sent as Authorization: Bearer KEY with --base-url (default: ${API_KEY.env}, the frontend's "
+                        "key, else none)")
     p.add_argument("--model", help="the model name sent with each request (default: the router's over NATS, "
                                    "the first of /v1/models over HTTP)")
     p.add_argument("--vocab-size", type=int, metavar="N",
@@ -533,8 +534,8 @@ def run_bench_serve(args: argparse.Namespace, settings: Settings) -> int:
     from tandem.client import TandemError
     from tandem.client.access import command_auth, operator_options
     from tandem.client.runstate import find_running_url
-    from tandem.services.common.runtime import run_async
     from tandem.shared.auth.credentials import CredentialsError
+    from tandem.shared.infra.process import run_async
 
     prog = "tandem bench serve"
     problem = check_args(args)
@@ -551,8 +552,8 @@ def run_bench_serve(args: argparse.Namespace, settings: Settings) -> int:
         except CredentialsError as exc:
             print(f"{prog}: {exc}", file=sys.stderr)
             return 2
-        opened = http_backend(args.base_url, timeout_s=args.timeout, api_key=args.api_key, model=args.model,
-                              vocab_size=args.vocab_size, nats_url=nats_url, nats_options=options)
+        opened = http_backend(args.base_url, timeout_s=args.timeout, api_key=args.api_key or settings.frontend.api_key,
+                              model=args.model, vocab_size=args.vocab_size, nats_url=nats_url, nats_options=options)
     else:
         url = settings.bus.nats_url or find_running_url(settings.data_dir)
         if url is None:

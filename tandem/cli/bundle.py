@@ -38,7 +38,9 @@ from urllib.parse import unquote, urlsplit
 PROG = "tandem bundle"
 # The PyPI default index's Linux torch wheels carry CUDA; the CPU builds (local version "+cpu") live here.
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-DEFAULT_EXTRAS = ("kubernetes",)  # as compose/Dockerfile installs it: the planner's Kubernetes actuator
+# As compose/Dockerfile installs it: the engine and the trainer (the base install is the client side only,
+# and install.sh's next step is `tandem up`) and the planner's Kubernetes actuator.
+DEFAULT_EXTRAS = ("all", "kubernetes")
 # Copied into the bundle's compose/, relative to the source checkout; a folder is copied whole.
 DEPLOY_FILES = ("compose/docker-compose.yml", "compose/.env", "compose/nats.conf", "compose/README.md",
                 "compose/kubernetes")
@@ -164,16 +166,35 @@ def requirement_name(text: str) -> str:
     return canonical_name(m.group(1))
 
 
-def requirements(project: dict, extras: Iterable[str], torch: str) -> list[str]:
-    """pyproject's dependencies and the extras', as written, with torch's variant pin right after
-    pyproject's torch range: pip checks the one against the other, and decides the markers."""
+def extra_lines(project: dict, extras: Iterable[str]) -> list[str]:
+    """The requirements of ``extras``, an extra that names tandem's own (``all = ["tandem[serve,train]"]``)
+    replaced by those extras' lines: the bundle's pip fetches dependencies, and tandem itself is not on
+    its index."""
     optional = project.get("optional-dependencies", {})
-    lines = list(project.get("dependencies", []))
-    for extra in extras:
+    own = canonical_name(project.get("name", "tandem"))
+    lines: list[str] = []
+    pending, done = list(extras), set()
+    while pending:
+        extra = pending.pop(0)
+        if extra in done:
+            continue
+        done.add(extra)
         if extra not in optional:
             raise BundleUsageError(f"--extras {extra}: pyproject.toml has no such extra (it has: "
                                    f"{', '.join(sorted(optional)) or 'none'})")
-        lines += optional[extra]
+        for line in optional[extra]:
+            if requirement_name(line) == own:
+                pending += [e.strip() for e in re.findall(r"\[([^\]]*)\]", line)[0].split(",") if e.strip()]
+            else:
+                lines.append(line)
+    return lines
+
+
+def requirements(project: dict, extras: Iterable[str], torch: str) -> list[str]:
+    """pyproject's dependencies and the extras', as written, with torch's variant pin right after
+    pyproject's torch range: pip checks the one against the other, and decides the markers."""
+    extras = list(extras)
+    lines = list(project.get("dependencies", [])) + extra_lines(project, extras)
     out: list[str] = []
     for line in lines:
         if line in out:
@@ -182,7 +203,9 @@ def requirements(project: dict, extras: Iterable[str], torch: str) -> list[str]:
         if requirement_name(line) == "torch":
             out.append(torch)
     if torch not in out:
-        raise BundleError("pyproject.toml's dependencies have no torch; tandem bundle pins one, so name it there")
+        named = ",".join(extras) or "''"
+        raise BundleUsageError(f"--extras {named}: none of them brings torch, which the bundle is for (install.sh's "
+                               "next step is `tandem up`): add serve, or all")
     return out
 
 
@@ -515,7 +538,7 @@ def choose_images(wanted: list[str], mode: str) -> tuple[list[str], list[str]]:
 def find_source(explicit: Path | None) -> Path:
     """The tandem checkout whose compose/ and pyproject.toml go in: --source, else the one this
     tandem was imported from (an editable install)."""
-    source = explicit or Path(__file__).resolve().parent.parent
+    source = explicit or Path(__file__).resolve().parents[2]  # <checkout>/tandem/cli/bundle.py
     if not ((source / "pyproject.toml").is_file() and (source / "compose" / "docker-compose.yml").is_file()):
         raise BundleUsageError(f"{source} is not a tandem checkout (it needs pyproject.toml and compose/): "
                                "pass --source DIR, a clone of the repository")
@@ -762,7 +785,8 @@ def add_bundle_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--python-version", metavar="X.Y",
                    help=f"the target's Python (default: {sys.version_info.major}.{sys.version_info.minor}, this one)")
     p.add_argument("--extras", metavar="NAMES", default=",".join(DEFAULT_EXTRAS),
-                   help="tandem's extras to bundle, comma-separated; empty for none")
+                   help="tandem's extras to bundle, comma-separated; one of them must bring torch (serve, train "
+                        "or all: the base install is the client side only)")
     p.add_argument("--images", choices=("auto", "require", "skip"), default="auto",
                    help="docker save the compose file's images: auto skips them (one line) when there is no "
                         "engine or no image, require fails instead")

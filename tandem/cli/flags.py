@@ -5,7 +5,9 @@ Each settings field is one flag, named as the config module's docstring says (``
 field's description, default and variable as its help. A command picks the fields it takes by
 *spec*: a section (``"engine"``), or one field by its path (``"engine.torch_threads"``,
 ``"model"``). :data:`SERVICE_SETTINGS` says which each ``tandem serve <service>`` takes; ``tandem
-up`` takes them all and hands the given ones on to each child in the child's service's terms.
+up`` takes them all and hands the given ones on to each child in the child's service's terms. The
+sections of :data:`~tandem.shared.infra.config.ENV_ONLY_SECTIONS` (read by library code from their
+variables wherever it runs) are no command's flags.
 
 A flag left out is ``None`` in the namespace, so :func:`settings_from` passes on only the given
 ones and the precedence stays flags, then ``TANDEM_*`` variables, then defaults.
@@ -27,7 +29,7 @@ from typing import Any, NoReturn
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from tandem.shared.infra.config import FIELDS, Knob, Settings, knob_at, load_settings
+from tandem.shared.infra.config import ENV_ONLY_SECTIONS, FIELDS, Knob, Settings, knob_at, load_settings
 
 PROCESS = ("model", "data_dir", "instance_id", "log_level")  # every service's own fields
 # commands that talk to a running tandem: where, and who they are there (credentials, TLS)
@@ -83,7 +85,11 @@ def add_settings(parser: argparse.ArgumentParser, *specs: str) -> None:
     """Add the flags of the fields ``specs`` select, one argument group per section."""
     groups: dict[str, Any] = {}
     added = []
-    for knob in select(*specs):
+    knobs = select(*specs)
+    env_only = sorted({k.section for k in knobs if k.section in ENV_ONLY_SECTIONS})
+    if env_only:  # a flag the library never reads would be a lie
+        raise ValueError(f"settings {env_only} are read from their variables only, not from flags")
+    for knob in knobs:
         if knob.section not in groups:
             title = f"{knob.section} settings" if knob.section else "process settings"
             about = Settings.model_fields[knob.section].description if knob.section else None

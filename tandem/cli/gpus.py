@@ -3,11 +3,10 @@
 Placement (:func:`plan_placement`), from the devices ``up`` sees. On one GPU a separate prefill
 process only time-slices the device with decode, with a second copy of the weights and a KV hand-off
 on top: ``up`` starts no prefill worker there, and the decode workers prefill themselves, chunked
-into their decode steps, with the whole memory share. Measured on one H200 (8B, 1,024 in / 128 out,
-``benchmarks/serving_system.py --placements auto disaggregated``, same runs): c = 256, 3,493 against
-2,655 output tok/s and TTFT p50 3.4 s against 8.9 s (TPOT p50 46 against 22 ms: prefill is no
-longer starved by the time-slicing); c = 32, TPOT p50 7.1-9.6 against 11.2-11.8 ms, throughput
-equal within the runs' spread, TTFT p50 0.6-1.0 s against 0.28-0.36 s (a burst's prompts wait for
+into their decode steps, with the whole memory share. ``benchmarks/serving_system.py --placements
+auto disaggregated`` compares the two on one GPU: at high concurrency this placement gives more output
+throughput and a shorter TTFT for a longer TPOT (prefill is no longer starved by the time-slicing); at
+low concurrency a shorter TPOT at equal throughput, for a longer TTFT (a burst's prompts wait for
 their chunks in the decode steps). An explicit
 ``--prefill N`` is honoured (the hand-off path, or this comparison, is what the user asked for), and
 the router is told to use those workers although they share the device

@@ -24,6 +24,11 @@ one is also a ``TANDEM_*`` environment variable, and ``tandem serve <service> --
 with its default. Every other flag's help ends with its default too. Flags are never abbreviated
 (``--nats`` is an error, not ``--nats-url``), and a command line that cannot run gets one line naming
 what to change, exit status 2.
+
+The base install (``pip install tandem``, no torch) runs every command that talks to a running
+tandem, so nothing those commands import at module level may need the engine; ``up``, ``serve``,
+``train`` and ``bench compare`` need the ``serve`` or ``train`` extra and, without it, say which in
+one line, exit status 2 (:mod:`tandem.cli.extras`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tandem.cli.bench_serve import add_arguments as add_bench_serve
+from tandem.cli.extras import missing_extra
 from tandem.cli.flags import (
     CLIENT,
     SERVICE_SETTINGS,
@@ -246,7 +252,7 @@ def command_parser(root: argparse.ArgumentParser, args: argparse.Namespace) -> a
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tandem.services.common.runtime import setup_logging
+    from tandem.shared.infra.process import setup_logging
 
     settings = settings_from(args)
     if not settings.bus.nats_url:  # every service is on a bus: nothing would run without one
@@ -386,7 +392,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from tandem.client import TandemError, connect
     from tandem.client.access import command_auth
     from tandem.client.runstate import find_running_url
-    from tandem.services.common.runtime import run_async
+    from tandem.shared.infra.process import run_async
 
     prog = "tandem generate"
     try:
@@ -504,8 +510,8 @@ def cmd_ping(args: argparse.Namespace) -> int:
     import socket
 
     from tandem.client.access import BusConnectError, bus_options, command_auth, connect_command
-    from tandem.services.common.runtime import run_async
     from tandem.shared.auth.credentials import CredentialsError
+    from tandem.shared.infra.process import run_async
 
     prog = "tandem ping"
     target = bus_target(prog, args)
@@ -553,8 +559,8 @@ def cmd_ping(args: argparse.Namespace) -> int:
 
 def cmd_services(args: argparse.Namespace) -> int:
     from tandem.client.access import operator_options
-    from tandem.services.common.runtime import run_async
     from tandem.shared.auth.credentials import CredentialsError
+    from tandem.shared.infra.process import run_async
 
     prog = "tandem services"
     target = bus_target(prog, args)
@@ -586,7 +592,7 @@ def cmd_console(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from tandem.cli.train import cmd_train as run_train
-    from tandem.services.common.runtime import setup_logging
+    from tandem.shared.infra.process import setup_logging
 
     settings = settings_from(args)
     setup_logging(settings.log_level)
@@ -625,6 +631,10 @@ def main(argv: list[str] | None = None) -> int:
     if extras:  # reported by the subcommand they were given to: `tandem generate: unrecognized ...`
         command.error(f"unrecognized arguments: {' '.join(extras)}")
     logging.captureWarnings(True)
+    lacking = missing_extra(args)
+    if lacking:  # the base install is the client side: say which extra this command needs, not a traceback
+        print(f"{command.prog}: {lacking}", file=sys.stderr)
+        return 2
     handler = {"up": cmd_up, "serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench,
                "console": cmd_console, "train": cmd_train, "services": cmd_services, "auth": cmd_auth,
                "ping": cmd_ping, "bundle": cmd_bundle}[args.command]

@@ -59,8 +59,8 @@ def run_up(args: argparse.Namespace, settings: Settings, overrides: dict[str, An
     from tandem.cli.gpus import PlacementError
     from tandem.cli.supervisor import Supervisor, UsageError
     from tandem.client.runstate import AlreadyRunning, claim, nats_dir
-    from tandem.services.common.runtime import run_async, setup_logging
     from tandem.shared.infra.natsserver import NatsServerError
+    from tandem.shared.infra.process import run_async, setup_logging
 
     setup_logging(settings.log_level)
     problem = usage_problem(settings)

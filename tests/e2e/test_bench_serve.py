@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import subprocess
 
 import pytest
-from cli_support import TANDEM, tandem_env, wait_for
+from cli_support import TANDEM, running_up, tandem_env
 
 from tandem.cli.bench_data import RequestResult, arrival_gaps, make_requests, parse_goodput, percentile, summarize
 
@@ -21,14 +20,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("bench-serve")
-    proc = subprocess.Popen([*TANDEM, "up", "--kvstore", "0"], env=tandem_env(data_dir), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    wait_for(lambda: (data_dir / "run" / "up.json").exists() or proc.poll() is not None, 120, "tandem up")
-    assert proc.poll() is None, f"tandem up exited early:\n{proc.stdout.read()}"
-    yield data_dir
-    proc.send_signal(signal.SIGINT)
-    proc.wait(60)
+    with running_up(tmp_path_factory.mktemp("bench-serve"), "--kvstore", "0") as data_dir:
+        yield data_dir
 
 
 def test_bench_serve_prints_the_table_and_agrees_with_the_services_ttft(up, tmp_path):

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -63,9 +64,9 @@ def test_compose_file_matches_the_compose_spec_schema():
 
 def test_services_profiles_and_gpu_reservations():
     services = load_compose()["services"]
-    assert {"nats", "router", "prefill", "decode", "kvstore", "planner", "trainer"} <= set(services)
+    assert {"nats", "router", "frontend", "prefill", "decode", "kvstore", "planner", "trainer"} <= set(services)
     always = {name for name, s in services.items() if not s.get("profiles")}
-    assert always == {"auth", "nats", "router", "kvstore", "planner"}
+    assert always == {"auth", "nats", "router", "frontend", "kvstore", "planner"}
     assert services["trainer"]["profiles"] == ["train"]
     assert dotenv()["COMPOSE_PROFILES"] == "cpu"
     for name, service in services.items():
@@ -92,6 +93,27 @@ def test_every_tandem_service_connects_with_its_own_roles_key():
         role = service["command"][2]
         assert service["environment"].get("TANDEM_NATS_CREDS") == f"/auth/{role}.key", name
         assert "auth:/auth:ro" in service["volumes"], f"{name} does not mount the keys read-only"
+
+
+def test_every_service_role_of_the_keyring_has_its_service():
+    """`tandem auth init` makes a key per service role: each is some compose service's identity, so
+    no service of the system is left out of the file (as the HTTP frontend once was)."""
+    from tandem.shared.auth.roles import SERVICE_ROLES
+
+    services = load_compose()["services"]
+    used = {s["command"][2] for name, s in services.items() if name not in ("auth", "nats")}
+    assert used == set(SERVICE_ROLES), f"roles without a compose service: {sorted(set(SERVICE_ROLES) - used)}"
+
+
+def test_frontend_publishes_its_port_and_checks_its_health():
+    frontend = load_compose()["services"]["frontend"]
+    env = frontend["environment"]
+    port = env["TANDEM_HTTP_PORT"]
+    assert env["TANDEM_HTTP_HOST"] == "0.0.0.0", "bound to the container's loopback, the published port reaches nothing"
+    assert frontend["ports"] == [f"{port}:{port}"], frontend["ports"]
+    check = frontend["healthcheck"]["test"]
+    assert check[0] == "CMD" and f"http://127.0.0.1:{port}/health" in " ".join(check), check
+    assert "frontend" not in (frontend.get("profiles") or []), "the HTTP API runs in every profile"
 
 
 def auth_folder(tmp_path: Path) -> Path:
@@ -132,8 +154,14 @@ def test_dockerfile_installs_the_package_with_cpu_torch():
     for needed in ("pyproject.toml", "setup.py", "README.md", "tandem", "shared", "services", "console"):
         assert needed in allowed, f"compose/Dockerfile.dockerignore leaves {needed} out of the build context"
         assert needed in [c.rstrip("/") for c in copied], f"compose/Dockerfile does not copy {needed}"
-    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["tandem"] == "tandem.cli.main:main"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["tandem"] == "tandem.cli.main:main"
+    # The base install is the client side: the image runs the services and the trainer, so their extras.
+    installed = re.findall(r'pip install "\.\[([^\]]*)\]"', text)
+    assert len(installed) == 1, f"compose/Dockerfile should `pip install \".[EXTRAS]\"` once: {installed}"
+    extras = set(installed[0].split(","))
+    assert extras <= set(project["optional-dependencies"]), f"the Dockerfile names extras pyproject lacks: {extras}"
+    assert "all" in extras or {"serve", "train"} <= extras, f"the image would lack the engine: .[{installed[0]}]"
 
 
 def test_environment_is_tandem_settings():
@@ -169,11 +197,26 @@ async def ping_ids(url: str, options: dict, wait_s: float = 0.5) -> set[str]:
     return seen
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthcheck_passes(service: dict, port: int) -> bool:
+    """The service's compose health check, run here (``python`` as this interpreter, its port as ``port``)."""
+    kind, *command = service["healthcheck"]["test"]
+    assert kind == "CMD", f"a health check without a shell: {kind}"
+    command = [sys.executable if part == "python" else part.replace(":8000/", f":{port}/") for part in command]
+    return subprocess.run(command, capture_output=True, timeout=10).returncode == 0
+
+
 @pytest.mark.slow
 async def test_every_service_command_starts_and_answers_ping(tmp_path):
     """One process per distinct command (a GPU service runs its CPU twin's command: started once),
     each with its compose environment, against a nats-server configured as compose's (its
-    nats.conf, the auth service's keyring): every one connects with its role key and answers."""
+    nats.conf, the auth service's keyring): every one connects with its role key and answers. The
+    frontend's health check, run here against it, passes once the router is up."""
     from tandem.shared.auth.credentials import connect_options, load_credentials
     from tandem.shared.infra.natsserver import NatsServer
 
@@ -185,7 +228,7 @@ async def test_every_service_command_starts_and_answers_ping(tmp_path):
     for name, service in load_compose()["services"].items():
         if name not in ("nats", "auth") and service["command"] not in [s["command"] for s in services.values()]:
             services[name] = service
-    assert len(services) == 6, sorted(services)
+    assert len(services) == 7, sorted(services)
     known = serve_choices()
     missing = {}
     procs: dict[str, subprocess.Popen] = {}
@@ -203,6 +246,9 @@ async def test_every_service_command_starts_and_answers_ping(tmp_path):
                        TANDEM_INSTANCE_ID=f"compose-{name}", TANDEM_TORCH_THREADS="1", TANDEM_NUM_BLOCKS="64")
             if "TANDEM_KVSTORE_DIR" in env:
                 env["TANDEM_KVSTORE_DIR"] = str(tmp_path / name / "kvstore")
+            if "TANDEM_HTTP_PORT" in env:  # this host's port 8000 may be taken: the container's is not
+                http_port = free_port()
+                env.update(TANDEM_HTTP_HOST="127.0.0.1", TANDEM_HTTP_PORT=str(http_port))
             log = open(tmp_path / f"{name}.log", "wb")
             procs[name] = subprocess.Popen([sys.executable, "-m", "tandem", *command[1:]],
                                            env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
@@ -214,6 +260,10 @@ async def test_every_service_command_starts_and_answers_ping(tmp_path):
             assert not dead, f"exited: {dead}\n" + "\n".join((tmp_path / f"{n}.log").read_text()[-1500:] for n in dead)
             assert time.monotonic() < deadline, f"no PING reply from {sorted(want - seen)}"
             seen |= await ping_ids(nats_server.url, operator)
+        deadline = time.monotonic() + 30
+        while not healthcheck_passes(services["frontend"], http_port):
+            assert time.monotonic() < deadline, "the frontend's health check still fails 30 s after every PING"
+            await asyncio.sleep(0.5)
     finally:
         for proc in procs.values():
             proc.send_signal(signal.SIGTERM)

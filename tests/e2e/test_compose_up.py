@@ -9,13 +9,15 @@ its own container, the KV hand-off as NATS frames between the prefill and decode
 In order (the tests share one compose project, module-scoped):
 
 1. a request goes router -> prefill -> decode, the KV as NATS frames between containers;
-2. ``--scale decode=2`` gives two decode workers and both serve;
-3. a container whose process is killed comes back by its restart policy and serves again;
-4. :class:`DockerActuator` scales decode 1 -> 2 -> 1 from outside: it copies a replica, then
+2. the HTTP frontend answers on the host's published port 8000 (/health, /v1/models, a completion)
+   and its container's health check turns healthy;
+3. ``--scale decode=2`` gives two decode workers and both serve;
+4. a container whose process is killed comes back by its restart policy and serves again;
+5. :class:`DockerActuator` scales decode 1 -> 2 -> 1 from outside: it copies a replica, then
    drains the newest before removing it, and a stream in flight on that one completes;
-5. inside the planner's container (with the socket, ``compose/dev/planner-docker-socket.yml``) the
+6. inside the planner's container (with the socket, ``compose/dev/planner-docker-socket.yml``) the
    actuator finds its compose project from its own labels; without the socket it says it cannot act;
-6. the planner itself, ``--planner-actuator auto`` there, carries out an operator's scale requests.
+7. the planner itself, ``--planner-actuator auto`` there, carries out an operator's scale requests.
 
 Slow (``-m slow``; ``.ci/run`` runs it) and marked ``docker``. On this project's 2-core machine:
 about 7 minutes from nothing (apt, debootstrap, torch's image layer, pip from PyPI), about 2 once
@@ -32,6 +34,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import httpx
 import nats
 import pytest
 from docker_support import COMPOSE_DIR, Compose, DockerEngine, docker_engine, port_taken, progress, tandem_images
@@ -51,6 +54,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
 PROJECT = "tandemtest"
 URL = "nats://127.0.0.1:4222"  # the compose file publishes nats on the host's 4222
+HTTP_PORT = 8000  # and the frontend's OpenAI-compatible API on the host's 8000
 READY_TIMEOUT_S = 180
 
 
@@ -65,7 +69,7 @@ class ComposeSystem:
 
     def check(self) -> None:
         """Fails at once, with the logs, when a tandem container crash-loops (its restart policy hides it)."""
-        for service in ("router", "prefill", "decode", "kvstore", "planner"):
+        for service in ("router", "frontend", "prefill", "decode", "kvstore", "planner"):
             for container in self.compose.containers(service):
                 state = container["State"]
                 if state["Restarting"] or (not state["Running"] and state["ExitCode"] not in (0, 137)):
@@ -88,10 +92,10 @@ class ComposeSystem:
 
 @pytest.fixture(scope="module")
 def system(docker_engine: DockerEngine, tandem_images: str, tmp_path_factory) -> Iterator[ComposeSystem]:
-    for port in (4222,):
+    for port, what in ((4222, "nats"), (HTTP_PORT, "the HTTP frontend")):
         if port_taken(port):
-            pytest.fail(f"port {port} on this host is taken: stop what listens there (compose publishes nats on it)",
-                        pytrace=False)
+            pytest.fail(f"port {port} on this host is taken: stop what listens there (compose publishes {what} on "
+                        "it)", pytrace=False)
     tmp = tmp_path_factory.mktemp("compose")
     (tmp / "models").mkdir()
     # An empty models folder of our own (the default ./models would appear in the work tree), and the
@@ -110,7 +114,7 @@ def system(docker_engine: DockerEngine, tandem_images: str, tmp_path_factory) ->
         keys[role] = str(path)
     system = ComposeSystem(compose, keys["client"], keys["operator"])
     try:
-        asyncio.run(system.ready(router=1, prefill=1, decode=1, kvstore=1))
+        asyncio.run(system.ready(router=1, frontend=1, prefill=1, decode=1, kvstore=1))
         assert compose.running("planner"), f"the planner is not running:\n{compose.logs('planner')}"
         progress(f"compose project {PROJECT} serving ({time.monotonic() - started:.0f} s after up)")
         yield system
@@ -153,6 +157,29 @@ async def test_request_goes_router_prefill_decode(system: ComposeSystem) -> None
     ring = sum(d.get("kv_transfers_ring", 0) for d in data)
     assert nats_frames >= 1 and ring == 0, \
         f"the KV hand-off should go as NATS frames between containers: nats={nats_frames}, ring={ring}"
+
+
+async def test_frontend_serves_http_on_the_published_port_and_turns_healthy(system: ComposeSystem) -> None:
+    """The OpenAI-compatible API from the host, through the published port; the container's own
+    health check (its /health, run inside it by the engine) says healthy."""
+    base = f"http://127.0.0.1:{HTTP_PORT}"
+    async with httpx.AsyncClient(timeout=60) as http:
+        health = await http.get(f"{base}/health")
+        assert health.status_code == 200, health.text
+        models = (await http.get(f"{base}/v1/models")).json()["data"]
+        answer = await http.post(f"{base}/v1/completions", json={
+            "model": models[0]["id"], "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0})
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    assert choice["text"] and choice["finish_reason"] in ("length", "stop"), answer.json()
+    deadline = time.monotonic() + 90  # a few health-check intervals
+    while True:
+        health_state = system.compose.running("frontend")[0]["State"].get("Health", {}).get("Status")
+        if health_state == "healthy":
+            break
+        assert time.monotonic() < deadline, f"the frontend's health check says {health_state!r}:\n" \
+                                            f"{system.compose.logs('frontend')}"
+        await asyncio.sleep(1)
 
 
 async def test_scale_decode_to_two_and_both_serve(system: ComposeSystem) -> None:

@@ -13,26 +13,15 @@ process (this one has torch loaded already) and lists what it pulled in.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from import_graph_support import import_graph
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load_import_graph():
-    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["import_graph"] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
-
-
-import_graph = _load_import_graph()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,10 @@ of the wheel still imports in development. Here the wheel is built the way a rel
   nothing else (no stale or stray files);
 * every module imports from the unpacked wheel, in a fresh interpreter with the editable finder
   and the repository taken off the import path, and its ``__file__`` lies in the unpacked wheel;
-* ``python -m tandem --help`` runs from it.
+* ``python -m tandem --help`` runs from it;
+* its metadata splits the requirements by role: the base install has no torch, the ``serve`` and
+  ``train`` extras bring it, ``all`` names both (tests/unit/test_dependencies.py checks the groups
+  against the imports; tests/e2e/test_client_only_install.py installs the base alone).
 
 The wheel is built from a copy of the source (the same files), not in the working tree: an
 in-tree build reuses ``build/lib``, so a module deleted since the last build would still be
@@ -20,48 +23,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import re
 import subprocess
 import sys
 import textwrap
+import tomllib
 import zipfile
+from email.parser import Parser
 from pathlib import Path, PurePosixPath
 
 import pytest
+from wheel_support import REPO, ROOTS, build_wheel
+from wheel_support import source_files as _source_files
 
 pytestmark = pytest.mark.slow  # builds a wheel: ~10 s on 2 cores
-
-REPO = Path(__file__).resolve().parents[2]
-# folder -> package it becomes (setup.py's ROOTS, restated: a test should not trust the code it checks)
-ROOTS = {"tandem": "tandem", "shared": "tandem.shared", "services": "tandem.services", "console": "tandem.console"}
-
-
-def _skipped(part: str) -> bool:
-    """Not shipped: caches, compiled files, dotfiles (e.g. a .gitkeep), editor backups."""
-    return part == "__pycache__" or part.startswith(".") or part.endswith((".pyc", ".pyo", "~", ".egg-info"))
-
-
-def _source_files() -> list[str]:
-    """Repo-relative POSIX paths of the files to ship: tracked or new, not git-ignored, present on disk.
-
-    Also the top-level files (pyproject.toml, setup.py, README.md ...), which the build needs.
-    Without git, a walk of the four folders and the top-level files.
-    """
-    try:
-        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                             cwd=REPO, capture_output=True, check=True).stdout
-        names = [os.fsdecode(n) for n in out.split(b"\0") if n]
-    except (OSError, subprocess.CalledProcessError):
-        names = [p.relative_to(REPO).as_posix() for root in ROOTS for p in (REPO / root).rglob("*")]
-        names += [p.name for p in REPO.iterdir()]
-    keep = []
-    for name in names:
-        parts = PurePosixPath(name).parts
-        if not (REPO / name).is_file() or any(_skipped(p) for p in parts):
-            continue  # deleted but still tracked, a folder, or a cache
-        if len(parts) == 1 or parts[0] in ROOTS:
-            keep.append(name)
-    return sorted(keep)
 
 
 def _wheel_path(repo_path: str) -> str:
@@ -72,19 +47,7 @@ def _wheel_path(repo_path: str) -> str:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    src = tmp_path_factory.mktemp("src")
-    for name in _source_files():
-        (src / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / name, src / name)
-    out = tmp_path_factory.mktemp("wheel")
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-           "--disable-pip-version-check", "-w", str(out), str(src)]
-    env = {**os.environ, "PIP_NO_INPUT": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
-    wheels = list(out.glob("tandem-*.whl"))
-    assert len(wheels) == 1, (wheels, proc.stdout)
-    return wheels[0]
+    return build_wheel(tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel"))
 
 
 def test_wheel_holds_every_source_file(wheel: Path):
@@ -105,6 +68,32 @@ def test_wheel_holds_every_source_file(wheel: Path):
         assert "tandem/shared/model/weights/tiny/model.safetensors" in shipped
         assert "tandem/shared/model/weights/tiny/config.json" in shipped
     assert "tandem = tandem.cli.main:main" in entry_points
+
+
+def _requirement(line: str) -> tuple[str, str | None]:
+    """(normalized project name with its extras, the extra its marker names or None) of one Requires-Dist."""
+    spec, _, marker = line.partition(";")
+    name = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*(\[[^\]]*\])?)", spec).group(1)
+    extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", marker)
+    return re.sub(r"[-_.]+", "-", name).lower(), extra.group(1) if extra else None
+
+
+def test_wheel_metadata_splits_the_requirements_by_role(wheel: Path):
+    with zipfile.ZipFile(wheel) as zf:
+        metadata = Parser().parsestr(next(zf.read(n).decode() for n in zf.namelist()
+                                          if n.endswith(".dist-info/METADATA")))
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert set(metadata.get_all("Provides-Extra")) == set(project["optional-dependencies"])
+    by_extra: dict[str | None, set[str]] = {}
+    for line in metadata.get_all("Requires-Dist"):
+        name, extra = _requirement(line)
+        by_extra.setdefault(extra, set()).add(name)
+    base = by_extra[None]
+    assert "torch" not in base and "numpy" not in base, f"`pip install tandem` would pull the engine: {sorted(base)}"
+    assert {"nats-py", "pydantic", "textual", "cryptography", "httpx"} <= base, sorted(base)
+    for extra in ("serve", "train"):
+        assert "torch" in by_extra[extra], f"the {extra} extra has no torch: {sorted(by_extra[extra])}"
+    assert by_extra["all"] == {"tandem[serve,train]"}, by_extra["all"]
 
 
 _IMPORT_ALL = textwrap.dedent(r'''

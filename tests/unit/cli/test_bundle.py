@@ -18,12 +18,12 @@ import pytest
 
 from tandem.cli.bundle import (
     MANIFEST,
-    BundleError,
     BundleUsageError,
     Target,
     check_out_dir,
     checksums,
     compose_images,
+    find_source,
     install_script,
     pip_failure,
     requirements,
@@ -43,25 +43,43 @@ def names(reqs: list[str]) -> list[str]:
     return [r.split(";")[0].split("=")[0].split(">")[0].split("<")[0].split("[")[0].strip().lower() for r in reqs]
 
 
-def test_requirements_are_pyprojects_dependencies_with_torch_pinned():
-    reqs = requirements(PROJECT, (), "torch==2.13.0+cpu")
-    assert [r for r in reqs if r != "torch==2.13.0+cpu"] == PROJECT["dependencies"]
+def test_requirements_are_pyprojects_dependencies_and_the_serve_extra_with_torch_pinned():
+    reqs = requirements(PROJECT, ("serve",), "torch==2.13.0+cpu")
+    optional = PROJECT["optional-dependencies"]
+    assert [r for r in reqs if r != "torch==2.13.0+cpu"] == PROJECT["dependencies"] + optional["serve"]
     # the pin beside pyproject's range, so pip checks one against the other (and refuses a torch below it)
     torch = next(r for r in reqs if names([r]) == ["torch"])
     assert reqs[reqs.index(torch) + 1] == "torch==2.13.0+cpu"
     assert any(";" in r for r in reqs if names([r]) == ["uvloop"]), "markers are left to pip"
 
 
+def test_requirements_expand_an_extra_that_names_tandems_own():
+    """``all = ["tandem[serve,train]"]``: the bundle's pip fetches dependencies, and tandem is not on its index."""
+    reqs = requirements(PROJECT, ("all", "kubernetes"), "torch==2.13.0+cpu")
+    assert "tandem" not in names(reqs), reqs
+    optional = PROJECT["optional-dependencies"]
+    wanted = set(PROJECT["dependencies"] + optional["serve"] + optional["train"] + optional["kubernetes"])
+    assert set(reqs) - {"torch==2.13.0+cpu"} == wanted
+    assert len(reqs) == len(set(reqs)), "a requirement two extras share is listed once"
+    assert names(reqs).count("torch") == 2, "pyproject's range and the pin, once each"
+
+
 def test_requirements_add_an_extras_dependencies_and_refuse_an_unknown_extra():
-    reqs = requirements(PROJECT, ("kubernetes",), "torch==2.13.0+cpu")
+    reqs = requirements(PROJECT, ("serve", "kubernetes"), "torch==2.13.0+cpu")
     assert names(reqs).count("kubernetes") == 1
     with pytest.raises(BundleUsageError, match="--extras nope: pyproject.toml has no such extra"):
         requirements(PROJECT, ("nope",), "torch==2.13.0+cpu")
 
 
-def test_requirements_need_torch_in_pyproject():
-    with pytest.raises(BundleError, match="pyproject.toml's dependencies have no torch"):
-        requirements({"dependencies": ["numpy>=1"]}, (), "torch==2.13.0+cpu")
+@pytest.mark.parametrize("extras", [(), ("kubernetes",)])
+def test_requirements_need_an_extra_that_brings_torch(extras):
+    """The base install is the client side: a bundle of it alone could not run `tandem up`."""
+    with pytest.raises(BundleUsageError, match="none of them brings torch.*add serve, or all"):
+        requirements(PROJECT, extras, "torch==2.13.0+cpu")
+
+
+def test_the_source_is_the_checkout_this_tandem_runs_from():
+    assert find_source(None) == REPO
 
 
 def test_torch_pins_one_build_per_variant():
