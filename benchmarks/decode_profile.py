@@ -104,7 +104,7 @@ def decoding_engine(loaded, device: torch.device, batch: int, steps: int, eager:
     params = SamplingParams(max_tokens=2048 - 1024 - 1, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(batch, 1024, loaded.config.vocab_size, 5)):
         engine.add_request(EngineRequest(f"r{i}", prompt, params))
-    while any(seq.num_output_tokens == 0 for seq in engine.scheduler.requests.values()):
+    while any(seq.num_output_tokens == 0 for seq in engine.sequences()):
         engine.step()
     for _ in range(3):
         engine.step()
@@ -113,14 +113,14 @@ def decoding_engine(loaded, device: torch.device, batch: int, steps: int, eager:
 
 
 def timed_steps(engine, device: torch.device, steps: int) -> float:
-    rows = len(engine.scheduler.running)
+    rows = engine.stats()["running"]
     sync(device)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     sync(device)
-    if len(engine.scheduler.running) != rows:
-        raise RuntimeError(f"the batch changed from {rows} to {len(engine.scheduler.running)} rows while measured")
+    if engine.stats()["running"] != rows:
+        raise RuntimeError(f"the batch changed from {rows} to {engine.stats()['running']} rows while measured")
     return (time.perf_counter() - start) / steps * 1e3
 
 

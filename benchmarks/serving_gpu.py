@@ -1,7 +1,7 @@
 """GPU serving speed of the engine on an 8B Llama-3-shaped model with random bf16 weights.
 
     python benchmarks/serving_gpu.py [--model random:llama3-8b] [--parts roofline,batch1,throughput,fp8]
-                                     [--batches 32 64 256] [--hf-anchor PATH] [--json-out FILE]
+                                     [--batches 32 64 256] [--hf-peer [SCRIPT]] [--json-out FILE]
 
 Prints one JSON line per figure, all from one process and one run:
 - ``hbm``: HBM read bandwidth (sum over 8 GiB of bf16), the roofline's denominator, and the
@@ -36,9 +36,13 @@ Prints one JSON line per figure, all from one process and one run:
   at the first step and at worst, of the row's largest |logit|; on the model, and on the shipped
   trained ``tiny`` checkpoint (a random model's logits are nearly flat, so its top-1 flips more
   easily than a trained model's);
-- ``hf_generate`` (with ``--hf-anchor PATH``, e.g. ``../shared/anchors/hf_generate.py``): that
-  script's plain transformers ``generate`` peer, run after this process freed its GPU memory, with
-  tandem's batch-1 decode rate over the peer's.
+- ``hf_generate`` (with ``--hf-peer``): transformers ``generate`` on the same model
+  (``benchmarks/peers/hf_generate.py``, in its own process after this one freed its GPU memory):
+  greedy, batch 1, prompt 512, 128 new tokens, as the ``batch1`` part, with tandem's batch-1 decode
+  rate (CUDA graphs) over the peer's; and where the ``throughput`` part ran, at its batches with
+  1024-token prompts, with tandem's decode-phase rate over the peer's at each. A peer that fails
+  (out of memory at a large batch, say) fails its rows with a one-line reason, tandem's rows kept,
+  and the run exits non-zero.
 
 On CPU it runs the same code on ``random:llama-test`` so the script itself is tested.
 """
@@ -63,6 +67,9 @@ from tandem.shared.model.fp8 import Fp8Linear, scaled_mm_plan, weight_bytes
 from tandem.shared.model.loader import load_model
 from tandem.shared.model.reference import reference_logits
 from tandem.shared.protocol.serving import SamplingParams
+
+HF_PEER = Path(__file__).resolve().parent / "peers" / "hf_generate.py"
+HF_PEER_TIMEOUT_S = 1800
 
 
 def emit(record: dict, sink: list[dict]) -> None:
@@ -353,6 +360,43 @@ def run_closed_loop(engine: LLMEngine, prompts: list[list[int]], concurrency: in
             "tpot_p50_ms": round(tpots[len(tpots) // 2] * 1e3, 3) if tpots else None}
 
 
+def run_hf_peer(script: str, model: str, batches: Sequence[int], prompt_len: int, cache: str,
+                device: torch.device) -> tuple[list[dict], str]:
+    """The peer's rows (one JSON line per batch, printed as each is measured) and, where it did not
+    measure every batch, why, in one line (its last line of stderr)."""
+    cmd = [sys.executable, script, "--model", model, "--batches", *map(str, batches), "--prompt-len",
+           str(prompt_len), "--new-tokens", "128", "--cache", cache, "--repeats", "3" if device.type == "cuda" else "1"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=HF_PEER_TIMEOUT_S)
+    except subprocess.TimeoutExpired as late:
+        stdout = late.stdout.decode() if isinstance(late.stdout, bytes) else late.stdout or ""
+        out = subprocess.CompletedProcess(cmd, -1, stdout, f"ran past {HF_PEER_TIMEOUT_S} s")
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode == 0 and len(rows) >= len(batches):
+        return rows, ""
+    last = next((line.strip() for line in reversed(out.stderr.splitlines()) if line.strip()), "no output")
+    return rows, f"{Path(script).name} (batches {' '.join(map(str, batches))}, prompt {prompt_len}) exited " \
+                 f"{out.returncode}: {last}"
+
+
+def hf_peer_record(row: dict, records: list[dict]) -> dict:
+    """A peer row with tandem's rate over it, from this run's rows of the same shape."""
+    record = {"figure": "hf_generate", **row}
+    peer_rate, batch = row.get("decode_tok_s"), row.get("batch")
+    if not peer_rate:
+        return record
+    if batch == 1 and row.get("prompt_len") == 512:
+        ours = next((r["decode_tok_s"] for r in records if r["figure"] == "batch1" and r["cuda_graphs"]), None)
+        if ours:
+            record["tandem_batch1_over_hf"] = round(ours / peer_rate, 1)
+    else:
+        ours = next((r["decode_tok_s"] for r in records if r["figure"] == "throughput" and r["batch"] == batch
+                     and r["prompt_len"] == row.get("prompt_len")), None)
+        if ours:
+            record["tandem_over_hf"] = round(ours / peer_rate, 2)
+    return record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: random:llama3-8b on CUDA, random:llama-test on CPU")
@@ -371,7 +415,11 @@ def main() -> None:
     parser.add_argument("--fp8-batches", type=int, nargs="+", default=[1],
                         help="the fp8 part's decode batch sizes (up to 16 the few-row kernel runs, past it _scaled_mm)")
     parser.add_argument("--json-out")
-    parser.add_argument("--hf-anchor", help="path of the HF generate peer script to run after the parts, same run")
+    parser.add_argument("--hf-peer", "--hf-anchor", dest="hf_peer", nargs="?", const=str(HF_PEER), metavar="SCRIPT",
+                        help="after the parts, run the HF generate peer (default script: benchmarks/peers/"
+                             "hf_generate.py) on the same model and shapes, and print tandem's rate over it")
+    parser.add_argument("--hf-cache", default="dynamic", choices=("dynamic", "static"),
+                        help="the HF peer's KV cache (static: compiled on CUDA by transformers)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = args.model or ("random:llama3-8b" if device.type == "cuda" else "random:llama-test")
@@ -461,27 +509,29 @@ def main() -> None:
                 record["of_matmul_peak"] = round(flops["total"] / result["total_s"] / 1e12 / tflops, 3)
             emit(record, records)
             del runner
+    failed = []
     try:
-        if args.hf_anchor:
+        if args.hf_peer:
             # The peer needs the memory: drop the model, pool and graphs first. The engines' parts refer
             # to each other, so only the collector frees them (with 40 GiB of KV left behind the peer ran
             # out of memory on an 80 GB H100).
             loaded = engine = None
             gc.collect()
             torch.cuda.empty_cache() if device.type == "cuda" else None
-            out = subprocess.run([sys.executable, args.hf_anchor], capture_output=True, text=True)
-            if out.returncode != 0:
-                raise SystemExit(f"the HF peer {args.hf_anchor} failed (exit {out.returncode}): "
-                                 f"{(out.stderr.strip().splitlines() or ['no output'])[-1]}")
-            peer = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
-            record = {"figure": "hf_generate", **peer}
-            ours = next((r["decode_tok_s"] for r in records if r["figure"] == "batch1" and r["cuda_graphs"]), None)
-            if ours and peer.get("B1_decode_tok_s"):
-                record["tandem_batch1_over_hf"] = round(ours / peer["B1_decode_tok_s"], 1)
-            emit(record, records)
+            shapes = [([1], 512)] + ([(batches, 1024)] if "throughput" in parts else [])
+            for peer_batches, prompt_len in shapes:
+                rows, reason = run_hf_peer(args.hf_peer, model, peer_batches, prompt_len, args.hf_cache, device)
+                for row in rows:
+                    emit(hf_peer_record(row, records), records)
+                if reason:
+                    failed.append(reason)
+                    emit({"figure": "hf_generate", "prompt_len": prompt_len, "error": reason,
+                          "batches": [b for b in peer_batches if b not in {r.get("batch") for r in rows}]}, records)
     finally:
         if args.json_out:  # also when the peer fails: its failure loses none of tandem's own rows
             Path(args.json_out).write_text(json.dumps(records, indent=1))
+    if failed:
+        raise SystemExit(f"the HF peer failed: {failed[0]}")
 
 
 if __name__ == "__main__":

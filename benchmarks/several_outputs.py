@@ -56,7 +56,8 @@ def drive(engine: LLMEngine, requests: list[EngineRequest], device: torch.device
     tokens = peak = 0
     while engine.has_unfinished():
         tokens += sum(len(out.new_token_ids) for out in engine.step())
-        peak = max(peak, engine.block_manager.num_blocks - engine.block_manager.num_free_blocks)
+        stats = engine.stats()
+        peak = max(peak, stats["num_blocks"] - stats["free_blocks"])
     sync(device)
     seconds = time.perf_counter() - start
     return {"seconds": round(seconds, 3), "output_tokens": tokens, "output_tok_s": round(tokens / seconds, 1),
@@ -79,7 +80,7 @@ def blocks_figure(loaded, device: torch.device, args, records: list[dict]) -> No
     emit({"figure": "blocks", "device": device.type, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
           "samples": args.samples, "one_request": group, "independent_requests": alone,
           "blocks_ratio": round(group["peak_blocks"] / alone["peak_blocks"], 3),
-          "cow_copies": engine.block_manager.num_cow_copies}, records)
+          "cow_copies": engine.stats()["cow_copies"]}, records)
 
 
 def hf_model_like(loaded, device: torch.device, dtype: torch.dtype):

@@ -3,7 +3,7 @@
     python benchmarks/train_offload.py                          # CUDA: 3b, probe (7b), long (1b @ 131k), adam
     python benchmarks/train_offload.py --runs 3b --json-out r.json
     python benchmarks/train_offload.py --device cpu             # a tiny config, for CI
-    python benchmarks/train_offload.py --runs 3b:0/12 --peer ../shared/anchors/zero3_offload.py
+    python benchmarks/train_offload.py --runs 3b:0/12 --peer    # and DeepSpeed ZeRO-3 offload, same run
 
 Runs (each in its own process, so host RAM is returned between them):
 - ``3b``: the 3B preset, batch 8 x 2048, bf16 compute, GPU memory capped at 16 GiB;
@@ -15,7 +15,11 @@ Runs (each in its own process, so host RAM is returned between them):
 - ``adam``: the host AdamW's throughput on one 3B layer, and the host's copy bandwidth;
 - ``learn``: the 3B preset as ``3b`` but on the Python stdlib's text for 24 steps, its loss curve
   printed (``learn-tiny``: the tiny model on the CPU);
-- ``tiny``: a tiny config, for CI.
+- ``tiny``: a tiny config, for CI;
+- ``peer`` (``--peer``): after tandem's runs, DeepSpeed ZeRO-3 with parameters and optimizer offloaded
+  to the CPU on the ``3b`` run's model, batch, sequence and warm-up (``benchmarks/peers/zero3_offload.py``,
+  in its own process), and each run of that shape's tokens/s over it; where the peer cannot run (no
+  deepspeed, no CUDA) its row carries the one-line reason and tandem's rows stand.
 A run named ``NAME:v1/v2`` (e.g. ``3b:auto/0/13``) is measured once per variant, on one host state.
 A variant is ``auto`` (the placement plan.py chooses from the cap and the rates measured in this run;
 a bare ``NAME`` is ``NAME:auto``) or ``K[rR][sS]``: the GPU does the AdamW of the first K layers, R of
@@ -45,6 +49,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+PEER = Path(__file__).resolve().parent / "peers" / "zero3_offload.py"
+PEER_TIMEOUT_S = 1800  # a 7B-sized peer's init and CPU Adam build included
 
 RUNS = {
     "3b": dict(model="3b", batch_size=8, seq_len=2048, gpu_memory_gib=16, warmup=2, measure=4),
@@ -195,6 +202,8 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
 
 
 def summarize(runner, job, metrics, measured, warmup: int) -> dict:  # noqa: ANN001
+    import resource
+
     import torch
 
     from tandem.shared.train.lanes import _union
@@ -217,6 +226,8 @@ def summarize(runner, job, metrics, measured, warmup: int) -> dict:  # noqa: ANN
         "model_TFLOPs": round(runner.flops_per_token * tokens / step_s / 1e12, 1),
         "hidden_fraction": round(statistics.mean(t[2] for t in measured), 4) if measured else None,
         "peak_gpu_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else 0.0,
+        # the process's peak so far (all variants of this run): the peer prints the same figure
+        "peak_host_rss_GiB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
         "host_state_GiB": round(runner.state.nbytes() / 2**30, 1),
         "last_step_busy_s": {k: round(v, 3) for k, v in busy.items()},
         "last_step_compute_s": {phase: round(sum(o.end_s - o.start_s for o in last_ops
@@ -273,6 +284,21 @@ def run_adam(device: str) -> dict:
     return out
 
 
+def run_peer(cmd: list[str]) -> tuple[dict | None, str]:
+    """The peer's JSON line, or None and why it gave none, in one line (its last line of stderr: the
+    peers exit with one line naming what is missing)."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PEER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return None, f"{Path(cmd[1]).name} ran past {PEER_TIMEOUT_S} s"
+    line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("{")), None)
+    if proc.returncode == 0 and line is not None:
+        return json.loads(line), ""
+    last = next((ln.strip() for ln in reversed((proc.stderr or proc.stdout).splitlines()) if ln.strip()),
+                "no output")
+    return None, f"{Path(cmd[1]).name} exited {proc.returncode}: {last}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="auto", help="auto, cuda or cpu (cpu: the tiny config only)")
@@ -280,8 +306,10 @@ def main() -> int:
                                                "3b,probe,long,adam)")
     ap.add_argument("--steps", type=int, help="measured steps per run (default: per run)")
     ap.add_argument("--json-out")
-    ap.add_argument("--peer", help="DeepSpeed anchor script (../shared/anchors/zero3_offload.py): run it for the 3B "
-                                   "preset after tandem's runs and print each 3B run's tokens/s over it")
+    ap.add_argument("--peer", nargs="?", const=str(PEER), metavar="SCRIPT",
+                    help="after tandem's runs, run the DeepSpeed ZeRO-3 offload peer (default script: "
+                         "benchmarks/peers/zero3_offload.py) on the 3b run's shape and print each run of that "
+                         "shape's tokens/s over it")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -310,17 +338,17 @@ def main() -> int:
             print(json.dumps(result), flush=True)
     if args.peer:
         spec = RUNS["3b"]
-        cmd = [sys.executable, args.peer, "--preset", "3b", "--batch", str(spec["batch_size"]), "--seq",
-               str(spec["seq_len"]), "--steps", "4"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        peer = next((json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")), None)
+        peer, reason = run_peer([sys.executable, args.peer, "--preset", spec["model"], "--batch",
+                                 str(spec["batch_size"]), "--seq", str(spec["seq_len"]), "--warmup",
+                                 str(spec["warmup"]), "--steps", str(args.steps or spec["measure"])])
         if peer is None:
-            results.append({"run": "peer", "error": (proc.stderr or proc.stdout)[-3000:]})
+            results.append({"run": "peer", "error": reason})
         else:
             results.append({"run": "peer", **peer})
             for r in results:  # only runs of the peer's own shape: a long-context 3B row is another job
                 if (r.get("model"), r.get("batch"), r.get("seq")) == ("3b", spec["batch_size"], spec["seq_len"]) \
                         and "tokens_per_s" in r:
+                    r["peer_tokens_per_s"] = peer["tokens_per_s"]
                     r["over_peer"] = round(r["tokens_per_s"] / peer["tokens_per_s"], 3)
         print(json.dumps(results[-1]), flush=True)
     shown = set()
@@ -334,7 +362,7 @@ def main() -> int:
                   f"{q['host_with_dma_GBps']} GB/s (reads), {q.get('preview_with_dma_GBps') or '-'} GB/s (the "
                   f"preview pass); host AdamW preview {q['preview_Gparams_per_s']}, commit "
                   f"{q['commit_Gparams_per_s']}, whole {q['whole_Gparams_per_s']} G parameters/s")
-        if "tokens_per_s" in r and "anchor" not in r:
+        if "tokens_per_s" in r and r["run"] != "peer":
             print(f"{r['run']:>6}: {r['model']} ({r['params_B']}B) batch {r['batch']} x {r['seq']}: "
                   f"{r['tokens_per_s']:,} tok/s, {r['model_TFLOPs']} TFLOP/s, hidden {r['hidden_fraction']}, "
                   f"peak GPU {r['peak_gpu_GiB']} GiB (cap {r['gpu_cap_GiB']}), step {r['step_s_median']} s"
@@ -354,9 +382,12 @@ def main() -> int:
                 curve = " ".join(f"{loss:.2f}" for loss in r["losses"])
                 print(f"        learning on {r['dataset']}: loss {r['losses'][0]:.2f} -> {r['losses'][-1]:.2f} in "
                       f"{len(r['losses'])} steps; per step: {curve}")
-        elif "anchor" in r:
-            print(f"  peer: DeepSpeed ZeRO-3 offload, 3B batch 8 x 2048: {r['tokens_per_s']:,} tok/s, "
-                  f"step {r['step_s_median']} s")
+        elif r["run"] == "peer" and "error" in r:
+            print(f"  peer: DeepSpeed ZeRO-3 offload did not run: {r['error']}")
+        elif r["run"] == "peer":
+            print(f"  peer: DeepSpeed ZeRO-3 offload ({r.get('optimizer')}), {r.get('preset')} batch {r.get('batch')} "
+                  f"x {r.get('seq')}: {r['tokens_per_s']:,} tok/s, step {r['step_s_median']} s, peak GPU "
+                  f"{r.get('peak_gpu_GiB')} GiB, peak host RSS {r.get('peak_host_rss_GiB')} GiB")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=1) + "\n")
     return 0 if all("error" not in r for r in results) else 1

@@ -23,21 +23,36 @@ def figures(stdout: str) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
+# Stands in for benchmarks/peers/hf_generate.py (tests/unit/benchmarks/test_peers.py runs the real
+# one): the same command line, one row per batch at 2 tokens/s.
+STAND_IN_PEER = """import argparse, json
+ap = argparse.ArgumentParser()
+ap.add_argument("--batches", type=int, nargs="+")
+ap.add_argument("--prompt-len", type=int)
+args, _ = ap.parse_known_args()
+for batch in args.batches:
+    print(json.dumps({"peer": "hf_generate", "batch": batch, "prompt_len": args.prompt_len, "decode_tok_s": 2.0}))
+"""
+
+
 @pytest.mark.slow  # a whole benchmark script run
 def test_in_process_benchmark_prints_batch1_throughput_and_the_peer(tmp_path: Path) -> None:
-    # The HF generate peer needs CUDA and an 8B model; a stand-in prints the same kind of line.
     peer = tmp_path / "peer.py"
-    peer.write_text('import json; print(json.dumps({"anchor": "hf_generate", "B1_decode_tok_s": 2.0}))\n')
-    out = subprocess.run([sys.executable, str(BENCHMARKS / "serving_gpu.py"), "--hf-anchor", str(peer)],
+    peer.write_text(STAND_IN_PEER)
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "serving_gpu.py"), "--hf-peer", str(peer)],
                          capture_output=True, text=True, timeout=300, check=True)
     got = figures(out.stdout)
     kinds = [(g["figure"], g.get("batch", g.get("cuda_graphs"))) for g in got]
     assert ("batch1", True) in kinds and ("throughput", 8) in kinds, f"figures printed: {kinds}"
-    for g in got[:-1]:
+    ours = [g for g in got if g["figure"] != "hf_generate"]
+    for g in ours:
         assert g["output_tokens"] == g["requests"] * 128, f"every request gets its 128 tokens: {g}"
-    batch1 = next(g for g in got if g["figure"] == "batch1" and g["cuda_graphs"])
-    assert got[-1]["figure"] == "hf_generate" and got[-1]["anchor"] == "hf_generate", got[-1]
-    assert got[-1]["tandem_batch1_over_hf"] == round(batch1["decode_tok_s"] / 2.0, 1), got[-1]
+    batch1 = next(g for g in ours if g["figure"] == "batch1" and g["cuda_graphs"])
+    throughput8 = next(g for g in ours if g["figure"] == "throughput" and g["batch"] == 8)
+    peers = {(g["batch"], g["prompt_len"]): g for g in got if g["figure"] == "hf_generate"}
+    assert set(peers) == {(1, 512), (4, 1024), (8, 1024)}, f"the peer at the batch1 and throughput shapes: {peers}"
+    assert peers[1, 512]["tandem_batch1_over_hf"] == round(batch1["decode_tok_s"] / 2.0, 1), peers[1, 512]
+    assert peers[8, 1024]["tandem_over_hf"] == round(throughput8["decode_tok_s"] / 2.0, 2), peers[8, 1024]
 
 
 @pytest.mark.slow  # a whole benchmark script run
@@ -46,12 +61,14 @@ def test_a_failing_peer_is_named_in_one_line_and_tandems_rows_are_kept(tmp_path:
     peer.write_text('import sys; sys.exit("CUDA out of memory in the peer")\n')
     kept = tmp_path / "rows.json"
     out = subprocess.run([sys.executable, str(BENCHMARKS / "serving_gpu.py"), "--parts", "batch1",
-                          "--hf-anchor", str(peer), "--json-out", str(kept)],
+                          "--hf-peer", str(peer), "--json-out", str(kept)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0, "a failed peer must fail the run"
     assert "Traceback" not in out.stderr and "CUDA out of memory in the peer" in out.stderr, out.stderr[-2000:]
     rows = json.loads(kept.read_text())
     assert [r["cuda_graphs"] for r in rows if r["figure"] == "batch1"] == [True, False], f"rows kept: {rows}"
+    (failed,) = [r for r in rows if r["figure"] == "hf_generate"]
+    assert "CUDA out of memory in the peer" in failed["error"] and "\n" not in failed["error"], failed
 
 
 @pytest.mark.slow  # a whole benchmark script run
