@@ -163,9 +163,9 @@ def prefill_tile(max_query_len: int, head_dim_padded: int, fp32: bool) -> dict[s
     """The kernel's tile for a step: small query tiles for decode-heavy steps (query length <= 16),
     larger ones for prefill chunks; fp32 (tests) and wide heads halve the key tile to fit shared memory.
 
-    The bf16 prefill tile is the fastest of ``benchmarks/prefill_attention.py``'s sweep on an H100
-    (2026-12-06) in two of its three cases (8 x 1,024 fresh tokens, 1 x 8,192, 8 x 512 after 1,536
-    cached) and within 4% of the best in the third; 8 warps won only with 128 x 128 tiles, which were slower."""
+    The bf16 prefill tile is the one ``benchmarks/prefill_attention.py``'s sweep picks over its
+    cases (fresh batched prompts, one long prompt, chunks after a cached prefix): the fastest in most
+    and close to the best in the rest; 8 warps pay off only with 128 x 128 tiles, which lose overall."""
     if max_query_len <= 16:
         return {"block_m": 16, "block_n": 64 if head_dim_padded <= 128 and not fp32 else 32,
                 "num_warps": 4, "num_stages": 3, "pack_heads": False}

@@ -126,8 +126,8 @@ def _decode_reduce_kernel(
 def choose_partition(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int = 132) -> int:
     """Keys per split: small enough that ``sequences x kv heads x splits`` fills every SM a few
     times over, large enough that a split's fixed cost (loading Q, writing a partial, the merge)
-    stays small. At batch 256 and 1,088 tokens on an H200 (``benchmarks/decode_attention.py``),
-    1,024 keys read K/V at 0.96 of the HBM rate against 0.85 with 512."""
+    stays small. At large batches 1,024 keys read K/V closer to the HBM rate than 512 do
+    (``benchmarks/decode_attention.py`` measures it), so the split halves only while SMs go idle."""
     partition = 1024
     while partition > 64 and num_seqs * num_kv_heads * triton_cdiv(max_context_len, partition) < 4 * num_sms:
         partition //= 2
@@ -136,10 +136,10 @@ def choose_partition(num_seqs: int, num_kv_heads: int, max_context_len: int, num
 
 def choose_warps(num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> tuple[int, int | None]:
     """``(num_warps, num_stages)`` of the partial kernel. A grid of at least one (sequence, kv head)
-    pair per SM keeps every SM busy with small programs: two warps and three stages there (on an
-    H200 at 1,088 tokens, ``benchmarks/decode_attention.py``: batch 256 0.964 of the HBM rate against
-    0.93 with four warps; batch 32, 256 pairs, 43.1 us a layer against 47.8 with four warps and
-    Triton's stages); four warps and Triton's own stages below that, not measured worse."""
+    pair per SM keeps every SM busy with small programs: two warps and three stages there, which
+    beat four warps with Triton's stages both at large batches and at a grid of about two pairs per
+    SM (``benchmarks/decode_attention.py`` compares them); four warps and Triton's own stages below
+    that, where two warps showed no gain."""
     if num_seqs * num_kv_heads >= num_sms:
         return 2, 3
     return 4, None

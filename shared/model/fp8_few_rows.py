@@ -14,8 +14,8 @@ One program owns ``BLOCK_N`` output channels and ``K / split`` of the inner axis
 (:class:`Tile`): the rows padded to 16 inside registers for ``tl.dot`` on either side of it, or
 plain float32 multiply-adds for one to four rows, where widening the codes costs less than feeding
 the tensor cores. Split-K (``split`` > 1) is for the 4,096-channel projections at few rows: 256
-programs walking all of K each leave HBM idle while they start and drain (measured on an H200:
-the o projection at one row 11.5 us unsplit, 9.5 split 8 ways; the floor is 4.0). Each program
+programs walking all of K each leave HBM idle while they start and drain, and splitting K shortens
+that ramp (``benchmarks/fp8_linears.py`` times each projection against the HBM rate). Each program
 stores its float32 partial and counts itself in on its column block's counter; the last to arrive
 sums the partials in split order (so the bits do not depend on which program came last), applies
 scale and bias, and sets the counter back to zero for the next launch. No float atomics: the same
@@ -62,7 +62,7 @@ class Tile:
         return n % self.block_n == 0 and k % (self.block_k * self.split) == 0 and rows <= self.max_rows
 
 
-# Candidates for an H100/H200-class GPU: enough programs to cover every SM at 4,096 output channels
+# Candidates for a data-centre GPU of about 132 SMs: enough programs to cover every SM at 4,096 output channels
 # (16 or 32 a program) up to wide tiles for the 28,672-channel gate/up projection, each with a few
 # K steps in flight per program; the last two take any K that is a multiple of 64 or of 16 (small
 # models: the tiny one's 256 and 704), which _scaled_mm's alignment already requires.
@@ -82,7 +82,7 @@ CANDIDATES = (
     Tile("fma", 32, 128, 4, 3, max_rows=4),
     Tile("dot", 16, 64, 4, 4),
     Tile("dot", 16, 16, 4, 2),
-    # split-K: the fastest at 1 and 4 rows of the 8B model's qkv, o and down projections on an H200
+    # split-K: what wins at 1 and 4 rows of the 8B model's qkv, o and down projections (benchmarks/fp8_linears.py)
     Tile("fma", 16, 256, 4, 4, max_rows=1, split=8),
     Tile("fma", 32, 512, 4, 4, max_rows=1, split=8),
     Tile("dot", 32, 256, 4, 4, split=2),
@@ -91,7 +91,7 @@ CANDIDATES = (
     Tile("dot", 64, 128, 4, 4, split=8),
 )
 COUNTER_BLOCK = min(tile.block_n for tile in CANDIDATES)  # counters: one per column block of the narrowest tile
-TUNE_BYTES = 256 << 20  # five times an H200's L2
+TUNE_BYTES = 256 << 20  # several times a large GPU's L2, so each timed call reads its codes from HBM
 _CHOSEN: dict[tuple[int, int, torch.dtype, int, int], Tile] = {}
 
 

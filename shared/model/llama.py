@@ -4,7 +4,7 @@ Parameter names match Hugging Face exactly so safetensors checkpoints load by na
 takes a flattened variable-length batch (vLLM style): all tokens of all sequences in one [T] row,
 with per-token positions; attention goes through `paged_attention`, which writes this step's K/V
 into the block cache and attends through each sequence's block table. There are no per-token
-Python loops and no host syncs in the forward, so it runs unchanged on CPU and on an H200.
+Python loops and no host syncs in the forward, so it runs unchanged on CPU and on a GPU.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ once its workspace is fixed (``CUBLAS_WORKSPACE_CONFIG``), which is set before t
 made. The mode is global in PyTorch, so it is switched on for the step's launches only and put back
 after: another model in the same process (a test, a served engine) keeps its own choice.
 
-The cost is measured by ``benchmarks/train_offload.py --runs 3b:auto/auto+atomics`` (README).
+The cost is measured by ``benchmarks/train_offload.py --runs 3b:auto/auto+atomics`` (docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def deterministic_kernels(enabled: bool) -> Iterator[None]:
     """PyTorch's deterministic algorithms on while the block runs (``enabled``), the previous mode after.
 
     Not ``warn_only``: with it, cuDNN's and the memory-efficient attention backward only warn and
-    keep their atomics (torch 2.11 on an H200 picks cuDNN for the causal rows). An op with no
+    keep their atomics (PyTorch's dispatcher may pick cuDNN for the causal rows on a GPU that has it). An op with no
     deterministic version would then fail the step; the CUDA cases of
     tests/unit/train/test_train_resume.py show none is left in it."""
     if not enabled:

@@ -93,7 +93,7 @@ class DeviceUpdater:
         """Submit the next queued piece of state, to start once the copies queued so far on the h2d
         lane (the backward layer's own loads) have completed (``behind_loads``). The engine calls
         this once per backward layer, after that layer's loads: submitted at once, two layers' state
-        (2.4 GB at 3B) held the backward's next weight copy behind it for about 30 ms on an H100, and
+        (2.4 GB at 3B) queued ahead of the backward's next weight copy and stalled the step on it, and
         pieces submitted without the wait ran ahead of a weight copy still waiting for its slot. A
         piece is a working copy's size: it fits beside a layer's own loads."""
         if not self.prefetch_queue:

@@ -9,7 +9,8 @@ backward fused in, so full ``[tokens, vocab]`` logits never exist; past :data:`A
 the attention half runs staged (:func:`layer_backward`), so what it holds across the layer is
 q, k, v and SDPA's own tensors, not the norm's and projections' graph. On CUDA the two blocks can be
 ``torch.compile``d (:func:`compiled_blocks`): the norms, RoPE and SiLU-gating fuse into a few kernels,
-about a fifth off a 3B step's GPU compute (README); the math and parameter names stay the same.
+fewer launches and memory round trips in a step's GPU compute (docs/measurements.md); the math and
+parameter names stay the same.
 
 Packed rows (several fine-tuning examples in one row, ``data.Batch.segments``) take two extra inputs:
 RoPE tables gathered per position (``[B, S, head_dim/2]``, positions restarting at 0 with each
@@ -18,8 +19,8 @@ keeps every query inside its own example. Unpacked rows keep ``is_causal`` SDPA,
 attention on CUDA. On CUDA with the atomics kernels the mask is a FlexAttention block mask
 (:func:`segment_block_mask`): the compiled flex kernel skips every 128 x 128 tile outside the
 examples, so a packed row costs the attention its examples would cost alone, and the mask is a few
-KiB. Elsewhere (CPU, and CUDA's deterministic steps, where compiled flex took 54 GiB and 5.8x the
-step at 2 x 8,192 tokens on the H200) it is the additive ``[B, 1, S, S]`` mask of :func:`segment_mask`
+KiB. Elsewhere (CPU, and CUDA's deterministic steps, where compiled flex's fixed-order backward
+costs several times the whole step in memory and time) it is the additive ``[B, 1, S, S]`` mask of :func:`segment_mask`
 under SDPA: on CUDA the memory-efficient kernel, over every tile, masked or not. The math is the
 same either way.
 """

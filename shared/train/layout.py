@@ -109,6 +109,6 @@ def head_weight_name(cfg: ModelConfig) -> str:
 
 
 def count_parameters(cfg: ModelConfig) -> int:
-    """Parameters of the model (tied weights once), as DESIGN.md's FLOP formula counts them."""
+    """Parameters of the model (tied weights once), the N of the model-FLOPs formula (loop.flops_per_token)."""
     layer = sum(p.numel for p in layer_layout(cfg).params)
     return cfg.num_layers * layer + sum(p.numel for p in extras_layout(cfg).params)

@@ -201,7 +201,7 @@ def load_data(job: TrainJob, config: ModelConfig, init_from: Path | None,
 
 
 def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
-    """DESIGN.md's model FLOPs per trained token: 6N + 6·L·d·seq (recompute not counted)."""
+    """Model FLOPs per trained token, the usual 6N plus causal attention's 6·L·d·seq (recompute not counted)."""
     return 6 * num_params + 6 * num_layers * hidden * seq_len
 
 

@@ -20,7 +20,8 @@ Placement. A decoder layer is one of three kinds:
 - *host* (k..L-1, and the extras): the CPU's AdamW (host_kernel.py) updates it behind the forward.
 
 :func:`choose_placement` picks ``(r, k)`` that fit the cap and minimise :func:`step_bound` with
-known rates (:data:`H200`, the lent machine's measured figures) or measured ones (the benchmark's).
+known rates (the module's default :class:`Rates`, the lent machine's measured figures) or measured
+ones (:func:`measure_rates`, as the runner and the benchmark do).
 
 The bound (:func:`step_bound`) is the largest of: the GPU's compute; the bytes through host memory
 (the CPU optimizer's passes plus every DMA byte) at the host's copy rate; the bytes each way over
@@ -91,10 +92,11 @@ class Rates:
     preview_dram: float | None = None
 
 
-# The lent H200 machine (DESIGN.md, issue 20; 2026-11-30/12-01): host copy 100.6 GB/s on 15 threads, PCIe
-# 55.4 / 55.3 GB/s, 101.6 GB/s both at once; the 3B step's compute 0.70 s for 383.6 TFLOP with recompute;
-# the preview pass 4.67 G parameters/s (commit and whole updates not recorded: taken as equal). The runner
-# and the benchmark measure their own (measure_rates); these are for plans made without a GPU.
+# The lent machine's rates, for plans made without a GPU; the runner and benchmarks/train_offload.py
+# measure their own (measure_rates). Host copy, PCIe each way and both at once, and the preview pass are
+# as measure_rates times them; gpu_flops is the 3B step's FLOPs (recompute included) over its measured
+# compute time. The commit and whole passes were not timed: commit takes the preview's rate, whole the
+# preview's bytes per second over its own 28 bytes a parameter (16 for the preview).
 H200 = Rates(host_copy=100.6e9, h2d=55.4e9, d2h=55.3e9, duplex=101.6e9, gpu_flops=548e12, preview=4.67e9,
              commit=4.67e9, whole=4.67e9 * 16 / 28, dram=100.6e9, source="H200 (DESIGN.md)")
 
@@ -273,8 +275,8 @@ H200_SMS = 132  # streaming multiprocessors of the lent GPU: plans made without 
 def flash_splits(batch: int, heads: int, deterministic: bool, sm_count: int = H200_SMS) -> int:
     """How many fp32 dq accumulators flash attention's backward keeps: one, or in deterministic mode
     one per split of the keys, enough splits to give every SM a (row, head, split) of its own
-    (FlashAttention-2's rule: ceil(SMs / (batch x heads))); measured on the H200 at 1B x 524,288
-    tokens: 5 accumulators, 20 GiB, and the backward twice as long."""
+    (FlashAttention-2's rule: ceil(SMs / (batch x heads))). At batch 1 and 32 heads that is 5
+    accumulators of dq's size in fp32 on a 132-SM GPU: GiBs on long sequences, and a slower backward."""
     return -(-sm_count // (batch * heads)) if deterministic else 1
 
 
