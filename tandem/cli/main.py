@@ -99,7 +99,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
 def parser() -> argparse.ArgumentParser:
     # Parser (tandem.cli.flags): no abbreviated flags, one-line errors; every subparser below, those
     # tandem/cli/up.py and tandem/cli/train.py add included, is made of the same class by argparse.
-    root = Parser(prog="tandem", description=__doc__.split("\n\n")[0])
+    root = Parser(prog="tandem", description="tandem: disaggregated LLM serving (prefill and decode workers over "
+                                              "NATS) and single-GPU training of models larger than GPU memory.")
     root.add_argument("--version", action="version", version=f"tandem {VERSION}")
     sub = root.add_subparsers(dest="command", required=True)
 

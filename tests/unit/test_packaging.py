@@ -204,3 +204,27 @@ def test_every_module_imports_from_the_wheel(wheel: Path, tmp_path: Path):
         "in the wheel, not found by walk_packages": sorted(expected - set(report["imported"])),
         "found, but no such file in the wheel": sorted(set(report["imported"]) - expected)}
     assert report["help_exit"] == 0 and "usage: tandem" in report["help_out"], report
+
+
+def test_the_checkout_root_does_not_shadow_the_installed_package(wheel: Path, tmp_path: Path):
+    """From the checkout's root the current folder comes first on the path, so its ``tandem/`` is
+    found before any installed one: it links the other mapped folders (tandem/shared -> ../shared ...),
+    so ``python -m tandem`` and every part import there as they do from the wheel, and tools that
+    read imports from the files can follow them."""
+    for folder, package in ROOTS.items():
+        if package == "tandem":
+            continue
+        link = REPO / "tandem" / package.split(".", 1)[1]
+        assert link.is_symlink() and link.resolve() == REPO / folder, f"{link} should link to ../{folder}"
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)
+    env = {**os.environ, "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1"}
+    probe = ("import tandem.cli.main, tandem.client, tandem.shared.engine.engine, tandem.services.router.service, "
+             "tandem.console.app; print(tandem.shared.engine.engine.__file__)")
+    found = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert found.returncode == 0, f"importing from the checkout's root failed:\n{found.stderr}"
+    helped = subprocess.run([sys.executable, "-m", "tandem", "--help"], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert helped.returncode == 0 and "usage: tandem" in helped.stdout, helped.stderr
