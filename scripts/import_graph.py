@@ -47,7 +47,8 @@ def module_files() -> dict[str, Path]:
     return found
 
 
-def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+def absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from`` import in ``module`` names (relative ones resolved)."""
     if not node.level:
         return node.module or ""
     base = module.split(".") if is_package else module.split(".")[:-1]
@@ -64,7 +65,7 @@ def build() -> Graph:
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
-                target = _absolute(module, is_package, node)
+                target = absolute(module, is_package, node)
                 # ``from pkg import mod`` names a module when pkg.mod is one
                 names = [f"{target}.{a.name}" if f"{target}.{a.name}" in graph.modules else target for a in node.names]
             else:

@@ -160,14 +160,6 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
-    if not node.level:
-        return node.module or ""
-    base = module.split(".") if is_package else module.split(".")[:-1]
-    base = base[: len(base) - (node.level - 1)]
-    return ".".join(base + ([node.module] if node.module else []))
-
-
 def scan(module: str) -> list[Import]:
     """Every import in one tandem module, with where it sits."""
     path = MODULES[module]
@@ -183,7 +175,7 @@ def scan(module: str) -> list[Import]:
             for alias in node.names:
                 add(alias.name)
         elif isinstance(node, ast.ImportFrom):
-            target = _absolute(module, is_package, node)
+            target = import_graph.absolute(module, is_package, node)
             for alias in node.names:
                 add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in MODULES else target)
         elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
