@@ -1,6 +1,6 @@
 """Running ``tandem`` as a user does, in child processes: the command, its environment, waiting on it.
 
-``TANDEM``, ``tandem_env``, ``ctrl_c_reaches_it`` and ``wait_for`` serve the tests of ``tandem up`` /
+``TANDEM``, ``tandem_env``, ``ctrl_c_reaches_it``, ``wait_for`` and ``stop_process`` serve the tests of ``tandem up`` /
 ``generate`` / ``bench``; ``running_up`` keeps a ``tandem up`` running for a block of them;
 ``service_env`` and ``launch`` start one ``tandem serve <service>`` (conftest's ``start_system``
 uses them, as do tests that start a service of their own); ``run_sync`` runs a coroutine to the end
@@ -51,6 +51,17 @@ def wait_for(predicate, timeout_s: float, what: str):
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def stop_process(proc: subprocess.Popen, sig: int, timeout_s: float) -> None:
+    """Send ``sig`` and wait up to ``timeout_s`` for ``proc`` to end; kill it if it has not, so a
+    failing test leaves nothing running."""
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextmanager
 def running_up(data_dir: Path, *args: str) -> Iterator[Path]:
     """``tandem up ARGS`` in its own data dir, from the moment its state file says it serves until
@@ -62,12 +73,7 @@ def running_up(data_dir: Path, *args: str) -> Iterator[Path]:
         assert proc.poll() is None, f"tandem up exited early:\n{proc.stdout.read()}"
         yield data_dir
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, signal.SIGINT, 60)
 
 
 def service_env(data_dir: Path) -> dict[str, str]:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from cli_support import launch, run_sync, service_env
+from cli_support import launch, run_sync, service_env, stop_process
 
 from tandem.cli.supervisor import wait_until_ready
 from tandem.shared.infra.natsserver import NatsServer
@@ -121,13 +121,7 @@ class System:
         return next(name for name in self.processes if name.startswith(service))
 
     def stop(self, name: str) -> None:
-        proc = self.processes.pop(name)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(self.processes.pop(name), signal.SIGTERM, 20)
 
     def stop_all(self) -> None:
         """Routers first (no new placements), then every other service at once: each drains for

@@ -31,6 +31,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from cli_support import stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_DIR = REPO / "compose"
@@ -106,12 +107,7 @@ class DockerEngine:
         if self.process is None:
             return
         progress("stopping dockerd")
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process, signal.SIGTERM, 60)
         for leftover in ("docker.sock", "docker.pid"):
             with contextlib.suppress(FileNotFoundError):
                 (RUN_DIR / leftover).unlink()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import stat
 import subprocess
 import urllib.request
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import nats
 import pytest
-from cli_support import TANDEM, tandem_env, wait_for
+from cli_support import TANDEM, stop_process, tandem_env, wait_for
 from support import flushed
 
 from tandem.client import connect
@@ -69,12 +70,7 @@ def up(tmp_path_factory):
         assert proc.poll() is None, f"tandem up exited:\n{(data_dir / 'up.log').read_text()[-3000:]}"
         yield Up(proc, data_dir, state.nats_url, state.http_url, env)
     finally:
-        proc.send_signal(2)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, signal.SIGINT, 60)
 
 
 class Attacker:

@@ -19,7 +19,16 @@ import httpx
 import nats
 import nats.errors
 import pytest
-from cli_support import TANDEM, ctrl_c_reaches_it, launch, run_sync, service_env, tandem_env, wait_for
+from cli_support import (
+    TANDEM,
+    ctrl_c_reaches_it,
+    launch,
+    run_sync,
+    service_env,
+    stop_process,
+    tandem_env,
+    wait_for,
+)
 
 from tandem import __version__
 from tandem.cli.supervisor import wait_until_ready
@@ -71,12 +80,7 @@ def lonely_router(tmp_path_factory):
         run_sync(wait_until_ready(server.url, {"router": 1}, check, 60))
         yield server.url
     finally:
-        router.send_signal(signal.SIGTERM)
-        try:
-            router.wait(20)
-        except subprocess.TimeoutExpired:
-            router.kill()
-            router.wait()
+        stop_process(router, signal.SIGTERM, 20)
         server.stop()
 
 

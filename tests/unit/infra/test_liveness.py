@@ -4,25 +4,16 @@ stale after it, a query's own window, restarts seen as a new incarnation, forget
 from __future__ import annotations
 
 import pytest
+from clock_support import ManualClock
 
 from tandem.shared.infra.liveness import Liveness
 
 WINDOW_S = 3.0
 
 
-class Clock:
-    """A hand-moved monotonic clock, so each test states the times it judges at."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> ManualClock:
+    return ManualClock()
 
 
 @pytest.fixture

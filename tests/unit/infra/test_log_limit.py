@@ -6,22 +6,15 @@ from __future__ import annotations
 import logging
 
 import pytest
+from clock_support import ManualClock
 
 from tandem.shared.infra.log_limit import LimitedLog, flush_all
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
 def limited(caplog):
     caplog.set_level(logging.INFO, logger="test.limited")
-    clock = Clock()
+    clock = ManualClock()
     return LimitedLog(logging.getLogger("test.limited"), interval_s=10.0, clock=clock), clock, caplog
 
 
