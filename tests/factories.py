@@ -159,11 +159,11 @@ def record_logits(engine: LLMEngine) -> dict[tuple[str, int], torch.Tensor]:
         pending.keys = [(seq.request_id, seq.num_output_tokens + (i < len(rows))) for i, seq in enumerate(seqs)]
         return pending
 
-    def sample_async_and_log(pending):  # every sampling goes through here (``sample`` waits on it)
+    def sample_async_and_log(pending, bitmask=None):  # every sampling goes through here (``sample`` waits on it)
         # Before the next step is queued: a graph's logits buffer is reused by the next replay.
         for key, row in zip(pending.keys, pending.logits):
             logged[key] = row.clone()
-        return sample_async(pending)
+        return sample_async(pending, bitmask)
 
     runner.launch, runner.launch_decode, runner.sample_async = (
         launch_and_note, launch_decode_and_note, sample_async_and_log)

@@ -85,7 +85,8 @@ class IncrementalDetokenizer:
 def check_stop(seq: Sequence, eos_token_ids: Seq[int], max_model_len: int, text: bool = True) -> str | None:
     """Detokenize the newest token of ``seq`` and return its finish reason, or None.
 
-    Order: stop/eos token (kept in token ids, not in text), stop string, max_tokens, max_model_len.
+    Order: stop/eos token (kept in token ids, not in text), stop string, a complete structured
+    output (its last token is text), max_tokens, max_model_len.
     The first ``min_tokens`` output tokens end it only by length, as in vLLM: stop tokens are not
     sampled before then (``logits_processors``) and stop strings must end in the text after them.
     ``text=False`` decides on token ids alone and leaves the text to :func:`catch_up_text` (only for
@@ -103,6 +104,10 @@ def check_stop(seq: Sequence, eos_token_ids: Seq[int], max_model_len: int, text:
     reason = None
     if detok is not None and detok.update(seq.token_ids, seq.num_tokens, find_stops=may_stop):
         reason = "stop"
+    elif seq.grammar is not None and seq.grammar.is_done:
+        reason = "stop"
+        if detok is not None:
+            detok.update(seq.token_ids, seq.num_tokens, final=True)
     elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
         reason = "length"
         if detok is not None:
@@ -113,8 +118,9 @@ def check_stop(seq: Sequence, eos_token_ids: Seq[int], max_model_len: int, text:
 def can_defer_text(seq: Sequence) -> bool:
     """Whether a sequence's text may lag its tokens by a step: not when stop strings (text) decide
     when it ends, nor for a prefill-only sequence, whose one token starts a hand-off at once, nor
-    for one output of several (a group's outputs are made together)."""
-    return not seq.params.stop and not seq.prefill_only and seq.group is None
+    for one output of several (a group's outputs are made together), nor for a structured output,
+    whose grammar ends it on a token that is text (``catch_up_text`` takes a "stop" token as none)."""
+    return not seq.params.stop and not seq.prefill_only and seq.group is None and seq.grammar is None
 
 
 def catch_up_text(seq: Sequence) -> None:

@@ -51,6 +51,9 @@ from tandem.shared.kvcache.cache import kv_cache_bytes_per_block
 from tandem.shared.kvcache.swap_space import SwapSpace
 from tandem.shared.protocol.block_hashes import prefix_hashes
 from tandem.shared.protocol.serving import SamplingParams, TokenLogprobs
+from tandem.shared.structured.bitmask import TokenBitmask, fill_bitmask
+from tandem.shared.structured.compiler import GrammarCompiler
+from tandem.shared.structured.output_grammar import GrammarViolation
 from tandem.shared.text.tokenizer import Tokenizer
 
 # The engine's config is the settings' engine section: one class, so a knob added there (with its
@@ -135,6 +138,7 @@ class LLMEngine:
         self._exported_kv: dict[str, torch.Tensor] = {}
         self._exported_hashes: dict[str, list[int]] = {}
         self.groups: dict[str, SequenceGroup] = {}  # unfinished requests with several outputs
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size)  # structured outputs' compiled specs
 
     def add_request(self, request: EngineRequest) -> None:
         """Validate and queue a request; ``ValueError`` says what is wrong with it."""
@@ -160,6 +164,11 @@ class LLMEngine:
         if request.kv is not None:
             self._check_kv(request.kv, len(prompt), len(outputs))
         prompt_logprobs = self._owed_prompt_logprobs(request, params)
+        grammar = None
+        if params.structured_output is not None:
+            # A compile error or resumed tokens the spec refuses is the request's ValueError.
+            grammar = self.grammars.output_grammar(params.structured_output)
+            grammar.accept_all(outputs)
         group = None
         if params.num_candidates > 1:
             if outputs:
@@ -184,6 +193,7 @@ class LLMEngine:
             fan_out=1 if group is None else group.prompt_fan_out(request.prefill_only),
             prompt_logprobs=prompt_logprobs,
             cumulative_logprob=request.output_cumulative_logprob,
+            grammar=grammar,
         )
         if outputs:  # replay the prefill worker's text so deltas continue where it stopped
             # (stop strings looked for as it did: not in the text of the first min_tokens tokens)
@@ -254,6 +264,8 @@ class LLMEngine:
             outputs += self._catch_up_text()
             outputs += self._postprocess(done.batch, done.tokens)
             if self._in_flight is not None:
+                if self._in_flight.tokens is None:  # its grammars have taken the step before's tokens now
+                    self._in_flight.tokens = self._sample(self._in_flight.batch, self._in_flight.pending)
                 return outputs
         batch = self.scheduler.schedule()
         if not batch:
@@ -262,7 +274,7 @@ class LLMEngine:
         self._scatter_imports(batch)
         pending = self.runner.launch(batch)
         if self.overlap_steps and pending is not None and is_pure_decode(batch):
-            self._in_flight = InFlightStep(batch, self._sample(batch, pending))
+            self._in_flight = InFlightStep(batch, self._sample(batch, pending), pending)
             return outputs + self._catch_up_text()
         outputs += self._catch_up_text()
         return outputs + self._postprocess(batch, None if pending is None else self._sample(batch, pending))
@@ -277,16 +289,39 @@ class LLMEngine:
         self._scatter_imports(batch)
         pending = self.runner.launch_decode([item.seq for item in batch.items], step.tokens.device, rows)
         self.num_overlapped_steps += 1
-        return InFlightStep(batch, self._sample(batch, pending))
+        if any(item.seq.grammar is not None for item in batch.items):
+            # Its forward runs; its sampling waits until the host has the step before's tokens,
+            # which its rows' grammars must take before their masks can be filled (see ``_step``).
+            return InFlightStep(batch, None, pending)
+        return InFlightStep(batch, self._sample(batch, pending), pending)
 
     def _sample(self, batch: ScheduledBatch, pending: PendingStep) -> SampledTokens:
         """Queue the sampling of ``batch``'s launched step; a row whose own sampling raised ends its
-        request alone (its id is a placeholder that postprocessing skips, the sequence being finished)."""
-        tokens = self.runner.sample_async(pending)
+        request alone (its id is a placeholder that postprocessing skips, the sequence being finished).
+        Constrained rows' masks are filled here, while the device runs the step's forward."""
+        tokens = self.runner.sample_async(pending, self._token_bitmask(pending))
         for row, exc in tokens.failed_rows.items():
             if not pending.seqs[row].is_finished:  # a group's prompt has a row per candidate
                 self._fail_row(pending.seqs[row], exc)
         return tokens
+
+    def _token_bitmask(self, pending: PendingStep) -> TokenBitmask | None:
+        """The masks of the step's constrained rows; a row no token can continue ends its request
+        with an error (its spec admits nothing there) and is sampled unmasked, its token dropped."""
+        rows = [(row, seq.grammar) for row, seq in enumerate(pending.seqs)
+                if seq.grammar is not None and not seq.is_finished]
+        if not rows:
+            return None
+        bitmask = fill_bitmask(rows, self.vocab_size, parallel=self.runner.device.type == "cuda")
+        if bitmask is None:
+            return None
+        stuck = bitmask.empty_rows()
+        for row in stuck:
+            seq = pending.seqs[row]
+            if not seq.is_finished:
+                self._fail_row(seq, GrammarViolation("structured output: no token can continue the output here "
+                                                     "(the schema or grammar admits nothing more); check it"))
+        return bitmask.without(stuck) if stuck else bitmask
 
     def _apply_swaps(self, batch: ScheduledBatch) -> None:
         """Queue the batch's swap copies, swap-outs first, before anything else of it.

@@ -26,6 +26,7 @@ from tandem.shared.kvcache.swap_space import SwapSpace
 from tandem.shared.kvtransfer.devcopy import host_values_to
 from tandem.shared.model.fp8 import quantize_model
 from tandem.shared.protocol.serving import TokenLogprobs
+from tandem.shared.structured.bitmask import TokenBitmask
 
 # (compute FLOP/s, host copy bytes/s) by device type: the effective rates the preemption policy
 # prices recompute and swap with (engine/preemption_cost.py); rough defaults, not measurements, that
@@ -231,7 +232,7 @@ class ModelRunner:
         return PendingStep(logits, [seq.params for seq in seqs], indices, list(seqs))
 
     @torch.inference_mode()
-    def sample_async(self, pending: PendingStep) -> SampledTokens:
+    def sample_async(self, pending: PendingStep, bitmask: TokenBitmask | None = None) -> SampledTokens:
         """Queue sampling of a launched step and the copy of its ids to the host; wait for neither.
 
         Rows are sampled from their processed logits (penalties, ``min_tokens``, ``logit_bias``: see
@@ -239,10 +240,13 @@ class ModelRunner:
         raises, its rows are sampled one by one: rows that fail alone are listed in ``failed_rows``;
         when none does, the failure is the batch's and is raised. The logprobs of rows that ask are
         the raw logits', of the ids sampled on either path (a failed row's entry is of its
-        placeholder id, and is dropped with its sequence)."""
+        placeholder id, and is dropped with its sequence). ``bitmask``: the constrained rows' token
+        masks (structured outputs), applied after processing."""
         self.last_logits = pending.logits  # the raw rows, for tests and debugging
         logits = process_logits(pending.logits, pending.params, pending.seqs, pending.output_indices,
                                 self.eos_token_ids)
+        if bitmask is not None:  # last: no bias or penalty brings back a token the grammar leaves out
+            logits = bitmask.apply(logits)
         try:
             ids, failed = sample(logits, pending.params, pending.output_indices, self.generator), {}
         except Exception:

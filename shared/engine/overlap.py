@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.shared.engine.model_runner import SampledTokens
+from tandem.shared.engine.model_runner import PendingStep, SampledTokens
 from tandem.shared.engine.scheduler import Scheduler
 from tandem.shared.engine.scheduler_output import ScheduledBatch, ScheduledSequence
 from tandem.shared.engine.sequence import Sequence, SequenceStatus
@@ -37,10 +37,12 @@ from tandem.shared.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class InFlightStep:
-    """A queued step whose tokens the host has not seen: row ``i`` of ``tokens`` is item ``i``'s."""
+    """A queued step whose tokens the host has not seen: row ``i`` of ``tokens`` is item ``i``'s.
+    ``tokens`` is None while its sampling waits for the step before's tokens (constrained rows)."""
 
     batch: ScheduledBatch
-    tokens: SampledTokens
+    tokens: SampledTokens | None
+    pending: PendingStep
 
 
 def is_pure_decode(batch: ScheduledBatch) -> bool:

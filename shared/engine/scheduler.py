@@ -278,7 +278,8 @@ class Scheduler:
         child = dataclasses.replace(
             parent, token_ids=list(parent.token_ids), sample_index=sample_index,
             block_table=self.block_manager.fork(parent.block_table), block_hashes=list(parent.block_hashes),
-            held_logprobs=list(parent.held_logprobs), beam_candidates=None, fan_out=1)
+            held_logprobs=list(parent.held_logprobs), beam_candidates=None, fan_out=1,
+            grammar=None if parent.grammar is None else parent.grammar.fork())
         if child.key in self.requests:
             raise ValueError(f"sequence {child.key!r} already exists")
         bisect.insort(self.running, child, key=_arrival)
@@ -412,6 +413,8 @@ class Scheduler:
         """Append a sampled token to ``seq`` and finish it if that ends it (``text_later``: see
         :meth:`postprocess_item`)."""
         seq.token_ids.append(int(token_id))
+        if seq.grammar is not None:
+            seq.grammar.accept(int(token_id))  # a refused token raises: this row alone fails
         text_now = not (text_later and can_defer_text(seq))
         reason = check_stop(seq, self.eos_token_ids, self.max_seq_len, text=text_now)
         if reason is None and seq.prefill_only:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from tandem.shared.engine.detokenizer import IncrementalDetokenizer
     from tandem.shared.engine.prompt_logprobs import PromptLogprobs
     from tandem.shared.engine.sequence_group import SequenceGroup
+    from tandem.shared.structured.output_grammar import OutputGrammar
 
 
 @dataclass
@@ -143,6 +144,8 @@ class Sequence:
     # A beam whose step has run: its top continuations ((token id, logprob), best first), waiting
     # for the group's other beams before the search picks the next beams.
     beam_candidates: list[tuple[int, float]] | None = None
+    # With ``params.structured_output``: the output's matcher, which has taken every output token.
+    grammar: OutputGrammar | None = None
 
     @property
     def key(self) -> str:

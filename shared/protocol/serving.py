@@ -19,6 +19,12 @@ MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (as vLLM's
 MAX_SAMPLES = 64  # outputs, candidates (best_of) or beams of one request: each holds a row of every step
 MAX_LOGIT_BIAS = 1024  # biased tokens per request (OpenAI allows 300); each is one scatter into its row
 MIN_PRIORITY, MAX_PRIORITY = -100, 100  # GenerateRequest.priority: lower is placed first
+# Structured output specs: a schema, regex or grammar is compiled by every worker that runs the
+# request and is carried in every message about it, so its size is bounded like a prompt's.
+MAX_STRUCTURED_SPEC_CHARS = 65536
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 1024
+MAX_START_AFTER_TOKENS = 64
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
@@ -41,6 +47,37 @@ MAX_SUBJECT_CHARS = 256  # far below nats-server's 4 KiB control line, whose ove
 InstanceName = Annotated[str, Field(max_length=128, pattern=r"^[^\s.*>]*$")]
 StreamSubject = Annotated[str, Field(min_length=1, max_length=MAX_SUBJECT_CHARS,
                                      pattern=r"^_INBOX(\.[^\s.*>]+)+$"), AfterValidator(_utf8)]
+
+
+StructuredKind = Literal["json_object", "json_schema", "regex", "choice", "lark", "gbnf"]
+
+
+class StructuredOutput(BaseModel):
+    """What the engine constrains a request's output to, token by token (see ``shared/structured``).
+
+    ``kind`` says how to read ``spec``: ``json_object`` any JSON object (``spec`` unused);
+    ``json_schema`` the JSON text of a schema; ``regex`` a regular expression the whole output
+    matches; ``lark`` or ``gbnf`` a grammar in that syntax; ``choice`` one of ``choices``, exactly.
+    The output starts at the first output token, or, with ``start_after``, right after those token
+    ids first appear in the output (the end of a reasoning section): what comes before is free.
+    Whether the spec compiles is checked where it is compiled (the front end, every worker), not
+    here: the wire protocol carries it as text.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: StructuredKind
+    spec: str = Field("", max_length=MAX_STRUCTURED_SPEC_CHARS)
+    choices: list[Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_CHOICES)
+    start_after: list[TokenId] = Field(default_factory=list, max_length=MAX_START_AFTER_TOKENS)
+
+    @model_validator(mode="after")
+    def _complete(self) -> StructuredOutput:
+        if self.kind == "choice" and not self.choices:
+            raise ValueError("a choice output needs at least one of choices")
+        if self.kind not in ("choice", "json_object") and not self.spec:
+            raise ValueError(f"a {self.kind} output needs its spec")
+        return self
 
 
 class SamplingParams(BaseModel):
@@ -91,6 +128,9 @@ class SamplingParams(BaseModel):
     beam_width: int = Field(1, ge=1, le=MAX_SAMPLES)
     length_penalty: float = Field(1.0, ge=-10.0, le=10.0, allow_inf_nan=False)
     early_stopping: bool | Literal["never"] = False  # transformers' meaning: True, False (heuristic), "never"
+    # Constrained decoding: every output token keeps the output a prefix of what this admits, and
+    # the output ends ("stop") when it is complete. None: free text.
+    structured_output: StructuredOutput | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> SamplingParams:
@@ -103,6 +143,8 @@ class SamplingParams(BaseModel):
                 raise ValueError(f"n ({self.n}) must not exceed beam_width ({self.beam_width})")
             if self.stop:
                 raise ValueError("stop strings do not apply to beam search; use stop_token_ids")
+            if self.structured_output is not None:
+                raise ValueError("structured_output does not apply to beam search (beam_width > 1): use n or best_of")
             # Beams rank by raw logprobs, as transformers' search with no logits processors does.
             unapplied = [name for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                                                 ("repetition_penalty", 1.0), ("min_tokens", 0), ("logit_bias", []))

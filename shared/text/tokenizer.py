@@ -83,6 +83,10 @@ class HFTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (what a grammar library builds its token table from)."""
+        return self._tokenizer.to_str()
+
 
 class SyntheticTokenizer:
     """For random models of real shapes (``random:<preset>``), whose benchmarks send token ids: ids

