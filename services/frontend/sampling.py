@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from tandem.services.frontend import schemas
 from tandem.services.frontend.errors import APIError, bad_request, from_validation, not_supported
 from tandem.services.frontend.logprobs import asked_logprobs
+from tandem.services.frontend.structured import asked_structured_output
 from tandem.shared.protocol.serving import SamplingParams
 
 # Fields taken when given, under the same name on the bus (None: the bus's default).
@@ -92,11 +93,15 @@ def sampling_params(request: schemas.SamplingFields, max_tokens: int | None, max
     if request.logit_bias:
         params["logit_bias"] = logit_bias_pairs(request.logit_bias)
     params.update(beam_search_fields(request))
+    structured = asked_structured_output(request)
+    if structured is not None:
+        params["structured_output"] = structured[0]
     # The bus's names back to the request's: chat's number of alternatives is its top_logprobs, and
     # beam search's width came from best_of (or n).
     names = {"max_tokens": max_tokens_field,
              "logprobs": "top_logprobs" if isinstance(request, schemas.ChatCompletionRequest) else "logprobs",
-             "beam_width": "best_of" if request.best_of is not None else "n"}
+             "beam_width": "best_of" if request.best_of is not None else "n",
+             "structured_output": structured[1] if structured is not None else "structured_outputs"}
     try:
         SamplingParams(**params)
     except ValidationError as exc:

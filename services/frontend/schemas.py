@@ -1,9 +1,10 @@
 """The OpenAI API's request and response bodies, as pydantic models (what crosses the HTTP boundary).
 
 Requests take OpenAI's fields and vLLM's extensions (``top_k``, ``ignore_eos``, ``stop_token_ids``,
-``repetition_penalty``, ``min_tokens``, ``prompt_logprobs``, ``priority``, and the older vLLM server's beam search:
-``use_beam_search`` with ``length_penalty`` and ``early_stopping``). Fields the engine has no support
-for yet (``echo``, ``suffix``, tools) are declared, so that :func:`unsupported` can refuse them with
+``repetition_penalty``, ``min_tokens``, ``prompt_logprobs``, ``priority``, the older vLLM server's beam search:
+``use_beam_search`` with ``length_penalty`` and ``early_stopping``, and structured outputs:
+``structured_outputs`` and ``guided_*``, see :mod:`.structured`). Fields the engine has no support
+for yet (``echo``, ``suffix``) are declared, so that :func:`unsupported` can refuse them with
 a 400 naming the field, instead of silently ignoring what a client asked for. Unknown fields are
 ignored, as OpenAI's API and vLLM do. Value bounds are not repeated here: they are the bus's own
 (:class:`tandem.shared.protocol.serving.SamplingParams`), checked when the request is built
@@ -61,6 +62,14 @@ class SamplingFields(BaseModel):
     # vLLM's extension: the order in the router's admission queue while the workers are saturated
     # (lower first, -100..100; the bus checks the bound).
     priority: int = 0
+    # Structured outputs (see structured.py): OpenAI's response_format, vLLM's structured_outputs
+    # and its older guided_* fields.
+    response_format: dict | None = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class CompletionRequest(SamplingFields):
@@ -98,7 +107,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True  # vLLM's extension
     tools: list[dict] | None = None
     tool_choice: Any = None
-    response_format: dict | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict | None = None  # vLLM's extension: more variables for the template (enable_thinking)
 
     def asked_max_tokens(self) -> int | None:
         """OpenAI deprecated ``max_tokens`` for chat in favour of ``max_completion_tokens``."""
@@ -115,13 +125,6 @@ def unsupported(request: SamplingFields) -> str | None:
             return "echo"
         if request.suffix:
             return "suffix"
-    if isinstance(request, ChatCompletionRequest):
-        if request.tools:
-            return "tools"
-        if request.tool_choice not in (None, "none", "auto"):
-            return "tool_choice"
-        if request.response_format and request.response_format.get("type") not in (None, "text"):
-            return "response_format"
     return None
 
 

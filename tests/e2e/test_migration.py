@@ -157,3 +157,43 @@ async def test_kill_of_the_router_holding_queued_requests(queueing_system):
                                          if r.token_ids != e.token_ids]
     assert queued, "no request was queued in the router when it died: the test shows nothing"
     assert all(records[i].migrations >= 1 for i in queued), [records[i].migrations for i in queued]
+
+
+# A long constrained output: eight records, so a stream is well under way when its worker dies.
+RECORDS = {"type": "array", "minItems": 8, "maxItems": 8, "items": {
+    "type": "object", "additionalProperties": False, "required": ["id", "name", "ok"],
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                   "name": {"type": "string", "pattern": "^[a-z]{3,8}$"}, "ok": {"type": "boolean"}}}}
+
+
+async def test_kill_of_a_decode_worker_migrates_constrained_streams_valid_and_token_exact(two_decode_workers):
+    """A migrated stream's matcher is rebuilt from the tokens already delivered: the output still
+    follows its schema and is the undisturbed run's, token for token (Dynamo turns migration off
+    for guided decoding; tandem keeps it)."""
+    import json
+
+    import jsonschema
+
+    system = two_decode_workers
+    spec = {"kind": "json_schema", "spec": json.dumps(RECORDS)}
+    workload = [{"prompt": f"records = # {i}\n", "max_tokens": 400, "temperature": 1.0, "seed": 500 + i,
+                 "structured_output": spec} for i in range(8)]
+    expected = await undisturbed(system.url, workload)
+    records = [Record() for _ in workload]
+    async with connect(system.url, request_timeout_s=120) as client:
+        tasks = [asyncio.create_task(consume(client, request, record)) for request, record in zip(workload, records)]
+        await until(lambda: all(len(r.token_ids) >= 16 or r.finish_reason or r.error for r in records), 120,
+                    "every stream to be under way")
+        holders = Counter(r.stream.accepted.decode_worker for r in records if not r.finish_reason)
+        victim, held = holders.most_common(1)[0]
+        killed_at = time.monotonic()
+        system.processes[victim].kill()
+        await asyncio.gather(*tasks)
+    figures = report(f"kill -9 of decode worker {victim} ({held} constrained streams on it)", records, expected,
+                     killed_at)
+    assert figures["failed"] == 0, [r.error for r in records if r.error]
+    assert figures["exact"] == len(workload), "a migrated constrained stream differs from the undisturbed run"
+    assert figures["migrated"] >= 1, "the killed worker held streams: they must have migrated"
+    for record in records:
+        assert record.finish_reason == "stop", f"ended {record.finish_reason!r}: {record.text!r}"
+        jsonschema.validate(json.loads(record.text), RECORDS)
