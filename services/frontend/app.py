@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 
 from tandem.client import Client, RequestStream, TandemError
 from tandem.services.frontend import schemas
+from tandem.services.frontend.chat_answer import THINK_END, ChatAnswer, ChoiceStream
 from tandem.services.frontend.errors import (
     APIError,
     bad_request,
@@ -93,29 +94,38 @@ class Frontend:
         if not self.model.answers_to(model):
             raise unknown_model(model, self.model.names())
 
-    async def chat_prompt(self, request: schemas.ChatCompletionRequest) -> list[int]:
-        """The conversation rendered by the model's chat template, as token ids; a long one off the
-        event loop, so the requests beside it never wait for it."""
+    def chat_answer(self, request: schemas.ChatCompletionRequest) -> ChatAnswer:
+        """What the request asks of its answer beyond text (tools, reasoning); a 400 for bad tools."""
+        return ChatAnswer.plan(request, self.model.template, self.model.served_name, self.encode(THINK_END))
+
+    def encode(self, text: str) -> list[int]:
+        """Text as the model's tokens, no special tokens added (a template writes its own)."""
+        tokenizer = self.model.tokenizer
+        return tokenizer.encode(text, add_special_tokens=False) if isinstance(tokenizer, HFTokenizer) else \
+            tokenizer.encode(text)
+
+    async def chat_prompt(self, request: schemas.ChatCompletionRequest, answer: ChatAnswer) -> tuple[list[int], str]:
+        """The conversation rendered by the model's chat template, as token ids and as text; a long
+        one off the event loop, so the requests beside it never wait for it."""
         messages = request.template_messages()
         if sum(len(str(m.get("content") or "")) for m in messages) > THREAD_RENDER_CHARS:
-            return await asyncio.to_thread(self.render_chat, request, messages)
-        return self.render_chat(request, messages)
+            return await asyncio.to_thread(self.render_chat, request, messages, answer)
+        return self.render_chat(request, messages, answer)
 
-    def render_chat(self, request: schemas.ChatCompletionRequest, messages: list[dict]) -> list[int]:
-        """The template writes the special tokens itself, so the tokenizer adds none."""
+    def render_chat(self, request: schemas.ChatCompletionRequest, messages: list[dict],
+                    answer: ChatAnswer) -> tuple[list[int], str]:
         if self.model.template is None:
             raise bad_request(self.model.template_error, "messages",
                               "no_chat_template")
         try:
-            text = self.model.template.render(messages, add_generation_prompt=request.add_generation_prompt)
+            text = self.model.template.render(messages, add_generation_prompt=request.add_generation_prompt,
+                                              **answer.template_variables(request))
         except ChatTemplateError as exc:
             raise bad_request(f"messages: {exc}", "messages") from None
-        tokenizer = self.model.tokenizer
-        ids = tokenizer.encode(text, add_special_tokens=False) if isinstance(tokenizer, HFTokenizer) else \
-            tokenizer.encode(text)
+        ids = self.encode(text)
         if not ids:
             raise bad_request("messages: the conversation renders to an empty prompt", "messages")
-        return ids
+        return ids, text
 
     # -- running requests -----------------------------------------------------------------------
     def admit(self, prompts: int) -> None:
@@ -358,10 +368,14 @@ def build_app(frontend: Frontend) -> FastAPI:
         frontend.check_model(body.model)
         frontend.limits.check(body, 1)
         field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        answer = frontend.chat_answer(body)
         params = sampling_params(body, body.asked_max_tokens(), field_name)
-        return await run(request, body, [await frontend.chat_prompt(body)], params, chat=True)
+        prompt, prompt_text = await frontend.chat_prompt(body, answer)
+        answer = answer.after_prompt(prompt_text)
+        return await run(request, body, [prompt], answer.constrain(params, body), chat=True, answer=answer)
 
-    async def run(request: Request, body: schemas.SamplingFields, prompts: list, params: dict, chat: bool) -> Response:
+    async def run(request: Request, body: schemas.SamplingFields, prompts: list, params: dict, chat: bool,
+                  answer: ChatAnswer | None = None) -> Response:
         frontend.admit(len(prompts))
         released = False
 
@@ -380,7 +394,8 @@ def build_app(frontend: Frontend) -> FastAPI:
             model = frontend.model.served_name
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                events = stream_events(streams, n, tally, request_id, model, chat, include_usage, release)
+                events = stream_events(streams, n, tally, request_id, model, answer if chat else None, include_usage,
+                                       release)
                 # A client gone before the first event leaves the generator unstarted, so its finally
                 # never runs: its collection still releases the slot (release is idempotent).
                 weakref.finalize(events, release)
@@ -399,10 +414,11 @@ def build_app(frontend: Frontend) -> FastAPI:
         prompts_shaped = [None if entries is None else prompt_logprobs(s.accepted.prompt_token_ids, entries, text_of)
                           for s, entries in zip(streams, prompt_entries)]
         if chat:
+            messages = [answer.message("".join(out.text), tally.reasons.get(i)) for i, out in enumerate(outputs)]
             choices = [schemas.ChatChoice(
-                index=i, message=schemas.ChatResponseMessage(content="".join(out.text)),
+                index=i, message=message,
                 logprobs=chat_logprobs(out.token_ids, out.logprobs, text_of) if with_logprobs else None,
-                finish_reason=tally.reasons.get(i)) for i, out in enumerate(outputs)]
+                finish_reason=reason) for i, (out, (message, reason)) in enumerate(zip(outputs, messages))]
             return JSONResponse(schemas.ChatCompletion(id=request_id, created=created, model=model, choices=choices,
                                                        usage=usage, prompt_logprobs=prompts_shaped[0]).model_dump())
         choices = [schemas.CompletionChoice(
@@ -450,11 +466,16 @@ def build_app(frontend: Frontend) -> FastAPI:
         return outputs, prompt_entries
 
     async def stream_events(streams: list[RequestStream], n: int, tally: Tally, request_id: str, model: str,
-                            chat: bool, include_usage: bool, release: Callable[[], None]) -> AsyncIterator[str]:
+                            answer: ChatAnswer | None, include_usage: bool,
+                            release: Callable[[], None]) -> AsyncIterator[str]:
         """Each chunk as an event of its choice (stream ``p``'s output ``o`` is choice ``p * n + o``);
-        ``[DONE]`` once every choice has ended (held outputs come as one event each, at the end)."""
+        ``[DONE]`` once every choice has ended (held outputs come as one event each, at the end).
+        A chat choice's text goes through its answer's stream (reasoning, tool calls): a chunk may
+        become several deltas, or none while a marker is being read."""
         created = schemas.now()
+        chat = answer is not None
         text_offsets = [0] * (len(streams) * n)  # per choice: where its next token's text starts
+        choice_streams = [answer.stream() for _ in range(len(streams) * n)] if chat else []
         try:
             if chat:
                 for i in range(len(streams) * n):
@@ -469,8 +490,8 @@ def build_app(frontend: Frontend) -> FastAPI:
                     if chat:
                         logprobs = None if chunk.logprobs is None else \
                             chat_logprobs(chunk.token_ids, chunk.logprobs, text_of)
-                        yield sse(chat_chunk(request_id, created, model, i, schemas.ChatDelta(content=chunk.text),
-                                             chunk.finish_reason, logprobs))
+                        for event in chat_events(request_id, created, model, i, choice_streams[i], chunk, logprobs):
+                            yield sse(event)
                     else:
                         logprobs = None
                         if chunk.logprobs is not None:
@@ -496,6 +517,20 @@ def build_app(frontend: Frontend) -> FastAPI:
                 stream.close_nowait()
 
     return app
+
+
+def chat_events(request_id: str, created: int, model: str, index: int, choice: ChoiceStream, chunk,  # noqa: ANN001
+                logprobs: schemas.ChatLogprobs | None) -> list[schemas.ChatCompletionChunk]:
+    """One bus chunk of a chat choice as its events: its deltas (the chunk's logprobs on the first),
+    and its finish reason on the last; a chunk with logprobs or an end makes an event even when its
+    text is held back (a marker being read), as plain chat sends every token."""
+    deltas = choice.feed(chunk.text) + (choice.finish() if chunk.finish_reason is not None else [])
+    if not deltas and (logprobs is not None or chunk.finish_reason is not None):
+        deltas = [schemas.ChatDelta(content="")]
+    reason = choice.finish_reason(chunk.finish_reason)
+    return [chat_chunk(request_id, created, model, index, delta, reason if last else None,
+                       logprobs if first else None)
+            for first, last, delta in ((k == 0, k == len(deltas) - 1, d) for k, d in enumerate(deltas))]
 
 
 def chat_chunk(request_id: str, created: int, model: str, index: int, delta: schemas.ChatDelta,

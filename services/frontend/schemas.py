@@ -190,7 +190,9 @@ class Completion(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: the answer is tool calls only
+    reasoning_content: str | None = None  # vLLM's field: a thinking model's <think> section
+    tool_calls: list[dict] | None = None  # OpenAI's: {id, type: "function", function: {name, arguments}}
 
 
 class TopLogprob(BaseModel):
@@ -227,6 +229,10 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    # OpenAI's tool-call deltas: a call's first carries index, id, type and function.name, the
+    # later ones only index and a piece of function.arguments.
+    tool_calls: list[dict] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -64,11 +64,53 @@ TINY_MODEL_NAMES = ("tiny", "tiny-random")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 # tandem's tiny model is byte-level and trained on Python source: it has no tokenizer_config and no
-# special tokens, so its turns are marked with plain text, readable in logs and in the prompt.
+# special tokens, so its turns are marked with plain text, readable in logs and in the prompt. Tools
+# come in Hermes style, as Qwen2.5 renders them (the frontend's tool-call parser and forcing grammar
+# read that format): with ``tools``, a system turn (the conversation's own system message first)
+# lists them, one ``tojson`` per line inside <tools></tools>; an assistant turn's calls are
+# ``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`` lines after its text; a tool's
+# result is a ``<|tool|>`` turn like any other. A conversation without tools or calls renders as it
+# always has.
 TINY_TEMPLATE = """\
+{% if tools %}
+<|system|>
+{% if messages[0]['role'] == 'system' %}
+{{ messages[0]['content'] }}
+
+{% endif %}
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}
+{{ tool | tojson }}
+{% endfor %}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call>
+{% endif %}
 {% for message in messages %}
+{% if not (tools and loop.first and message['role'] == 'system') %}
 <|{{ message['role'] }}|>
+{% if message['tool_calls'] is defined %}
+{% if message['content'] %}
 {{ message['content'] }}
+{% endif %}
+{% for tool_call in message['tool_calls'] %}
+{% set call = tool_call['function'] if tool_call['function'] is defined else tool_call %}
+<tool_call>
+{{ {'name': call['name'], 'arguments': call['arguments'] if call['arguments'] is defined else {}} | tojson }}
+</tool_call>
+{% endfor %}
+{% else %}
+{{ message['content'] }}
+{% endif %}
+{% endif %}
 {% endfor %}
 {% if add_generation_prompt %}
 <|assistant|>

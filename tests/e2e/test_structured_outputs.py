@@ -64,7 +64,7 @@ class Shape(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def api(start_system):
-    system = start_system(prefill=1, decode=1, decode_args=["--num-blocks", "400", "--max-model-len", "1024"])
+    system = start_system(prefill=1, decode=1, decode_args=["--num-blocks", "800", "--max-model-len", "2048"])
     system.processes["frontend-structured"] = launch(system.url, "frontend", "frontend-structured", system.logdir,
                                                      system.env, ["--http-port", "0"])
     run_sync(wait_until_ready(system.url, {"frontend": ["frontend-structured"]}, system.check_alive, 60))
@@ -179,3 +179,119 @@ async def test_a_bad_spec_is_a_400_naming_it_beside_a_live_stream(api, fields: d
     assert "\n" not in error["message"], "an error is one line"
     text = "".join([c.choices[0].text async for c in live if c.choices])
     assert re.fullmatch(r"[a-z ]+", text) and len(text) == 60, f"the live stream was disturbed: {text!r}"
+
+
+# -- tool calls ----------------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                   "properties": {"city": {"type": "string", "maxLength": 12},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                  "unit": {"enum": ["c", "f"]}}}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                                       "properties": {"zone": {"type": "string", "pattern": "^UTC[+-][0-9]$"}}}}}
+TOOLS = [WEATHER, CLOCK]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def assert_valid_calls(calls, names: set[str], where: str) -> None:
+    assert calls, f"{where}: no tool calls"
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_"), f"{where}: {call}"
+        assert call.function.name in names, f"{where}: called {call.function.name}"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("tool_choice, names", [
+    ("required", {"get_weather", "get_time"}),
+    ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+], ids=["required", "named"])
+async def test_a_forced_tool_call_is_valid_for_every_seed(api, tool_choice, names: set[str]):
+    """One call (a named function, or "required" without parallel calls): it always ends, valid."""
+    client = client_for(api)
+    results = await asyncio.gather(*(client.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False,
+        temperature=1.0, seed=seed, max_tokens=400) for seed in range(8)))
+    for seed, result in enumerate(results):
+        choice = result.choices[0]
+        assert choice.finish_reason == "tool_calls", f"seed {seed}: {choice.finish_reason} {choice.message}"
+        assert_valid_calls(choice.message.tool_calls, names, f"seed {seed}")
+        assert len(choice.message.tool_calls) == 1, f"seed {seed}: {choice.message.tool_calls}"
+
+
+async def test_required_with_parallel_calls_makes_valid_calls(api):
+    """The tiny model rarely stops calling: every call but one cut by max_tokens is valid."""
+    for seed in range(4):
+        choice = (await client_for(api).chat.completions.create(
+            model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed,
+            max_tokens=200)).choices[0]
+        calls = choice.message.tool_calls
+        whole = calls if choice.finish_reason == "tool_calls" else calls[:-1]
+        assert choice.finish_reason in ("tool_calls", "length") and calls, choice
+        if whole:
+            assert_valid_calls(whole, {"get_weather", "get_time"}, f"seed {seed}")
+
+
+async def test_streamed_tool_call_deltas_assemble_to_the_whole_answer(api):
+    """The SDK's stream helper assembles OpenAI's tool-call deltas; with one seed the streamed answer
+    is the whole one."""
+    client = client_for(api)
+    kwargs = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                  temperature=1.0, seed=5, max_tokens=400)
+    whole = (await client.chat.completions.create(**kwargs)).choices[0]
+    async with client.chat.completions.stream(**kwargs) as stream:
+        async for _ in stream:
+            pass
+        streamed = (await stream.get_final_completion()).choices[0]
+    assert streamed.finish_reason == whole.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+async def test_auto_reads_a_call_the_model_writes(api):
+    """With tool_choice auto nothing is forced; a call the model writes (here steered by the client's
+    own grammar, in the tiny model's Hermes format) still comes back as a tool call."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    lark = "start: " + json.dumps(call)
+    result = await client_for(api).chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, max_tokens=200, temperature=0.0,
+        extra_body={"structured_outputs": {"grammar": lark}})
+    choice = result.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+        [("get_weather", {"city": "Oslo", "days": 2})]
+    plain = await client_for(api).chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=200, temperature=0.0,
+        extra_body={"structured_outputs": {"grammar": lark}})
+    assert plain.choices[0].message.content == call and not plain.choices[0].message.tool_calls
+
+
+async def test_tool_results_go_back_through_the_template(api):
+    from tandem.shared.text.chat_template import tiny_template
+
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Oslo", "days": 1})}}
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 3}"}]
+    result = await client_for(api).chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
+                                                           max_tokens=5, temperature=0.0)
+    rendered = tiny_template().render(messages, tools=TOOLS)
+    assert '{"temp": 3}' in rendered and "<tool_call>" in rendered and "get_time" in rendered
+    assert result.usage.prompt_tokens == len(rendered.encode()), "the prompt is not the template's rendering"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string", "not": {"const": "x"}}}}}}], "tool_choice": "required"}, "tools"),
+], ids=["no name", "unknown function", "required without tools", "with response_format", "unsupported keyword"])
+async def test_bad_tools_are_a_400_naming_the_field(api, fields: dict, param: str):
+    with pytest.raises(openai.BadRequestError) as raised:
+        await client_for(api).chat.completions.create(model="tiny", messages=ASK, max_tokens=5, **fields)
+    error = raised.value.body
+    assert error["param"] == param and "\n" not in error["message"], error
