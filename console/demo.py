@@ -61,7 +61,7 @@ def _blocks() -> BlockSnapshot:
         SequenceBlocks(request_id="req-0001", num_tokens=190, block_table=seq_a, prefix_cached_blocks=0,
                        imported_blocks=11),
         SequenceBlocks(request_id="req-0002", num_tokens=150, block_table=seq_b, prefix_cached_blocks=4,
-                       imported_blocks=5),
+                       imported_blocks=5, constrained="json_schema"),
         *(SequenceBlocks(request_id="req-0003", num_tokens=tokens, block_table=table, sample_index=i)
           for i, (table, tokens) in enumerate(zip(samples, (317, 281, 290)))),
     ]

@@ -1,7 +1,8 @@
 """Pane 2, Block tables: one worker's KV pool, its sequences' block tables, the KV-stores.
 
 Top left, the prefill and decode workers found by discovery (pick one; its block snapshot comes
-every second); below, its live sequences (a request's later outputs as ``request#i``). The
+every second); below, its live sequences (a request's later outputs as ``request#i``; a structured
+output's kind under "constrained"). The
 middle shows the pool, one cell per physical block coloured by state (free, in use, free but
 cached, shared: a shared cell shows how many block tables hold it), how many blocks
 copy-on-write has copied (forked samples and beams share blocks until one writes), the chosen
@@ -100,7 +101,7 @@ class BlocksScreen(PaneScreen):
                 yield OptionList(id="workers")
                 yield Label("sequences", classes="title")
                 table = DataTable(id="sequences", cursor_type="row")
-                table.add_columns("request", "blocks", "cached", "imported")
+                table.add_columns("request", "blocks", "cached", "imported", "constrained")
                 yield table
             with Vertical(id="center"):
                 yield Label("physical blocks", classes="title", id="pool-title")
@@ -142,7 +143,7 @@ class BlocksScreen(PaneScreen):
         sequences = [s for s in snapshot.sequences if self.filter_text in sequence_name(s)] if snapshot else []
         for seq in sequences:
             table.add_row(sequence_name(seq)[:16], str(len(seq.block_table)), str(seq.prefix_cached_blocks),
-                          str(seq.imported_blocks), key=sequence_name(seq))
+                          str(seq.imported_blocks), seq.constrained or "-", key=sequence_name(seq))
         keys = [sequence_name(s) for s in sequences]
         if self.sequence in keys:
             table.move_cursor(row=keys.index(self.sequence), animate=False)

@@ -48,7 +48,7 @@ def take_snapshot(engine: EngineView, instance_id: str) -> BlockSnapshot:
     sequences = [
         SequenceBlocks(request_id=seq.request_id, num_tokens=seq.num_tokens, block_table=list(seq.block_table),
                        prefix_cached_blocks=seq.prefix_cached_blocks, imported_blocks=seq.imported_blocks,
-                       sample_index=seq.sample_index)
+                       sample_index=seq.sample_index, constrained=seq.constrained)
         for seq in engine.sequences(limit=MAX_SEQUENCES) if seq.status != "swapped"
     ]
     return BlockSnapshot(instance_id=instance_id, num_blocks=pool.num_blocks, block_size=pool.block_size,

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from tandem.services.frontend import schemas
 from tandem.services.frontend.errors import bad_request
 from tandem.shared.protocol.base import first_error
-from tandem.shared.protocol.serving import MAX_STRUCTURED_SPEC_CHARS, StructuredOutput
+from tandem.shared.protocol.serving import MAX_STRUCTURED_SPEC_CHARS, StructuredOutput, grammar_syntax
 from tandem.shared.structured.grammars import StructuredOutputError, check
 
 SPEC_KEYS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's structured_outputs: one of them
@@ -112,8 +112,7 @@ def _kind_of(key: str, value: Any, where: str) -> dict:
         raise bad_request(f"{where}: a string", where.split(".")[0])
     if key == "regex":
         return {"kind": "regex", "spec": value}
-    # GBNF's rules read `name ::= ...`, Lark's `name: ...`.
-    return {"kind": "gbnf" if "::=" in value else "lark", "spec": value}
+    return {"kind": grammar_syntax(value), "spec": value}
 
 
 def _schema_text(schema: dict) -> str:

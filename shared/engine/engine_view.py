@@ -58,6 +58,7 @@ class SequenceView:
     block_table: tuple[int, ...]  # device blocks, in token order (empty while waiting or swapped)
     prefix_cached_blocks: int  # leading blocks claimed from the prefix cache
     imported_blocks: int  # blocks after those that came with it (a hand-off or a KV-store fetch)
+    constrained: str = ""  # the kind of its structured output (json_schema, regex, ...); "": free text
 
 
 @dataclass(frozen=True)

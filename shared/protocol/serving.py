@@ -52,6 +52,11 @@ StreamSubject = Annotated[str, Field(min_length=1, max_length=MAX_SUBJECT_CHARS,
 StructuredKind = Literal["json_object", "json_schema", "regex", "choice", "lark", "gbnf"]
 
 
+def grammar_syntax(text: str) -> Literal["gbnf", "lark"]:
+    """The syntax a grammar is written in: GBNF's rules read ``name ::= ...``, Lark's ``name: ...``."""
+    return "gbnf" if "::=" in text else "lark"
+
+
 class StructuredOutput(BaseModel):
     """What the engine constrains a request's output to, token by token (see ``shared/structured``).
 

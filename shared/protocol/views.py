@@ -17,6 +17,7 @@ class SequenceBlocks(BaseModel):
     prefix_cached_blocks: int = 0  # leading blocks claimed from this worker's prefix cache
     imported_blocks: int = 0  # leading blocks that came from a hand-off or the KV-store
     sample_index: int = 0  # which output of its request (n > 1, best_of, beams): each has its own table
+    constrained: str = ""  # the kind of structured output its tokens are held to (json_schema, regex, ...)
 
 
 MAX_SHOWN_REF_COUNT = 255  # a ref count byte saturates here

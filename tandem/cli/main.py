@@ -78,7 +78,8 @@ SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", 
                   "best_of": "--best-of", "beam_width": "--beam-width", "length_penalty": "--length-penalty",
                   "early_stopping": "--early-stopping", "presence_penalty": "--presence-penalty",
                   "frequency_penalty": "--frequency-penalty", "repetition_penalty": "--repetition-penalty",
-                  "min_tokens": "--min-tokens", "logit_bias": "--logit-bias"}
+                  "min_tokens": "--min-tokens", "logit_bias": "--logit-bias",
+                  "structured_output": "--json-schema/--regex/--choice/--grammar"}
 EARLY_STOPPING = {"true": True, "false": False, "never": "never"}  # --early-stopping's words -> the wire's values
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 
@@ -167,6 +168,14 @@ def parser() -> argparse.ArgumentParser:
                           "(0..20; raw log_softmax of the model's logits)")
     gen.add_argument("--prompt-logprobs", metavar="N", type=int,
                      help="with --json: the same for every prompt token but the first (0..20)")
+    structured = gen.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="FILE",
+                            help="constrain the output to JSON that FILE's JSON schema admits (- : standard input)")
+    structured.add_argument("--regex", metavar="RE", help="constrain the output to text the regular expression matches")
+    structured.add_argument("--choice", metavar="TEXT", action="append",
+                            help="constrain the output to exactly one of the --choice texts (repeatable)")
+    structured.add_argument("--grammar", metavar="FILE",
+                            help="constrain the output to FILE's grammar (Lark, or GBNF: rules written name ::= ...)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object instead of streaming: prompt_token_ids and outputs (each text, "
                           "token_ids, finish_reason, cumulative_logprob, logprobs), best first")
@@ -327,6 +336,9 @@ def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
                   presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                   repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
                   logit_bias=list(args.logit_bias))
+    structured = structured_output(args)
+    if structured is not None:
+        params["structured_output"] = structured
     try:
         SamplingParams(**params)
     except ValidationError as exc:
@@ -345,6 +357,37 @@ def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
         if args.early_stopping != "false":
             raise UsageError("--early-stopping applies to beam search only (--beam-width > 1)")
     return params
+
+
+def structured_output(args: argparse.Namespace) -> dict[str, Any] | None:
+    """generate's --json-schema, --regex, --choice or --grammar as a StructuredOutput's fields (the
+    workers compile it: a spec that does not compile comes back as the request's error)."""
+    from tandem.shared.protocol.serving import grammar_syntax
+
+    if args.regex is not None:
+        return {"kind": "regex", "spec": args.regex}
+    if args.choice:
+        return {"kind": "choice", "choices": args.choice}
+    if args.grammar is not None:
+        text = read_spec_file(args.grammar, "--grammar")
+        return {"kind": grammar_syntax(text), "spec": text}
+    if args.json_schema is not None:
+        text = read_spec_file(args.json_schema, "--json-schema")
+        try:
+            schema = json.loads(text)
+        except ValueError as exc:
+            raise UsageError(f"--json-schema: {args.json_schema} is not JSON ({exc})") from None
+        if not isinstance(schema, dict):
+            raise UsageError(f"--json-schema: {args.json_schema} holds a {type(schema).__name__}, not a schema object")
+        return {"kind": "json_schema", "spec": json.dumps(schema, separators=(",", ":"))}
+    return None
+
+
+def read_spec_file(path: str, flag: str) -> str:
+    try:
+        return sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{flag}: cannot read {path} ({exc.strerror if isinstance(exc, OSError) else exc})") from None
 
 
 def logprobs_fields(result) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -353,3 +354,34 @@ def test_frontend_overhead_benchmark_starts_its_own_tandem_up(tmp_path):
     assert "frontend_overhead: starting -m tandem up --http-port 0" in done.stderr, done.stderr
     check_overhead(done.stdout, out_file, [2], 4)
     assert find_running(tmp_path) is None, "the tandem up it started is stopped again"
+
+
+@pytest.mark.parametrize("flags, admitted", [
+    (["--regex", "[0-9]{2}-[a-z]{3}"], lambda text: re.fullmatch(r"[0-9]{2}-[a-z]{3}", text)),
+    (["--choice", "left", "--choice", "right"], lambda text: text in ("left", "right")),
+    (["--json-schema", "@schema"], lambda text: json.loads(text)["n"] in range(10)),
+    (["--grammar", "@grammar"], lambda text: re.fullmatch(r"ab+", text)),
+], ids=["regex", "choice", "json-schema", "grammar"])
+def test_generate_constrains_the_output(system, flags, admitted, tmp_path):
+    schema, grammar = tmp_path / "schema.json", tmp_path / "grammar.gbnf"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 9}},
+                                  "required": ["n"], "additionalProperties": False}))
+    grammar.write_text('root ::= "a" "b"+')
+    flags = [str({"@schema": schema, "@grammar": grammar}.get(flag, flag)) for flag in flags]
+    for seed in range(3):
+        done = tandem(["generate", "x = ", "--nats-url", system.url, "--max-tokens", "40", "--seed", str(seed),
+                       "--json", *flags], tmp_path)
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        assert result["finish_reason"] == "stop" and admitted(result["text"]), result
+
+
+@pytest.mark.parametrize("flags, stderr", [
+    (["--regex", "[a-"], "unclosed character class"),
+    (["--json-schema", "/nonexistent.json"], "tandem generate: --json-schema: cannot read /nonexistent.json"),
+    (["--regex", "a", "--choice", "b"], "not allowed with argument"),
+], ids=["bad regex", "missing file", "two at once"])
+def test_generate_with_a_bad_structured_output_says_so_in_one_line(system, flags, stderr, tmp_path):
+    done = tandem(["generate", "x", "--nats-url", system.url, *flags], tmp_path)
+    assert done.returncode in (1, 2) and len(done.stderr.splitlines()) == 1 and stderr in done.stderr, done.stderr
