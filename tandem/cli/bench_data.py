@@ -5,7 +5,10 @@ Datasets make prompts as token ids drawn uniformly from ``[0, vocab_size)`` of t
 
 - ``random``: input and output lengths uniform in ``[len * (1 - range_ratio), len * (1 + range_ratio)]``;
 - ``prefix``: the same, with the first ``prefix_ratio`` of every prompt shared (``num_prefixes``
-  different prefixes, assigned round robin), as for a common system prompt.
+  different prefixes, assigned round robin), as for a common system prompt;
+- ``json``: ``random``'s prompts, each output constrained to :data:`JSON_DATASET_SCHEMA` (records
+  with integers, bounded strings and enums; at least 1,000 of them, so no output completes the
+  document before its ``output_len`` and lengths stay exact).
 
 Arrivals: gaps drawn from a gamma distribution with shape ``burstiness`` and mean ``1/rate``
 (burstiness 1 is a Poisson process; lower is burstier); rate ``inf`` sends everything at once.
@@ -22,11 +25,24 @@ import math
 import random
 from dataclasses import dataclass, field
 
+# The json dataset's schema: what a structured-output workload's masks look like (objects, strings,
+# numbers, enums), long enough that every request decodes its whole output_len.
+JSON_DATASET_SCHEMA = {
+    "type": "array", "minItems": 1000,
+    "items": {"type": "object", "additionalProperties": False, "required": ["id", "name", "score"],
+              "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99999},
+                             "name": {"type": "string", "maxLength": 16},
+                             "score": {"type": "number"},
+                             "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["new", "hot", "old"]}}}},
+}
+DATASETS = ("random", "prefix", "json")
+
 
 @dataclass
 class BenchRequest:
     prompt: list[int]
     output_len: int
+    schema: dict | None = None  # the JSON schema its output is held to (the json dataset)
 
 
 @dataclass
@@ -52,9 +68,9 @@ def _lengths(n: int, length: int, range_ratio: float, rng: random.Random) -> lis
 
 def make_requests(dataset: str, n: int, input_len: int, output_len: int, vocab_size: int, *, range_ratio: float = 0.0,
                   prefix_ratio: float = 0.0, num_prefixes: int = 1, seed: int = 0) -> list[BenchRequest]:
-    """``n`` requests of the ``random`` or ``prefix`` dataset."""
-    if dataset not in ("random", "prefix"):
-        raise ValueError(f"unknown dataset {dataset!r} (random, prefix)")
+    """``n`` requests of one of :data:`DATASETS`."""
+    if dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {dataset!r} ({', '.join(DATASETS)})")
     rng = random.Random(seed)
     inputs = _lengths(n, input_len, range_ratio, rng)
     outputs = _lengths(n, output_len, range_ratio, rng)
@@ -63,7 +79,8 @@ def make_requests(dataset: str, n: int, input_len: int, output_len: int, vocab_s
     requests = []
     for i, (inp, out) in enumerate(zip(inputs, outputs)):
         prefix = prefixes[i % len(prefixes)][: inp - 1] if prefix_len else []
-        requests.append(BenchRequest(prefix + [rng.randrange(vocab_size) for _ in range(inp - len(prefix))], out))
+        requests.append(BenchRequest(prefix + [rng.randrange(vocab_size) for _ in range(inp - len(prefix))], out,
+                                     JSON_DATASET_SCHEMA if dataset == "json" else None))
     return requests
 
 

@@ -38,7 +38,15 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tandem.cli.bench_data import BenchRequest, RequestResult, arrival_gaps, make_requests, parse_goodput, summarize
+from tandem.cli.bench_data import (
+    DATASETS,
+    BenchRequest,
+    RequestResult,
+    arrival_gaps,
+    make_requests,
+    parse_goodput,
+    summarize,
+)
 from tandem.shared.infra.config import BY_FLAT, Settings
 
 TTFT_METRIC = "tandem:time_to_first_token_seconds"
@@ -66,8 +74,9 @@ class BenchLimits(BaseModel):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dataset-name", choices=("random", "prefix"), default="random",
-                   help="random token ids, or with a shared prefix (see --prefix-ratio)")
+    p.add_argument("--dataset-name", choices=DATASETS, default="random",
+                   help="random token ids, with a shared prefix (see --prefix-ratio), or random ones whose output is "
+                        "held to a JSON schema (structured outputs)")
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens (mean)")
     p.add_argument("--output-len", type=int, default=64, help="output tokens (mean; exact per request)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 -/+ ratio)")
@@ -143,8 +152,10 @@ class Backend(Protocol):
     async def describe(self) -> tuple[str, int]:
         """(model name, vocabulary size): what the prompts are made for."""
 
-    def stream(self, prompt: list[int], output_len: int, timeout_s: float) -> AsyncIterator[Tokens]:
-        """One greedy ``ignore_eos`` request of exactly ``output_len`` tokens; raises on failure."""
+    def stream(self, prompt: list[int], output_len: int, timeout_s: float,
+               schema: dict | None = None) -> AsyncIterator[Tokens]:
+        """One greedy ``ignore_eos`` request of exactly ``output_len`` tokens (its output held to
+        ``schema`` when given); raises on failure."""
 
     async def services_ttft(self) -> dict[str, tuple[float, int]] | None:
         """instance -> (TTFT sum, count) of every engine worker; None where the services are out of reach."""
@@ -183,9 +194,12 @@ class NatsBackend:
         model, vocab = await router_model(self.client.nc)
         return self.model or model, self.vocab_size or vocab
 
-    async def stream(self, prompt: list[int], output_len: int, timeout_s: float) -> AsyncIterator[Tokens]:
+    async def stream(self, prompt: list[int], output_len: int, timeout_s: float,
+                     schema: dict | None = None) -> AsyncIterator[Tokens]:
+        structured = {} if schema is None else {"structured_output": {"kind": "json_schema",
+                                                                      "spec": json.dumps(schema)}}
         chunks = self.client.generate(prompt, model=self.model, max_tokens=output_len, temperature=0.0,
-                                      ignore_eos=True, timeout_s=timeout_s)
+                                      ignore_eos=True, timeout_s=timeout_s, **structured)
         # Closed however the loop ends, so a request given up on is cancelled on the workers.
         async with aclosing(chunks):
             async for chunk in chunks:
@@ -291,9 +305,12 @@ class HttpBackend:
         self.vocab_size = int(vocab)
         return self.model, self.vocab_size
 
-    async def stream(self, prompt: list[int], output_len: int, timeout_s: float) -> AsyncIterator[Tokens]:
+    async def stream(self, prompt: list[int], output_len: int, timeout_s: float,
+                     schema: dict | None = None) -> AsyncIterator[Tokens]:
         body = {"model": self.model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        if schema is not None:
+            body["structured_outputs"] = {"json": schema}
         async with self.http.stream("POST", f"{self.url}/v1/completions", json=body, headers=self.headers,
                                     timeout=timeout_s) as resp:
             if resp.status_code != 200:
@@ -380,14 +397,15 @@ def failure_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-async def one(backend: Backend, prompt: list[int], output_len: int, timeout_s: float) -> RequestResult:
+async def one(backend: Backend, prompt: list[int], output_len: int, timeout_s: float,
+              schema: dict | None = None) -> RequestResult:
     """Send one request and time its tokens; a failure is recorded, not raised."""
     result = RequestResult(prompt_len=len(prompt), output_len=0, max_tokens=output_len)
     start = time.perf_counter()
     last = None
     total = None
     try:
-        async with aclosing(backend.stream(prompt, output_len, timeout_s)) as tokens:
+        async with aclosing(backend.stream(prompt, output_len, timeout_s, schema)) as tokens:
             async for got in tokens:
                 now = time.perf_counter()
                 for _ in range(got.count):
@@ -419,7 +437,7 @@ async def drive(backend: Backend, requests: Sequence[BenchRequest], *, request_r
 
     async def limited(req: BenchRequest) -> RequestResult:
         async with limit:
-            result = await one(backend, req.prompt, req.output_len, timeout_s)
+            result = await one(backend, req.prompt, req.output_len, timeout_s, req.schema)
         if progress is not None:
             progress.step()
         return result
@@ -444,7 +462,7 @@ async def run(backend: Backend, args: argparse.Namespace) -> dict:
     warmups = make_requests(args.dataset_name, args.num_warmups, args.input_len, args.output_len, vocab,
                             seed=args.seed + 1000, **kw)
     for w in warmups:
-        await one(backend, w.prompt, w.output_len, args.timeout)
+        await one(backend, w.prompt, w.output_len, args.timeout, w.schema)
     before = await backend.services_ttft()
     results, duration = await drive(backend, requests, request_rate=args.request_rate, burstiness=args.burstiness,
                                     seed=args.seed, max_concurrency=args.max_concurrency, timeout_s=args.timeout,

@@ -49,6 +49,21 @@ def test_bench_serve_prints_the_table_and_agrees_with_the_services_ttft(up, tmp_
     assert server <= client, "the services' TTFT starts later (router accept) than the client's"
 
 
+@pytest.mark.parametrize("backend", [[], ["--base-url", "http"]], ids=["nats", "http"])
+def test_the_json_dataset_holds_every_output_to_its_schema_at_exact_lengths(up, backend, tmp_path):
+    """Structured outputs under load: every request decodes its whole output_len under the schema."""
+    if backend:
+        backend = ["--base-url", json.loads((up / "run" / "up.json").read_text())["http_url"]]
+    out_file = tmp_path / "result.json"
+    cmd = [*TANDEM, "bench", "serve", "--dataset-name", "json", "--input-len", "64", "--output-len", "24",
+           "--num-prompts", "8", "--max-concurrency", "4", "--json-out", str(out_file), *backend]
+    out = subprocess.run(cmd, env=tandem_env(up), capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(out_file.read_text())
+    assert result["summary"]["completed"] == 8 and result["summary"]["failed"] == 0, result["summary"]
+    assert all(r["output_len"] == r["max_tokens"] == 24 for r in result["requests"]), "the schema cut an output"
+
+
 def test_bench_serve_without_a_system_says_how_to_start_one(tmp_path):
     out = subprocess.run([*TANDEM, "bench", "serve"], env=tandem_env(tmp_path), capture_output=True, text=True,
                          timeout=60)

@@ -360,14 +360,14 @@ def test_frontend_overhead_benchmark_starts_its_own_tandem_up(tmp_path):
     (["--regex", "[0-9]{2}-[a-z]{3}"], lambda text: re.fullmatch(r"[0-9]{2}-[a-z]{3}", text)),
     (["--choice", "left", "--choice", "right"], lambda text: text in ("left", "right")),
     (["--json-schema", "@schema"], lambda text: json.loads(text)["n"] in range(10)),
-    (["--grammar", "@grammar"], lambda text: re.fullmatch(r"ab+", text)),
+    (["--grammar", "@grammar"], lambda text: re.fullmatch(r"a(b|cc)d", text)),
 ], ids=["regex", "choice", "json-schema", "grammar"])
 def test_generate_constrains_the_output(system, flags, admitted, tmp_path):
     schema, grammar = tmp_path / "schema.json", tmp_path / "grammar.gbnf"
     schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
                                                                           "maximum": 9}},
                                   "required": ["n"], "additionalProperties": False}))
-    grammar.write_text('root ::= "a" "b"+')
+    grammar.write_text('root ::= "a" ("b" | "cc") "d"')
     flags = [str({"@schema": schema, "@grammar": grammar}.get(flag, flag)) for flag in flags]
     for seed in range(3):
         done = tandem(["generate", "x = ", "--nats-url", system.url, "--max-tokens", "40", "--seed", str(seed),
