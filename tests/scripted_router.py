@@ -10,7 +10,9 @@ whatever the engine does today::
     ...
     await router.close()
 
-``router.requests`` keeps every request it took, as decoded from the wire.
+``router.requests`` keeps every request it took, as decoded from the wire. It takes embedding
+requests too (``tandem.v1.router.embed.<owner>``): their script publishes an ``EmbeddingResult``
+(see :func:`embedding_result`) or an error chunk.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from support import flushed
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ErrorReply
 from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.embedding import EmbeddingResult, EmbedRequest, vector_bytes
 from tandem.shared.protocol.fleet import Heartbeat
 from tandem.shared.protocol.serving import GenerateAccepted, GenerateRequest, Probe, StreamChunk, TokenLogprobs
 
@@ -31,8 +34,8 @@ DECODE_WORKER = "decode-scripted"  # the decode worker every placement names
 PROBE = "probe"  # a script step: ask the client whether it still listens, as a decode worker does every 2 s
 # A script step: a chunk to publish, a pause (seconds) before the next one, PROBE, or a heartbeat of
 # the scripted decode worker (see :func:`beat`).
-Step = StreamChunk | float | str | Heartbeat
-Script = Callable[[GenerateRequest], Sequence[Step]]
+Step = StreamChunk | EmbeddingResult | float | str | Heartbeat
+Script = Callable[[GenerateRequest | EmbedRequest], Sequence[Step]]
 
 
 def chunk(request: GenerateRequest, sample: int, index: int, token_ids: list[int], text: str | None = None,
@@ -43,7 +46,14 @@ def chunk(request: GenerateRequest, sample: int, index: int, token_ids: list[int
                        finish_reason=finish_reason, sample_index=sample, **fields)
 
 
-def error_chunk(request: GenerateRequest, message: str, code: ErrorCode = ErrorCode.WORKER_FAILURE) -> StreamChunk:
+def embedding_result(request: EmbedRequest, vector: list[float]) -> EmbeddingResult:
+    """What a decode worker publishes for an embedding request: its vector (as given: unnormalised here)."""
+    return EmbeddingResult(request_id=request.request_id, embedding=vector_bytes(vector),
+                           num_prompt_tokens=len(prompt_ids(request)), pooling=request.pooling.method or "last")
+
+
+def error_chunk(request: GenerateRequest | EmbedRequest, message: str,
+                code: ErrorCode = ErrorCode.WORKER_FAILURE) -> StreamChunk:
     """The chunk a worker sends when the request failed there (or, ``shutting_down``, it stopped
     before the request finished): it ends every output."""
     error = ErrorReply(code=code, message=message, request_id=request.request_id)
@@ -55,7 +65,7 @@ def entries(*logprobs: float) -> list[TokenLogprobs]:
     return [TokenLogprobs(logprob=value, top=[(0, value)]) for value in logprobs]
 
 
-def prompt_ids(request: GenerateRequest) -> list[int]:
+def prompt_ids(request: GenerateRequest | EmbedRequest) -> list[int]:
     return list(request.prompt.encode()) if request.prompt is not None else list(request.prompt_token_ids)
 
 
@@ -70,7 +80,7 @@ class ScriptedRouter:
     def __init__(self, nc: nats.NATS, script: Script) -> None:
         self.nc = nc
         self.script = script
-        self.requests: list[GenerateRequest] = []
+        self.requests: list[GenerateRequest | EmbedRequest] = []
         self.decode_incarnation = ""  # the process placements name (GenerateAccepted.decode_incarnation)
         self._tasks: set[asyncio.Task] = set()
 
@@ -78,6 +88,7 @@ class ScriptedRouter:
     async def start(cls, url: str, script: Script) -> ScriptedRouter:
         router = cls(await nats.connect(url), script)
         await router.nc.subscribe(subjects.ROUTER_GENERATE_ALL, cb=router._on_generate)
+        await router.nc.subscribe(subjects.ROUTER_EMBED_ALL, cb=router._on_embed)
         await flushed(router.nc)
         return router
 
@@ -88,11 +99,22 @@ class ScriptedRouter:
                                                   prefill_worker=None, decode_worker=DECODE_WORKER,
                                                   decode_incarnation=self.decode_incarnation,
                                                   max_tokens=request.params.max_tokens or 16)))
+        self._play(request)
+
+    async def _on_embed(self, msg) -> None:
+        request = decode(msg.data, EmbedRequest)
+        self.requests.append(request)
+        await msg.respond(encode(GenerateAccepted(request_id=request.request_id, prompt_token_ids=prompt_ids(request),
+                                                  prefill_worker=None, decode_worker=DECODE_WORKER,
+                                                  decode_incarnation=self.decode_incarnation)))
+        self._play(request)
+
+    def _play(self, request: GenerateRequest | EmbedRequest) -> None:
         task = asyncio.ensure_future(self._stream(request))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _stream(self, request: GenerateRequest) -> None:
+    async def _stream(self, request: GenerateRequest | EmbedRequest) -> None:
         await asyncio.sleep(0.05)  # after the client has the accept: chunks are published to its live inbox
         for step in self.script(request):
             if isinstance(step, float | int):

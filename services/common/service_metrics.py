@@ -19,8 +19,9 @@ Workers (:class:`WorkerMetrics`, fed from each engine step's outputs in ``Engine
   ``tandem:e2e_request_latency_seconds`` (router accept to last token),
   ``tandem:request_queue_time_seconds`` (worker arrival to the first engine step that runs it),
   ``tandem:request_prompt_tokens`` / ``tandem:request_generation_tokens`` (per finished request);
-- ``tandem:prompt_tokens_total`` (prompt tokens prefilled here), ``tandem:generation_tokens_total``
-  (tokens sampled here), ``tandem:request_success_total{finished_reason}`` (requests finished here);
+- ``tandem:prompt_tokens_total`` (prompt tokens prefilled here, embeddings' included),
+  ``tandem:generation_tokens_total`` (tokens sampled here), ``tandem:request_success_total{finished_reason}``
+  (requests finished here; an embedding's reason is ``embedded``);
 - read from the engine: ``tandem:num_requests_running``, ``tandem:num_requests_waiting``,
   ``tandem:num_requests_swapped`` (preempted to the swap space), ``tandem:kv_cache_usage_perc``
   (0..1), ``tandem:prefix_cache_queries_total`` and ``tandem:prefix_cache_hits_total`` (tokens),
@@ -58,6 +59,7 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 FINISHED = "prefilled"  # a prefill worker's hand-off: the request goes on elsewhere
+EMBEDDED = "embedded"  # an embedding's end: its prompt was prefilled, nothing sampled
 
 
 class WorkerMetrics:
@@ -105,6 +107,8 @@ class WorkerMetrics:
             if out.sample_index == 0:
                 stream.last_token = now
             self.generation_tokens.inc(n)
+        if out.finish_reason == EMBEDDED:
+            self.prompt_tokens.inc(out.num_prompt_tokens)
         if out.ends_request and out.finish_reason != FINISHED:
             self.success.labels(out.finish_reason or "unknown").inc()
             self.e2e.observe(max(0.0, now - stream.arrival))
@@ -136,10 +140,12 @@ class RouterMetrics:
         self.queue_wait = prom.histogram("tandem:router_queue_wait_seconds", "time in the admission queue",
                                          TTFT_BUCKETS)
 
-    def placed(self, prompt_tokens: int, max_tokens: int, accepted_at: float) -> None:
+    def placed(self, prompt_tokens: int, max_tokens: int | None, accepted_at: float) -> None:
+        """One request placed; ``max_tokens`` None for an embedding (it generates nothing)."""
         self.requests.inc()
         self.prompt_tokens.observe(prompt_tokens)
-        self.max_tokens.observe(max_tokens)
+        if max_tokens is not None:
+            self.max_tokens.observe(max_tokens)
         self.placement.observe(max(0.0, time.time() - accepted_at))
 
 

@@ -43,6 +43,7 @@ from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError, shortened
 from tandem.shared.protocol.block_hashes import prefix_hashes
 from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.embedding import EmbeddingResult, vector_bytes
 from tandem.shared.protocol.fleet import Heartbeat
 from tandem.shared.protocol.serving import Cancel, RequestSpec, StreamChunk, TokenLogprobs
 
@@ -102,6 +103,7 @@ class Stream:
     first_token: float = 0.0  # unix times of its first and latest output token, for latency metrics
     last_token: float = 0.0
     received: float = field(default_factory=time.time)  # when it reached this worker
+    pooling: str = ""  # an embedding request's pooling method ("": generation)
 
     later_outputs: dict[int, int] = field(default_factory=dict)  # the same for outputs 1.. of a request with several
 
@@ -359,6 +361,9 @@ class EngineWorker(ServiceRuntime):
                 self.log.debug("%s failed in the engine (logged there): %s", out.request_id, out.error)
                 self.send_error(out.request_id, stream, out.error)
                 continue
+            if out.embedding is not None:
+                self.send_embedding(stream, out)
+                continue
             self.send_chunk(stream, out.request_id, out.new_token_ids, out.text_delta,
                             out.finish_reason if out.finished else None, logprobs=out.logprobs,
                             prompt_logprobs=out.prompt_logprobs, sample_index=out.sample_index,
@@ -385,8 +390,18 @@ class EngineWorker(ServiceRuntime):
                             prompt_logprobs=prompt_logprobs, sample_index=sample_index,
                             cumulative_logprob=cumulative_logprob)
         stream.advance(sample_index, len(token_ids))
-        # One task per engine step publishes every chunk of that step, not one task per chunk.
-        self._outbox.append((request_id, stream.subject, encode(chunk)))
+        self._queue_message(request_id, stream.subject, encode(chunk))
+
+    def send_embedding(self, stream: Stream, out: RequestOutput) -> None:
+        """Queue an embedding request's one result on its stream: its vector as float32 bytes."""
+        result = EmbeddingResult(request_id=out.request_id, embedding=vector_bytes(out.embedding.tolist()),
+                                 num_prompt_tokens=out.num_prompt_tokens, pooling=stream.pooling)
+        self._queue_message(out.request_id, stream.subject, encode(result))
+        self.log.debug("%s embedded: %d prompt tokens", out.request_id, out.num_prompt_tokens)
+
+    def _queue_message(self, request_id: str, subject: str, payload: bytes) -> None:
+        # One task per engine step publishes every message of that step, not one task per message.
+        self._outbox.append((request_id, subject, payload))
         if len(self._outbox) == 1:
             self.spawn(self._flush_outbox(), "publish chunks")
 

@@ -6,7 +6,10 @@
   landed and checksummed by the reader threads of this worker's bulk connections (``--kv-connections``);
 - ``tandem.v1.decode.<id>.admit``: a :class:`DecodeRequest`, prefilled elsewhere (its KV arrived as
   frames and is verified here, or lies in this worker's shared-memory ring when the prefill worker
-  is on the same host) or to prefill locally.
+  is on the same host) or to prefill locally;
+- ``tandem.v1.decode.<id>.embed``: an :class:`EmbedWork`, an embedding: its prompt joins the
+  running batch as a prefill (chunked like any), is pooled, and its vector goes to the client's
+  stream as one :class:`EmbeddingResult` (see :mod:`tandem.shared.engine.pooling`).
 
 Both paths end in the worker's :class:`HandoffReceiver` (:mod:`tandem.shared.kvtransfer.handoff`), which
 creates the ring (``--kv-ring-mib``, 0 disables it) at start; heartbeats advertise it with this host's
@@ -21,6 +24,7 @@ aborted and its blocks freed.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -28,12 +32,13 @@ from nats.micro.request import Request
 
 from tandem.services.common.runtime import run_service
 from tandem.services.common.worker import EngineWorker, Stream, engine_request
-from tandem.shared.engine.sequence import RequestOutput
+from tandem.shared.engine.sequence import EngineRequest, RequestOutput
 from tandem.shared.infra.config import Settings
 from tandem.shared.kvtransfer.handoff import HandoffReceiver
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import Ack, ErrorCode, ProtocolError
 from tandem.shared.protocol.codec import decode, encode, error_reply
+from tandem.shared.protocol.embedding import EmbedWork
 from tandem.shared.protocol.fleet import Heartbeat
 from tandem.shared.protocol.serving import DecodeRequest, Probe
 
@@ -74,22 +79,60 @@ class DecodeService(EngineWorker):
         await super().setup()
         await self.kv_receiver.serve(self.kv_channel, subjects.decode_kv(self.instance_id))
         await self.add_endpoint("admit", subjects.decode_admit(self.instance_id), self.on_admit)
+        await self.add_endpoint("embed", subjects.decode_embed(self.instance_id), self.on_embed)
         self.spawn(self.probe_loop(), "probe loop")
         self.spawn(self.kv_receiver.reclaim_every(self.settings.bus.probe_interval_s), "ring reclaim")
 
     async def on_admit(self, request: Request) -> None:
         # Admission waits for the ring copy and the engine thread (up to a step): from a task, or
         # every hand-off behind this one in the subscription waits too.
-        self.spawn(self.admit_replying(request), "admit")
+        self.spawn(self.replying("admit", self.admit, request), "admit")
 
-    async def admit_replying(self, request: Request) -> None:
+    async def replying(self, what: str, take: Callable[[Request], Awaitable[None]], request: Request) -> None:
+        """``take(request)``, which answers it; what it raises is answered as a typed error."""
         try:
-            await self.admit(request)
+            await take(request)
         except Exception as exc:
             reply = error_reply(exc)
-            self.limited.warning(f"admit replies {reply.code.value}", "admit: replied %s (%s)", reply.code.value,
+            self.limited.warning(f"{what} replies {reply.code.value}", "%s: replied %s (%s)", what, reply.code.value,
                                  reply.message)
             await request.respond(encode(reply))
+
+    async def on_embed(self, request: Request) -> None:
+        # The engine thread takes it between two steps: from a task, as admits.
+        self.spawn(self.replying("embed", self.embed, request), "embed")
+
+    async def embed(self, request: Request) -> None:
+        msg: EmbedWork = decode(request.data, EmbedWork)
+        self.check_embedding(msg)
+        if msg.request_id in self.streams or msg.request_id in self.admitting:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"request {msg.request_id} is already running here")
+        self.streams[msg.request_id] = Stream(msg.stream_subject, arrival=msg.arrival_time,
+                                              pooling=msg.pooling.method)
+        try:
+            await self.thread.add(EngineRequest(msg.request_id, list(msg.prompt_token_ids), pooling=msg.pooling))
+        except ValueError as exc:
+            del self.streams[msg.request_id]
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        self.log.debug("embed %s: %d prompt tokens, %s pooling", msg.request_id, len(msg.prompt_token_ids),
+                       msg.pooling.method)
+        await request.respond(encode(Ack(request_id=msg.request_id, incarnation=self.incarnation)))
+
+    def check_embedding(self, msg: EmbedWork) -> None:
+        """Refuse an embedding this worker cannot compute, with the code a client can act on (the
+        router checks the same first; a worker checks again, as it does a generation request)."""
+        if msg.model != self.model_name:
+            raise ProtocolError(ErrorCode.UNKNOWN_MODEL, f"this worker serves {self.model_name!r}, not {msg.model!r}")
+        if len(msg.prompt_token_ids) > self.max_model_len:
+            raise ProtocolError(ErrorCode.PROMPT_TOO_LONG, f"input has {len(msg.prompt_token_ids)} tokens; the "
+                                f"context holds {self.max_model_len}", "prompt")
+        if max(msg.prompt_token_ids) >= self.loaded.config.vocab_size:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST,
+                                f"token id {max(msg.prompt_token_ids)} is outside the vocabulary", "prompt")
+        hidden = self.loaded.config.hidden_size
+        if msg.pooling.dimensions is not None and msg.pooling.dimensions > hidden:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"dimensions is {msg.pooling.dimensions}; this model's "
+                                f"embeddings have {hidden}", "dimensions")
 
     async def admit(self, request: Request) -> None:
         msg: DecodeRequest = decode(request.data, DecodeRequest)

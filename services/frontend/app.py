@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException
 from tandem.client import Client, RequestStream, TandemError
 from tandem.services.frontend import schemas
 from tandem.services.frontend.chat_answer import THINK_END, ChatAnswer, ChoiceStream
+from tandem.services.frontend.embeddings import add_embeddings_route
 from tandem.services.frontend.errors import (
     APIError,
     bad_request,
@@ -327,6 +328,7 @@ def build_app(frontend: Frontend) -> FastAPI:
     # The last added runs first: the Gate counts every answer, the body limit's 413 included.
     app.add_middleware(BodyLimit, limits=frontend.limits)
     app.add_middleware(Gate, frontend=frontend)
+    add_embeddings_route(app, frontend)
 
     @app.get("/health")
     async def health() -> Response:
@@ -541,4 +543,5 @@ def chat_chunk(request_id: str, created: int, model: str, index: int, delta: sch
                                                                         finish_reason=finish_reason)])
 
 
-KNOWN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version", "/metrics")
+KNOWN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/health", "/version",
+               "/metrics")

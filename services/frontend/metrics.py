@@ -20,7 +20,8 @@ the planner reads it from.
 Per finished request, with the workers' names and meanings (vLLM's, ``vllm:`` becoming ``tandem:``;
 the ``service`` label of a scrape or snapshot, ``frontend``, tells the two counts apart):
 ``tandem:request_prompt_tokens`` / ``tandem:request_generation_tokens`` (histograms) and
-``tandem:request_success_total{finished_reason}``.
+``tandem:request_success_total{finished_reason}``. An embedding request counts once per input, as
+a request finished with reason ``embedded`` and its prompt tokens (no output tokens, no first token).
 """
 
 from __future__ import annotations
@@ -56,3 +57,9 @@ class FrontendMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(output_tokens)
         self.success.labels(reason or "abort").inc()
+
+    def embedded(self, prompt_tokens: int) -> None:
+        """One input of an embedding request, done."""
+        self.prompt_len.observe(prompt_tokens)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.success.labels("embedded").inc()

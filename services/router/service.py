@@ -1,4 +1,4 @@
-"""The router: entry point for generation requests.
+"""The router: entry point for generation and embedding requests.
 
 ``tandem serve router --nats-url URL``. Endpoint ``tandem.v1.router.generate.<owner>`` (queue-balanced, so
 several routers can share the load) takes a :class:`GenerateRequest`: it validates it, tokenizes
@@ -15,6 +15,12 @@ so a burst does not all land on one worker. Which worker caches which blocks com
 events stream (:mod:`tandem.services.router.kv_index`), read from its start, so a restarted router
 routes as its predecessor did.
 
+Endpoint ``tandem.v1.router.embed.<owner>`` takes an :class:`EmbedRequest` the same way (owner,
+tokenizer, context, admission queue) and places it on a decode worker alone, which prefills it in
+its running batch beside generation and publishes the vector to the client's stream: no hand-off
+to pay for, and the admission rule (decode workers' room) already counts it. The worker is ranked
+as for generation (a cached prefix serves last-token pooling; mean pooling computes every position).
+
 A request asking ``ack_placement`` gets :class:`PlacementReceived` (this router's id) the moment
 it is taken, and ``tandem.v1.router.<id>.alive`` answers for as long as the router's process is on
 the bus: a client holding a placement tells a router that died with it from one still placing it.
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from nats.errors import NoRespondersError
@@ -48,6 +55,7 @@ from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import Ack, ErrorCode, ErrorReply, ProtocolError
 from tandem.shared.protocol.block_hashes import prefix_hashes
 from tandem.shared.protocol.codec import decode, encode, error_reply
+from tandem.shared.protocol.embedding import POOLING_METHODS, EmbedRequest, EmbedWork, PoolingParams
 from tandem.shared.protocol.fleet import Heartbeat, RouteCandidate, RoutingDecision
 from tandem.shared.protocol.kv import KVEvent
 from tandem.shared.protocol.serving import (
@@ -140,6 +148,32 @@ def decode_request(spec: RequestSpec, store: str, fetch: int, held: int) -> Deco
     return DecodeRequest(spec=spec, kvstore=store, kvstore_fetch_blocks=fetch, kvstore_held_blocks=held)
 
 
+def embed_work(msg: EmbedRequest, prompt_token_ids: list[int], model: str, default_pooling: str, hidden_size: int,
+               accepted_at: float) -> EmbedWork:
+    """What a decode worker computes for ``msg``: its tokens, its pooling resolved (unset: the
+    model's default). ``dimensions`` past the model's hidden size is refused, never cut."""
+    method = msg.pooling.method or default_pooling
+    if method not in POOLING_METHODS:  # a model directory's declared default tandem has no pooling for
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"pooling {method!r} is not served; ask for one of "
+                            f"{', '.join(POOLING_METHODS)}", "pooling")
+    dimensions = msg.pooling.dimensions
+    if dimensions is not None and dimensions > hidden_size:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"dimensions is {dimensions}, but {model}'s embeddings have "
+                            f"{hidden_size}: ask for at most {hidden_size}", "dimensions")
+    return EmbedWork(request_id=msg.request_id, prompt_token_ids=prompt_token_ids,
+                     pooling=PoolingParams(method=method, dimensions=dimensions), stream_subject=msg.stream_subject,
+                     model=model, arrival_time=accepted_at)
+
+
+def truncated(ids: list[int], keep: int | None, context: int) -> list[int]:
+    """The prompt's last ``keep`` tokens (vLLM's ``truncate_prompt_tokens``; -1: as many as
+    ``context`` holds; None: all of them)."""
+    if keep is None:
+        return ids
+    keep = context if keep == -1 else keep
+    return ids[-keep:] if keep > 0 else ids
+
+
 def admission_key(request_id: str, stream_subject: str) -> str:
     """A queued request's name: its id with its stream subject (so a cancel must name the very
     stream, as on the workers; that it came from the stream's owner is checked first)."""
@@ -191,7 +225,7 @@ class Placement:
     """Where a request went: its decode worker (and the process that took it), its prefill worker
     if one, why, and the decode workers as they were ranked for it."""
 
-    spec: RequestSpec
+    spec: RequestSpec | None  # None for an embedding (its EmbedWork carries no sampling)
     decode: Worker
     decode_incarnation: str
     prefill: Worker | None
@@ -233,6 +267,7 @@ class Router(ServiceRuntime):
         await self.nc.subscribe(subjects.CANCEL_ALL, cb=self.on_cancel)
         await self.follow_kv_events()
         await self.add_endpoint("generate", subjects.ROUTER_GENERATE_ALL, self.on_generate, queue_group="router")
+        await self.add_endpoint("embed", subjects.ROUTER_EMBED_ALL, self.on_embed, queue_group="router")
 
     async def teardown(self) -> None:
         if self.admission.depth:  # queued requests hear why now, not from their clients' timeouts
@@ -375,16 +410,24 @@ class Router(ServiceRuntime):
         # holds up the next request in this subscription.
         self.spawn(self.place(request, time.time()), "place request")
 
-    async def place(self, request: Request, accepted_at: float) -> None:
+    async def on_embed(self, request: Request) -> None:
+        self.spawn(self.place(request, time.time(), EmbedRequest), "place embedding")
+
+    async def place(self, request: Request, accepted_at: float,
+                    kind: type[GenerateRequest] | type[EmbedRequest] = GenerateRequest) -> None:
         request_id = None
         try:
-            msg: GenerateRequest = decode(request.data, GenerateRequest)
+            msg: GenerateRequest | EmbedRequest = decode(request.data, kind)
             request_id = msg.request_id
             check_stream_owner(msg, request.subject)
             if msg.ack_placement:
                 await request.respond(encode(PlacementReceived(request_id=request_id, router=self.instance_id)))
-            reply = await self.place_valid(msg, accepted_at)
-            self.serving.placed(len(reply.prompt_token_ids), reply.max_tokens, accepted_at)
+            if isinstance(msg, EmbedRequest):
+                reply = await self.place_embedding(msg, accepted_at)
+                self.serving.placed(len(reply.prompt_token_ids), None, accepted_at)
+            else:
+                reply = await self.place_valid(msg, accepted_at)
+                self.serving.placed(len(reply.prompt_token_ids), reply.max_tokens, accepted_at)
         except QueuedRequestCancelled:
             return  # its client is gone: nobody reads a reply
         except Exception as exc:
@@ -395,7 +438,7 @@ class Router(ServiceRuntime):
             self.pump_admission()  # a placement that failed gave its reservation back
         await request.respond(encode(reply))
 
-    async def tokenize(self, msg: GenerateRequest) -> list[int]:
+    async def tokenize(self, msg: GenerateRequest | EmbedRequest) -> list[int]:
         model = msg.model or self.meta.name
         if model != self.meta.name:
             raise ProtocolError(ErrorCode.UNKNOWN_MODEL,
@@ -428,28 +471,68 @@ class Router(ServiceRuntime):
         by_id = {w.beat.instance_id: w for w in workers}
         return [(by_id[c.instance_id], c) for c in rank(len(hashes), rows, self.settings.router.load_weight)]
 
-    async def place_valid(self, msg: GenerateRequest, accepted_at: float) -> GenerateAccepted:
-        ids = await self.tokenize(msg)
-        check_logit_bias(msg.params, self.meta.config.vocab_size)
+    def decode_context(self, msg: GenerateRequest | EmbedRequest) -> int:
+        """The longest context of the live decode workers ``msg`` may go to (0: none is live, but one
+        is being waited for); :class:`ProtocolError` ``no_workers`` when none is, nor expected."""
         decoders = self.alive("decode", self.meta.name, msg.exclude_workers)
         if not decoders and not self.awaiting_restart():
             raise ProtocolError(ErrorCode.NO_WORKERS, f"no decode worker serves {self.meta.name!r}"
                                 + (f" (besides {', '.join(msg.exclude_workers)})" if msg.exclude_workers else ""))
-        longest = max((w.beat.max_model_len for w in decoders), default=0)
-        if decoders and len(ids) >= longest:  # before hashing a prompt no worker could hold
+        return max((w.beat.max_model_len for w in decoders), default=0)
+
+    async def place_valid(self, msg: GenerateRequest, accepted_at: float) -> GenerateAccepted:
+        ids = await self.tokenize(msg)
+        check_logit_bias(msg.params, self.meta.config.vocab_size)
+        longest = self.decode_context(msg)
+        if longest and len(ids) >= longest:  # before hashing a prompt no worker could hold
             raise ProtocolError(ErrorCode.PROMPT_TOO_LONG,
                                 f"prompt has {len(ids)} tokens; the context holds {longest}", "prompt")
         prompt = PromptBlocks(ids)
+        placed, waited = await self.admit_and_place(
+            msg, len(ids), lambda gone: self.place_on_decode(msg, ids, prompt, accepted_at, gone))
+        await self.publish_decision(msg, ids, placed.ranked, placed.decode, placed.prefill, placed.reason)
+        return GenerateAccepted(
+            request_id=msg.request_id, prompt_token_ids=ids, decode_worker=placed.decode.beat.instance_id,
+            prefill_worker=placed.prefill.beat.instance_id if placed.prefill else None,
+            decode_incarnation=placed.decode_incarnation, prefill_incarnation=placed.prefill_incarnation or "",
+            max_tokens=placed.spec.params.max_tokens, queue_wait_s=waited,
+        )
+
+    async def place_embedding(self, msg: EmbedRequest, accepted_at: float) -> GenerateAccepted:
+        """Place an embedding on a decode worker; the answer names it (no prefill worker, no tokens
+        to grant: ``max_tokens`` 0)."""
+        ids = await self.tokenize(msg)
+        longest = self.decode_context(msg)
+        ids = truncated(ids, msg.truncate_prompt_tokens, longest or len(ids))
+        if longest and len(ids) > longest:  # an embedding generates nothing: the whole context is the prompt's
+            raise ProtocolError(ErrorCode.PROMPT_TOO_LONG,
+                                f"input has {len(ids)} tokens; the context holds {longest}", "prompt")
+        work = embed_work(msg, ids, self.meta.name, self.meta.default_pooling, self.meta.config.hidden_size,
+                          accepted_at)
+        prompt = PromptBlocks(ids)
+        placed, waited = await self.admit_and_place(
+            msg, len(ids), lambda gone: self.embed_on_decode(msg, work, prompt, gone))
+        await self.publish_decision(msg, ids, placed.ranked, placed.decode, None, placed.reason)
+        return GenerateAccepted(request_id=msg.request_id, prompt_token_ids=ids,
+                                decode_worker=placed.decode.beat.instance_id, prefill_worker=None,
+                                decode_incarnation=placed.decode_incarnation, max_tokens=0, queue_wait_s=waited)
+
+    async def admit_and_place(self, msg: GenerateRequest | EmbedRequest, prompt_tokens: int,
+                              place: Callable[[set[tuple[str, str]]], Awaitable[Placement | None]],
+                              ) -> tuple[Placement, float]:
+        """Wait in the admission queue, then ``place(gone)`` the request; again while every decode
+        worker it was tried on was gone and one is being waited for. The placement and the seconds
+        it waited; raises the refusal."""
         waited = 0.0
         gone: set[tuple[str, str]] = set()  # decode processes (instance, incarnation) found gone placing it
         while True:
-            waited += await self.admission.admit(admission_key(msg.request_id, msg.stream_subject), len(ids),
+            waited += await self.admission.admit(admission_key(msg.request_id, msg.stream_subject), prompt_tokens,
                                                  msg.priority)
             # From here to decode_worker.reserve() nothing awaits: the next queued request is woken only
             # after this one's load is on its worker (see AdmissionQueue.admit).
-            placed = await self.place_on_decode(msg, ids, prompt, accepted_at, gone)
+            placed = await place(gone)
             if placed is not None:
-                break
+                return placed, waited
             if not self.awaiting_restart():
                 raise ProtocolError(ErrorCode.NO_WORKERS, "no decode worker answered")
             # Every decode worker it was tried on was gone: it waits again, for one restarting. Only
@@ -459,13 +542,6 @@ class Router(ServiceRuntime):
                 start = time.monotonic()
                 await asyncio.sleep(self.settings.bus.heartbeat_interval_s)
                 waited += time.monotonic() - start
-        await self.publish_decision(msg, ids, placed.ranked, placed.decode, placed.prefill, placed.reason)
-        return GenerateAccepted(
-            request_id=msg.request_id, prompt_token_ids=ids, decode_worker=placed.decode.beat.instance_id,
-            prefill_worker=placed.prefill.beat.instance_id if placed.prefill else None,
-            decode_incarnation=placed.decode_incarnation, prefill_incarnation=placed.prefill_incarnation or "",
-            max_tokens=placed.spec.params.max_tokens, queue_wait_s=waited,
-        )
 
     async def place_on_decode(self, msg: GenerateRequest, ids: list[int], prompt: PromptBlocks, accepted_at: float,
                               gone: set[tuple[str, str]]) -> Placement | None:
@@ -501,6 +577,39 @@ class Router(ServiceRuntime):
             if decode_incarnation is not None:
                 return Placement(spec, decode_worker, decode_incarnation, prefill_worker, prefill_incarnation, reason,
                                  ranked_decode)
+            decode_worker.release(stamp)
+        gone.update((w.beat.instance_id, w.beat.incarnation) for w, _ in ranked_decode)
+        return None
+
+    async def embed_on_decode(self, msg: EmbedRequest, work: EmbedWork, prompt: PromptBlocks,
+                              gone: set[tuple[str, str]]) -> Placement | None:
+        """:meth:`place_on_decode` for an embedding: the cheapest live decode worker that takes
+        ``work`` computes it alone; None when every one tried was gone (they join ``gone``)."""
+        decoders = [w for w in self.alive("decode", self.meta.name, msg.exclude_workers)
+                    if (w.beat.instance_id, w.beat.incarnation) not in gone]
+        if not decoders:
+            if self.awaiting_restart():
+                return None
+            raise self.no_decode_workers()
+        limit = self.settings.router.max_inflight_per_worker
+        decoders = [w for w in decoders if has_room(self.admission_load(w), limit)] or decoders
+        ranked_decode = self.ranked(decoders, prompt)
+        for decode_worker, choice in ranked_decode:
+            if len(work.prompt_token_ids) > decode_worker.beat.max_model_len:
+                raise ProtocolError(ErrorCode.PROMPT_TOO_LONG, f"input has {len(work.prompt_token_ids)} tokens; the "
+                                    f"context holds {decode_worker.beat.max_model_len}", "prompt")
+            stamp = decode_worker.reserve()  # counted before the round trip, as for generation
+            try:
+                incarnation = None
+                if await self.still_there(decode_worker):
+                    incarnation = await self.forward(subjects.decode_embed(decode_worker.beat.instance_id), work,
+                                                     decode_worker)
+            except BaseException:
+                decode_worker.release(stamp)
+                raise
+            if incarnation is not None:
+                reason = f"embedding, {work.pooling.method} pooling: {choice.cached_blocks} blocks cached there"
+                return Placement(None, decode_worker, incarnation, None, None, reason, ranked_decode)
             decode_worker.release(stamp)
         gone.update((w.beat.instance_id, w.beat.incarnation) for w, _ in ranked_decode)
         return None
@@ -541,8 +650,9 @@ class Router(ServiceRuntime):
         best = max(stores, key=lambda s: (overlap.get(s.beat.instance_id, 0), s.beat.instance_id))
         return best.beat.instance_id, overlap.get(best.beat.instance_id, 0)
 
-    async def publish_decision(self, msg: GenerateRequest, ids: list[int], ranked: list[tuple[Worker, Candidate]],
-                               dec: Worker, prefill: Worker | None, reason: str) -> None:
+    async def publish_decision(self, msg: GenerateRequest | EmbedRequest, ids: list[int],
+                               ranked: list[tuple[Worker, Candidate]], dec: Worker, prefill: Worker | None,
+                               reason: str) -> None:
         candidates = [RouteCandidate(instance_id=c.instance_id, cached_blocks=c.cached_blocks, load=c.load, cost=c.cost)
                       for _, c in ranked]
         decision = RoutingDecision(

@@ -6,16 +6,16 @@ with ``{{name()}}`` replaced by the user's name (a service's instance id) and ``
 its public key (so an inbox ``_INBOX.<key>.>`` can be read by the connection that holds the key
 and by nothing else). Least privilege, as the trust-boundary issue asks:
 
-* a **client** publishes only generate requests and cancels, each under its own user key
-  (``tandem.v1.router.generate.<key>``, ``tandem.v1.cancel.<key>``: the router refuses a stream
+* a **client** publishes only generate and embed requests and cancels, each under its own user key
+  (``tandem.v1.router.{generate,embed}.<key>``, ``tandem.v1.cancel.<key>``: the router refuses a stream
   subject outside ``_INBOX.<that key>``, and a cancel stops only streams there, so a stream belongs
   to its requester by the server's rules, not by the secrecy of its subject), ``$SRV`` questions
   to the routers (which model, what vocabulary) and the alive questions of the router and workers
   holding its requests, and reads only its own inbox and the heartbeats (so a request whose
   worker died migrates at once; they carry load figures and ids, no request data);
 * only **workers** publish heartbeats, metrics and KV events, each under its own id; only the
-  **router** sends prefill requests, and admits come from the router or, as the hand-off, from a
-  prefill worker;
+  **router** sends prefill and embed requests, and admits come from the router or, as the hand-off,
+  from a prefill worker;
 * drain, scale, trainer control and ``models.updated`` belong to the **operator** (``tandem up``,
   the console, ``tandem train``), which may do anything; the **planner** may drain workers too (its
   actuator drains one before removing it under compose or Kubernetes);
@@ -73,8 +73,8 @@ KV_FRAMES_TO_DECODE = s.decode_kv("*")
 KVSTORE_ANY = f"{s.PREFIX}.kvstore.>"  # lookups, gets, puts and frames to any store
 _WORKER_PUB = [ANY_INBOX, KV_FRAMES_TO_DECODE, KVSTORE_ANY, s.KV_TRANSFERS, *stream_api(s.KV_EVENTS_STREAM)]
 _WORKER_SUB = [s.CANCEL_ALL, s.WEIGHTS_UPDATED, s.HEARTBEAT_ALL]
-# A requester's own generate and cancel subjects: under its key, so whose stream it is comes from the server.
-OWN_REQUESTS = [s.router_generate(MY_KEY), s.cancel(MY_KEY)]
+# A requester's own generate, embed and cancel subjects: under its key, so whose stream it is comes from the server.
+OWN_REQUESTS = [s.router_generate(MY_KEY), s.router_embed(MY_KEY), s.cancel(MY_KEY)]
 
 PERMISSIONS: dict[str, dict[str, Any]] = {
     "client": {
@@ -82,10 +82,11 @@ PERMISSIONS: dict[str, dict[str, Any]] = {
         "sub": {"allow": [OWN_INBOX, s.HEARTBEAT_ALL]},
     },
     "frontend": _service("frontend", [*OWN_REQUESTS, *ASK_ROUTERS], [s.HEARTBEAT_ALL]),
-    "router": _service("router", [s.prefill("*"), s.decode_admit("*"), s.alive("prefill", "*"), s.alive("decode", "*"),
-                                  s.ROUTER_DECISIONS, ANY_INBOX,
+    "router": _service("router", [s.prefill("*"), s.decode_admit("*"), s.decode_embed("*"), s.alive("prefill", "*"),
+                                  s.alive("decode", "*"), s.ROUTER_DECISIONS, ANY_INBOX,
                                   *stream_api(s.KV_EVENTS_STREAM, consume=True)],
-                       [s.ROUTER_GENERATE_ALL, s.HEARTBEAT_ALL, s.KV_EVENTS_ALL, s.CANCEL_ALL]),  # cancel: queued ones
+                       [s.ROUTER_GENERATE_ALL, s.ROUTER_EMBED_ALL, s.HEARTBEAT_ALL, s.KV_EVENTS_ALL,
+                        s.CANCEL_ALL]),  # cancel: queued ones
     "prefill": _service("prefill", [s.decode_admit("*"), s.kv_events("prefill", ME), *_WORKER_PUB], _WORKER_SUB),
     "decode": _service("decode", [s.kv_events("decode", ME), *_WORKER_PUB], _WORKER_SUB),
     "kvstore": _service("kvstore", [s.kv_events("kvstore", ME), *_WORKER_PUB], [s.KVSTORE_LOOKUP_ALL]),

@@ -18,6 +18,11 @@ re-prefilling sequence starts from the longest cached prefix of its tokens (see 
 Imported blocks are hashed right after they are scattered in, so they are cacheable too.
 ``drain_kv_events`` hands the services the hashes this engine started / stopped holding.
 
+Embeddings (``EngineRequest.pooling``, see ``pooling.py``): the prompt is prefilled, in chunks and
+in the same batches as generating sequences, its hidden rows pooled; nothing is sampled, and the
+request ends with reason "embedded" and its vector on ``RequestOutput.embedding``. Its computed
+blocks are hashed and cached for later requests like any prompt's.
+
 Row failures: a request whose own part of a step raises (sampling its row, appending its token,
 its stop checks, its text) ends alone with reason "error" and its ``RequestOutput.error``; its blocks
 go back as with an abort and the rest of the batch goes on as if it had not been there. What fails
@@ -29,6 +34,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import time
 
 import torch
 
@@ -37,6 +43,8 @@ from tandem.shared.engine.detokenizer import IncrementalDetokenizer, can_defer_t
 from tandem.shared.engine.engine_view import EngineStats, KVPoolView, SequenceView
 from tandem.shared.engine.model_runner import ModelRunner, PendingStep, SampledTokens
 from tandem.shared.engine.overlap import InFlightStep, is_pure_decode, plan_ahead
+from tandem.shared.engine.pooling import FINISH_REASON as EMBEDDED
+from tandem.shared.engine.pooling import Pooling
 from tandem.shared.engine.preemption_cost import PreemptionCosts
 from tandem.shared.engine.prompt_logprobs import PromptLogprobs
 from tandem.shared.engine.scheduler import Scheduler
@@ -50,6 +58,7 @@ from tandem.shared.kvcache.block_manager import BlockManager
 from tandem.shared.kvcache.cache import kv_cache_bytes_per_block
 from tandem.shared.kvcache.swap_space import SwapSpace
 from tandem.shared.protocol.block_hashes import prefix_hashes
+from tandem.shared.protocol.embedding import POOLING_METHODS
 from tandem.shared.protocol.serving import SamplingParams, TokenLogprobs
 from tandem.shared.structured.bitmask import TokenBitmask, fill_bitmask
 from tandem.shared.structured.compiler import GrammarCompiler
@@ -73,8 +82,17 @@ EngineConfig = EngineSettings
 
 log = logging.getLogger("tandem.engine")
 
+# Independently compiled templates of one structured-output spec on a GPU worker: about the threads
+# llguidance fills masks on (see shared/structured/compiler.py).
+PARALLEL_TEMPLATES = 16
 # Finish reasons whose output is made when the sequence ends, not by a step's token: no text, no KV.
 ENDED_APART = ("abort", "error")
+# What an embedding's sequence carries as its sampling parameters: nothing samples with them.
+EMBEDDING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def constrained_kind(params: SamplingParams) -> str:
+    return "" if params.structured_output is None else params.structured_output.kind
 
 
 class LLMEngine:
@@ -94,6 +112,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size: int = model.config.vocab_size
+        self.hidden_size: int = model.config.hidden_size  # an embedding's length
         self.max_model_len = min(config.max_model_len, model.config.max_position_embeddings)
         dtype = dtype if dtype is not None else next(model.parameters()).dtype
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -138,13 +157,18 @@ class LLMEngine:
         self._exported_kv: dict[str, torch.Tensor] = {}
         self._exported_hashes: dict[str, list[int]] = {}
         self.groups: dict[str, SequenceGroup] = {}  # unfinished requests with several outputs
-        self.grammars = GrammarCompiler(tokenizer, self.vocab_size)  # structured outputs' compiled specs
+        # Structured outputs' compiled specs: on CUDA, several per spec, whose copies' masks fill in parallel.
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size,
+                                        copies_per_spec=PARALLEL_TEMPLATES if self.runner.device.type == "cuda" else 1)
 
     def add_request(self, request: EngineRequest) -> None:
         """Validate and queue a request; ``ValueError`` says what is wrong with it."""
         prompt, outputs, params = list(request.prompt_token_ids), list(request.output_token_ids), request.params
         if request.request_id in self.scheduler.requests or request.request_id in self.groups:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.pooling is not None:
+            self._add_embedding(request)
+            return
         params = checked_params(params)
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
@@ -203,6 +227,29 @@ class LLMEngine:
         if group is not None:
             group.live.append(seq)
             self.groups[request.request_id] = group
+
+    def _add_embedding(self, request: EngineRequest) -> None:
+        """Queue an embedding request: its whole prompt computed here, pooled, nothing sampled."""
+        prompt, pooling = list(request.prompt_token_ids), request.pooling
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        if len(prompt) > self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {min(prompt)}..{max(prompt)}")
+        if request.kv is not None or request.output_token_ids or request.prefill_only or request.export_on_finish:
+            raise ValueError("an embedding request computes its prompt here and ends there: no KV, output tokens, "
+                             "hand-off or export")
+        if pooling.method not in POOLING_METHODS:
+            raise ValueError(f"pooling method must be one of {', '.join(POOLING_METHODS)}, got {pooling.method!r}")
+        if pooling.dimensions is not None and pooling.dimensions > self.hidden_size:
+            raise ValueError(f"dimensions is {pooling.dimensions}; the model's hidden size is {self.hidden_size}")
+        self.scheduler.add(Sequence(
+            request_id=request.request_id, token_ids=prompt, num_prompt_tokens=len(prompt), params=EMBEDDING_PARAMS,
+            arrival=next(self._arrivals), detokenizer=IncrementalDetokenizer(self.tokenizer, len(prompt), []),
+            fan_out=0,  # no row of its samples
+            pooling=Pooling.of(pooling),
+        ))
 
     def _owed_prompt_logprobs(self, request: EngineRequest, params: SamplingParams) -> PromptLogprobs | None:
         """The record of the prompt logprobs this engine computes for ``request``: none unless asked,
@@ -312,7 +359,10 @@ class LLMEngine:
                 if seq.grammar is not None and not seq.is_finished]
         if not rows:
             return None
+        started = time.perf_counter()
         bitmask = fill_bitmask(rows, self.vocab_size, parallel=self.runner.device.type == "cuda")
+        self.grammars.stats.mask_fills += 1
+        self.grammars.stats.mask_fill_seconds += time.perf_counter() - started
         if bitmask is None:
             return None
         stuck = bitmask.empty_rows()
@@ -361,6 +411,9 @@ class LLMEngine:
             if item.seq.group is not None:
                 outputs += self._postprocess_group_item(item, ids, row_logprobs, beam_groups)
                 continue
+            if item.seq.pooling is not None:
+                outputs += self._postprocess_embedding(item)
+                continue
             token_id = ids[0] if ids else None
             logprobs = row_logprobs[0] if ids else None
             try:
@@ -382,6 +435,18 @@ class LLMEngine:
             except Exception as exc:  # the search's own work: this request alone ends
                 self._fail_row(beam, exc)
         return outputs
+
+    def _postprocess_embedding(self, item: ScheduledSequence) -> list[RequestOutput]:
+        """``_postprocess`` for an embedding's item: its prompt's last chunk ends it with its vector."""
+        seq = item.seq
+        try:
+            if not self.scheduler.advance(item) or not item.samples:
+                return []
+            self.scheduler.finish(seq, EMBEDDED)
+            return [self._make_output(seq, [])]
+        except Exception as exc:  # this row's own work: it alone ends
+            self._fail_row(seq, exc)
+            return []
 
     # -- requests with several outputs (see sequence_group.py) -------------------------------------
     def _postprocess_group_item(self, item: ScheduledSequence, ids: list[int], logprobs: list,
@@ -583,7 +648,7 @@ class LLMEngine:
         return [SequenceView(request_id=seq.request_id, sample_index=seq.sample_index, status=seq.status.value,
                              num_tokens=seq.num_tokens, num_output_tokens=seq.num_output_tokens,
                              block_table=tuple(seq.block_table), prefix_cached_blocks=seq.prefix_cached_blocks,
-                             imported_blocks=seq.imported_blocks)
+                             imported_blocks=seq.imported_blocks, constrained=constrained_kind(seq.params))
                 for seq in itertools.islice(queues, limit)]
 
     def kv_pool(self) -> KVPoolView:
@@ -639,6 +704,7 @@ class LLMEngine:
             cumulative_logprob=seq.cumulative_logprob if finished and reports_logprobs else None,
             # A group's request ends with the output made once it left ``groups``.
             request_finished=None if group is None else finished and self.groups.get(group.request_id) is not group,
+            embedding=seq.pooling.result() if reason == EMBEDDED else None,
         )
 
     def _on_finish(self, seq: Sequence) -> None:

@@ -1,7 +1,8 @@
 """Runs one scheduled batch through the model: owns the paged KV cache, builds the flattened
 varlen inputs and attention metadata, takes the hidden row of each sampling sequence's last query
 token, computes its logits, processes them (``logits_processors``) and samples; for sequences
-asking for prompt logprobs it also scores their prefill chunks' prompt tokens (``prompt_logprobs``).
+asking for prompt logprobs it also scores their prefill chunks' prompt tokens (``prompt_logprobs``),
+and for embedding sequences it pools their chunks' hidden rows (``pooling``).
 Also moves whole prompt blocks in and out of the cache for prefill -> decode hand-offs, and
 preempted sequences' blocks to and from the host swap space.
 """
@@ -17,6 +18,7 @@ import torch
 
 from tandem.shared.engine.cuda_graphs import DecodeGraphs
 from tandem.shared.engine.logits_processors import process_logits
+from tandem.shared.engine.pooling import PooledRows, pool_rows
 from tandem.shared.engine.prompt_logprobs import PromptRows, compute_prompt_logprobs, rows_scoring_prompt
 from tandem.shared.engine.sampling import SampledLogprobs, gather_logprobs, sample, sample_rows_alone
 from tandem.shared.engine.scheduler_output import ScheduledBatch
@@ -174,10 +176,13 @@ class ModelRunner:
         output_indices: list[int] = []
         seqs = []
         prompt_rows: list[PromptRows] = []  # rows whose logits score prompt tokens (prompt logprobs)
+        pooled: list[PooledRows] = []  # embedding sequences' rows (an embedding samples nothing: fan_out 0)
         end = 0
         for item in batch.items:
             if scoring := rows_scoring_prompt(item.seq, item.num_query_tokens):
                 prompt_rows.append(PromptRows(item.seq, end, scoring))
+            if item.seq.pooling is not None:
+                pooled.append(PooledRows(item.seq, end, item.num_query_tokens, item.samples))
             end += item.num_query_tokens
             if item.samples:
                 seq = item.seq
@@ -186,7 +191,8 @@ class ModelRunner:
                 params.extend(seq.group.first_params() if seq.fan_out > 1 else [seq.params] * seq.fan_out)
                 output_indices.extend([seq.num_output_tokens] * seq.fan_out)
                 seqs.extend([seq] * seq.fan_out)
-        if end == len(batch.items) and not prompt_rows and self.graphs is not None and self.graphs.can_run(end):
+        if (end == len(batch.items) and not prompt_rows and not pooled and self.graphs is not None
+                and self.graphs.can_run(end)):
             logits = self._run_decode_graph(batch)  # every row is one token: replay a graph
             if rows != list(range(end)):
                 logits = logits[host_values_to(self.device, rows, torch.long)]
@@ -195,6 +201,8 @@ class ModelRunner:
             hidden = self.forward(input_ids, positions, meta)
             if prompt_rows:
                 self._prompt_logprobs(hidden, prompt_rows)
+            if pooled:
+                pool_rows(hidden, pooled, _to_pinned if self.device.type == "cuda" else _same)
             if not rows:
                 return None
             row_index = host_values_to(self.device, rows, torch.long)

@@ -76,6 +76,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from tandem.shared.engine.detokenizer import can_defer_text, check_stop
+from tandem.shared.engine.pooling import pools_every_position
 from tandem.shared.engine.prompt_logprobs import owes_prompt_logprobs
 from tandem.shared.engine.scheduler_output import ScheduledBatch, ScheduledSequence
 from tandem.shared.engine.sequence import Sequence, SequenceStatus
@@ -224,9 +225,10 @@ class Scheduler:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks the waiting ``seq`` would claim: full blocks of its known tokens but the
         last (that token must be computed to have logits to sample from); for an import, cached
-        full blocks among those it brings. Empty with caching off, and for a sequence owing prompt
-        logprobs (every prompt position must be computed to score the token after it)."""
-        if not self.block_manager.enable_caching or owes_prompt_logprobs(seq):
+        full blocks among those it brings. Empty with caching off, for a sequence owing prompt
+        logprobs (every prompt position must be computed to score the token after it) and for a
+        mean-pooled embedding (every position's hidden row goes into its vector)."""
+        if not self.block_manager.enable_caching or owes_prompt_logprobs(seq) or pools_every_position(seq):
             return []
         if seq.pending_kv is not None:
             return self.block_manager.find_cached_prefix(seq.token_ids[: self._importable_tokens(seq)])

@@ -17,12 +17,14 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from tandem.shared.protocol.base import first_error
+from tandem.shared.protocol.embedding import PoolingParams
 from tandem.shared.protocol.serving import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
     import torch
 
     from tandem.shared.engine.detokenizer import IncrementalDetokenizer
+    from tandem.shared.engine.pooling import Pooling
     from tandem.shared.engine.prompt_logprobs import PromptLogprobs
     from tandem.shared.engine.sequence_group import SequenceGroup
     from tandem.shared.structured.output_grammar import OutputGrammar
@@ -46,6 +48,9 @@ class EngineRequest:
     output_cumulative_logprob: float = 0.0  # the sum of ``output_token_ids``' logprobs, where they were sampled
     prefill_only: bool = False  # stop after the first sampled token and return the prompt's KV
     export_on_finish: bool = False  # return the K/V of every full computed block when it ends (for a KV-store)
+    # An embedding: the prompt is prefilled and pooled, nothing sampled (``params`` unused); the
+    # request ends with reason "embedded" and its vector (see ``pooling.py``). Method resolved.
+    pooling: PoolingParams | None = None
 
 
 def checked_params(params: SamplingParams) -> SamplingParams:
@@ -74,7 +79,7 @@ class RequestOutput:
     new_token_ids: list[int]
     text_delta: str
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "prefilled" | "error" | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "prefilled" | "embedded" | "error" | None
     num_prompt_tokens: int
     num_output_tokens: int
     kv: torch.Tensor | None = None  # prompt KV on the engine's device, for prefill_only requests
@@ -94,6 +99,8 @@ class RequestOutput:
     # With ``params.prompt_logprobs`` set, on the request's first output: one entry per prompt token
     # (None for the first).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # With finish_reason "embedded": the pooled, L2-normalised vector (float32, on the host).
+    embedding: torch.Tensor | None = None
 
     @property
     def ends_request(self) -> bool:
@@ -146,6 +153,8 @@ class Sequence:
     beam_candidates: list[tuple[int, float]] | None = None
     # With ``params.structured_output``: the output's matcher, which has taken every output token.
     grammar: OutputGrammar | None = None
+    # An embedding sequence's pooled state (``pooling.py``); None for generation.
+    pooling: Pooling | None = None
 
     @property
     def key(self) -> str:
@@ -157,9 +166,9 @@ class Sequence:
         """Whether its next step may be queued before its newest token is on the host (see
         ``overlap.py``): a forked sample's may (it goes on alone), not a beam's or a group's prompt's,
         whose next rows depend on the whole group; nor with penalties, which need that token in the
-        row's history."""
+        row's history; nor an embedding's, which samples nothing."""
         alone = self.group is None or (not self.group.is_beam_search and self.fan_out == 1)
-        return alone and not has_penalties(self.params)
+        return alone and not has_penalties(self.params) and self.pooling is None
 
     @property
     def num_tokens(self) -> int:

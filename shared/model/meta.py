@@ -62,6 +62,9 @@ class ModelMeta:
     name: str
     checkpoint: Path | None  # None: seeded random weights (tiny-random, random:<preset>, or no tiny checkpoint)
     source: str = "directory"  # tiny: "data-dir", "shipped" or "random"; "random" for random:<preset>
+    # How an embedding request that names none is pooled: "last" (a decoder's usual choice), or
+    # what a sentence-transformers pooling config beside the checkpoint says.
+    default_pooling: str = "last"
 
     def weights_id(self) -> str:
         """A short name for these weights, equal in every process that loads the same files: KV made
@@ -107,7 +110,28 @@ def load_model_meta(spec: str | os.PathLike, data_dir: str | os.PathLike | None 
     if not path.is_dir():
         raise ModelLoadError(f"model spec {str(spec)!r} is neither 'tiny' nor an existing directory")
     config = read_hf_config(path)
-    return ModelMeta(config, _checkpoint_tokenizer(path, config), path.resolve().name, path)
+    return ModelMeta(config, _checkpoint_tokenizer(path, config), path.resolve().name, path,
+                     default_pooling=sentence_transformers_pooling(path) or "last")
+
+
+def sentence_transformers_pooling(path: Path) -> str | None:
+    """The pooling a sentence-transformers checkpoint declares (``modules.json`` naming a Pooling
+    module whose ``config.json`` says ``pooling_mode_lasttoken`` or ``pooling_mode_mean_tokens``),
+    or None: none declared, or one tandem does not pool by (CLS, max)."""
+    modules_file = path / "modules.json"
+    if not modules_file.is_file():
+        return None
+    try:
+        modules = json.loads(modules_file.read_text())
+        folder = next(m.get("path", "") for m in modules if str(m.get("type", "")).endswith(".Pooling"))
+        config = read_json(path / folder / "config.json")
+    except (StopIteration, ValueError, AttributeError, TypeError, ModelLoadError):
+        return None
+    if config.get("pooling_mode_lasttoken"):
+        return "last"
+    if config.get("pooling_mode_mean_tokens"):
+        return "mean"
+    return None
 
 
 def is_random_spec(spec: object) -> bool:

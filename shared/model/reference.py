@@ -26,6 +26,12 @@ def _device(model: LlamaForCausalLM) -> torch.device:
 @torch.no_grad()
 def _forward_chunk(model: LlamaForCausalLM, input_ids: torch.Tensor, cache: LayerCache) -> torch.Tensor:
     """Run tokens [T] that follow the cached ones; extends `cache` in place; returns float32 logits [T, vocab]."""
+    return model.compute_logits(_hidden_chunk(model, input_ids, cache))
+
+
+@torch.no_grad()
+def _hidden_chunk(model: LlamaForCausalLM, input_ids: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+    """As :func:`_forward_chunk`, returning the final norm's output [T, hidden] (what feeds the LM head)."""
     inner = model.model
     num_cached = cache[0][0].shape[1] if cache else 0
     num_new = input_ids.shape[0]
@@ -55,7 +61,7 @@ def _forward_chunk(model: LlamaForCausalLM, input_ids: torch.Tensor, cache: Laye
         )  # [Hq, T, D]
         x = x + attn.o_proj(out.transpose(0, 1).reshape(num_new, attn.num_heads * attn.head_dim))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.compute_logits(inner.norm(x))
+    return inner.norm(x)
 
 
 @torch.no_grad()
@@ -63,6 +69,14 @@ def reference_logits(model: LlamaForCausalLM, ids: Sequence[int] | torch.Tensor)
     """Full-sequence causal forward: token ids [T] -> float32 logits [T, vocab]."""
     input_ids = torch.as_tensor(ids, dtype=torch.long, device=_device(model))
     return _forward_chunk(model, input_ids, [])
+
+
+@torch.no_grad()
+def reference_hidden_states(model: LlamaForCausalLM, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """Full-sequence causal forward: token ids [T] -> the final norm's output [T, hidden] (what
+    embeddings pool)."""
+    input_ids = torch.as_tensor(ids, dtype=torch.long, device=_device(model))
+    return _hidden_chunk(model, input_ids, [])
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ from tandem.shared.protocol.base import (
     first_error,
     shortened,
 )
+from tandem.shared.protocol.embedding import EmbeddingResult, EmbedRequest, EmbedWork
 from tandem.shared.protocol.fleet import (
     DrainRequest,
     Heartbeat,
@@ -64,7 +65,7 @@ Message = Annotated[
     | KVLookupRequest | KVLookupReply | KVGetRequest | KVGetReply | KVPutRequest | KVPutReply
     | TrainStart | TrainStop | TrainStatusRequest | TrainStatusReply | TrainStepMetrics | TrainTimeline
     | WeightsUpdated | MetricsSnapshot | ScalingDecision | ScaleRequest | DrainRequest | BlockSnapshot
-    | KVTransferEvent | PlacementReceived,
+    | KVTransferEvent | PlacementReceived | EmbedRequest | EmbedWork | EmbeddingResult,
     Field(discriminator="kind"),
 ]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 PREFIX = "tandem.v1"
 
 ROUTER_GENERATE_ALL = f"{PREFIX}.router.generate.*"  # every owner's requests (the routers' queue group)
+ROUTER_EMBED_ALL = f"{PREFIX}.router.embed.*"  # every owner's embedding requests (the same queue group)
 ROUTER_DECISIONS = f"{PREFIX}.router.decisions"  # one RoutingDecision per placed request
 CANCEL_ALL = f"{PREFIX}.cancel.*"  # every owner's cancels (the router's queue and every worker)
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.>"
@@ -38,6 +39,11 @@ def router_generate(owner: str) -> str:
     return f"{PREFIX}.router.generate.{owner}"
 
 
+def router_embed(owner: str) -> str:
+    """Where a client sends its :class:`EmbedRequest`: under its owner token, as :func:`router_generate`."""
+    return f"{PREFIX}.router.embed.{owner}"
+
+
 def cancel(owner: str) -> str:
     """Where a client cancels its requests: under its owner token, as :func:`router_generate`, so
     a cancel stops only streams that owner holds."""
@@ -45,7 +51,8 @@ def cancel(owner: str) -> str:
 
 
 def owner_of(subject: str) -> str:
-    """The owner token a :func:`router_generate` or :func:`cancel` subject was published under."""
+    """The owner token a :func:`router_generate`, :func:`router_embed` or :func:`cancel` subject was
+    published under."""
     return subject.rsplit(".", 1)[-1]
 
 
@@ -83,6 +90,11 @@ def prefill(instance_id: str) -> str:
 def decode_admit(instance_id: str) -> str:
     """Admit a sequence into one decode worker's batch (prefilled elsewhere or not)."""
     return f"{PREFIX}.decode.{instance_id}.admit"
+
+
+def decode_embed(instance_id: str) -> str:
+    """Ask one decode worker to prefill a prompt and publish its pooled vector (``EmbedWork``)."""
+    return f"{PREFIX}.decode.{instance_id}.embed"
 
 
 def decode_kv(instance_id: str) -> str:

@@ -13,6 +13,7 @@
             for output in several.outputs:  # best first
                 print(output.cumulative_logprob, output.text)
             beams = await client.beam_search("import", beam_width=4, max_tokens=8)
+            vectors = await client.embed(["def f():", "import os"], pooling="mean")  # one Embedding each
 
     asyncio.run(main())
 
@@ -28,6 +29,9 @@ stream ends with a worker failure, the client places it again with the tokens de
 and the stream goes on with no gap and no duplicate (``max_migrations`` per request, default 3;
 see :mod:`tandem.client.migration`).
 
+``embed`` returns one :class:`Embedding` per input: the served model's final hidden states pooled
+(last token or mean) and L2-normalised, as an ``array('f')`` (see :mod:`tandem.client.embedding`).
+
 Errors are typed: :class:`NoWorkersError`, :class:`RequestTimeoutError`,
 :class:`InvalidRequestError` (and its :class:`UnknownModelError`, :class:`PromptTooLongError`),
 :class:`WorkerFailureError`, :class:`ConnectionLostError`, all :class:`TandemError`; nats-py's own
@@ -36,6 +40,7 @@ sends the request's cancel at once, so the workers free its blocks.
 """
 
 from tandem.client.connect import connect, resolve_url
+from tandem.client.embedding import Embedding
 from tandem.client.errors import (
     ConnectionLostError,
     InvalidRequestError,
@@ -56,7 +61,7 @@ from tandem.client.session import Client
 from tandem.client.stream import RequestStream
 
 __all__ = [
-    "Chunk", "Client", "Completion", "CompletionOutput", "ConnectionLostError", "InvalidRequestError",
+    "Chunk", "Client", "Completion", "CompletionOutput", "ConnectionLostError", "Embedding", "InvalidRequestError",
     "NoWorkersError", "OutputAssembly", "OverloadedError", "PromptTooLongError", "RequestStream",
     "RequestTimeoutError", "RequestTooLargeError", "ShuttingDownError", "TandemError", "UnknownModelError",
     "WorkerFailureError", "connect", "error_field", "error_from_reply", "resolve_url",

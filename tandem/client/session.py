@@ -15,6 +15,7 @@ from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from pydantic import ValidationError
 
+from tandem.client.embedding import Embedding, EmbeddingInputs, embed_all
 from tandem.client.errors import (
     ConnectionLostError,
     InvalidRequestError,
@@ -48,6 +49,7 @@ from tandem.shared.infra.liveness import Liveness, on_bus
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorReply, ProtocolError
 from tandem.shared.protocol.codec import decode, encode
+from tandem.shared.protocol.embedding import EmbedRequest
 from tandem.shared.protocol.fleet import Heartbeat
 from tandem.shared.protocol.serving import (
     Cancel,
@@ -240,6 +242,20 @@ class Client:
                                    beam_width=beam_width, n=beam_width if n is None else n,
                                    length_penalty=length_penalty, early_stopping=early_stopping, **params)
 
+    async def embed(self, inputs: EmbeddingInputs, *, pooling: str | None = None, dimensions: int | None = None,
+                    model: str | None = None, timeout_s: float | None = None, priority: int = 0,
+                    truncate_prompt_tokens: int | None = None, max_in_flight: int = 64) -> list[Embedding]:
+        """The embedding of each input, in order: a string, token ids, or a list of either (each one
+        request on the bus, at most ``max_in_flight`` at once). ``pooling``: "last" or "mean" (None:
+        the model's default); ``dimensions``: keep that many leading components, normalised again;
+        ``truncate_prompt_tokens``: embed only each input's last N tokens (-1: as many as the context
+        holds). Each :class:`Embedding`'s ``vector`` is an ``array('f')`` of unit L2 norm. A bad value
+        raises :class:`InvalidRequestError` before anything is sent; a failure of any input raises
+        its typed error and cancels the others."""
+        return await embed_all(self, inputs, pooling=pooling, dimensions=dimensions, model=model,
+                               timeout_s=timeout_s or self.request_timeout_s, priority=priority,
+                               truncate_prompt_tokens=truncate_prompt_tokens, max_in_flight=max_in_flight)
+
     def _request(self, prompt, model, request_id, priority: int, params: dict) -> GenerateRequest:
         """The request to send, or :class:`InvalidRequestError` naming the first field out of its
         bounds (checked before anything is sent: no value msgpack cannot carry reaches ``encode``)."""
@@ -260,7 +276,8 @@ class Client:
         except (ValidationError, TypeError) as exc:
             raise InvalidRequestError(f"invalid request: {first_error_text(exc)}", shown, error_field(exc)) from None
 
-    async def _place(self, request: GenerateRequest, timeout: float, patient: bool = True) -> GenerateAccepted:
+    async def _place(self, request: GenerateRequest | EmbedRequest, timeout: float,
+                     patient: bool = True) -> GenerateAccepted:
         """Send ``request`` to a router and return where it placed it, or raise its typed error.
         Raises :class:`RouterLost` when the router that took it left the bus before answering
         (the caller places it again under a new id, so the first placement, if it was made after
@@ -268,6 +285,7 @@ class Client:
         second, or, ``patient`` and a router having answered this client before, for
         ``router_restart_wait_s`` (one is likely restarting); then :class:`NoWorkersError`."""
         payload = encode(request.model_copy(update={"ack_placement": True}))
+        subject = (subjects.router_embed if isinstance(request, EmbedRequest) else subjects.router_generate)(self.owner)
         if len(payload) > self.nc.max_payload:
             # nats-py would raise MaxPayloadError; refused here, as the request's own fault, with the
             # connection untouched.
@@ -291,7 +309,7 @@ class Client:
 
             try:
                 sub = await self.nc.subscribe(self.nc.new_inbox(), cb=on_reply)
-                await self.nc.publish(subjects.router_generate(self.owner), payload, reply=sub.subject)
+                await self.nc.publish(subject, payload, reply=sub.subject)
             except NatsError as exc:
                 raise self._lost(exc, request.request_id) from None
             try:
