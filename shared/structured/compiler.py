@@ -1,10 +1,14 @@
-"""Compiling structured output specs over one worker's vocabulary, once per spec.
+"""Compiling structured output specs over one worker's vocabulary, once per spec (a few times on a GPU).
 
 A compiled grammar is kept as a template matcher, keyed by the spec's hash: a request whose spec
 was seen before starts from a copy of it (llguidance shares the compiled grammar between copies),
 so a schema costs its compile once per worker, never per request or per token. The cache is an LRU
-of ``capacity`` specs. The vocabulary's token table is built on the first structured request, not
-at start-up: a worker that serves none never pays for it.
+of ``capacity`` specs. Copies of one template also share its lazily built lexer state, which
+serializes filling their masks: on a GPU, where masks are filled on several threads, a spec gets up
+to ``copies_per_spec`` templates, compiled as its concurrent requests first need them, and its
+requests take them in turn, so the rows of one step can be filled in parallel. The vocabulary's
+token table is built on the first structured request, not at start-up: a worker that serves none
+never pays for it.
 """
 
 from __future__ import annotations
@@ -23,21 +27,33 @@ DEFAULT_CAPACITY = 256
 
 
 @dataclass
-class CompileStats:
+class GrammarStats:
     compiled: int = 0  # specs compiled (cache misses)
     reused: int = 0  # requests started from a cached compile
     compile_seconds: float = 0.0  # spent compiling, in total
+    mask_fills: int = 0  # steps whose constrained rows had their masks filled
+    mask_fill_seconds: float = 0.0  # host time spent filling them, in total
+
+
+@dataclass
+class _Templates:
+    """One spec's compiled matchers (each compiled on its own) and whose turn it is."""
+
+    matchers: list
+    turn: int = 0
 
 
 class GrammarCompiler:
     """Structured output specs -> :class:`OutputGrammar` over one vocabulary, cached by spec."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, capacity: int = DEFAULT_CAPACITY,
+                 copies_per_spec: int = 1) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.capacity = capacity
-        self.stats = CompileStats()
-        self._templates: OrderedDict[str, object] = OrderedDict()
+        self.copies_per_spec = copies_per_spec
+        self.stats = GrammarStats()
+        self._templates: OrderedDict[str, _Templates] = OrderedDict()
         self._vocabulary = None
 
     @property
@@ -50,15 +66,20 @@ class GrammarCompiler:
         """A fresh matcher for ``spec`` at the start of its output (:class:`StructuredOutputError`
         with llguidance's reason when it does not compile)."""
         key = spec_key(spec)
-        template = self._templates.get(key)
-        if template is None:
-            template = self._compile(spec)
-            self._templates[key] = template
+        entry = self._templates.get(key)
+        if entry is None:
+            entry = _Templates([self._compile(spec)])
+            self._templates[key] = entry
             if len(self._templates) > self.capacity:
                 self._templates.popitem(last=False)
         else:
             self._templates.move_to_end(key)
-            self.stats.reused += 1
+            if len(entry.matchers) < self.copies_per_spec:
+                entry.matchers.append(self._compile(spec))
+            else:
+                self.stats.reused += 1
+        template = entry.matchers[entry.turn % len(entry.matchers)]
+        entry.turn += 1
         return OutputGrammar(template.deep_copy(), spec.start_after)
 
     def _compile(self, spec: StructuredOutput):  # noqa: ANN202 - an llguidance.LLMatcher
