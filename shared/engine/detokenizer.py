@@ -118,9 +118,8 @@ def check_stop(seq: Sequence, eos_token_ids: Seq[int], max_model_len: int, text:
 def can_defer_text(seq: Sequence) -> bool:
     """Whether a sequence's text may lag its tokens by a step: not when stop strings (text) decide
     when it ends, nor for a prefill-only sequence, whose one token starts a hand-off at once, nor
-    for one output of several (a group's outputs are made together), nor for a structured output,
-    whose grammar ends it on a token that is text (``catch_up_text`` takes a "stop" token as none)."""
-    return not seq.params.stop and not seq.prefill_only and seq.group is None and seq.grammar is None
+    for one output of several (a group's outputs are made together)."""
+    return not seq.params.stop and not seq.prefill_only and seq.group is None
 
 
 def catch_up_text(seq: Sequence) -> None:
@@ -130,6 +129,8 @@ def catch_up_text(seq: Sequence) -> None:
     if detok is None:
         return
     if seq.finish_reason in ("stop", "length", "abort"):
-        detok.update(seq.token_ids, seq.num_tokens - (seq.finish_reason == "stop"), final=True)
+        # A stop token is not text; the token that completes a structured output is.
+        stop_token = seq.finish_reason == "stop" and not (seq.grammar is not None and seq.grammar.ended_on_text)
+        detok.update(seq.token_ids, seq.num_tokens - stop_token, final=True)
     else:
         detok.update(seq.token_ids, seq.num_tokens)

@@ -91,4 +91,7 @@ class GrammarCompiler:
         self.stats.compiled += 1
         if matcher.is_error():
             raise StructuredOutputError(f"{spec.kind}: {one_line(matcher.get_error())}")
+        # The first mask builds lexer state that copies inherit: computed once here, a request's
+        # first token does not pay for it on the engine's step.
+        matcher.compute_bitmask()
         return matcher

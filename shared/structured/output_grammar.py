@@ -35,6 +35,11 @@ class OutputGrammar:
         """The output is complete: nothing but its end may follow."""
         return self.started and self.matcher.is_stopped()
 
+    @property
+    def ended_on_text(self) -> bool:
+        """The output's last token completed it (it is text), rather than an end-of-sequence token."""
+        return self.is_done and self.matcher.stop_reason() != "EndOfSentence"
+
     def accept(self, token_id: int) -> None:
         """Advance with the output's next token; :class:`GrammarViolation` if the grammar refuses it."""
         if not self.started:
