@@ -185,3 +185,18 @@ def test_eager_host_profile_is_written_where_asked(tmp_path: Path) -> None:
     stats = pstats.Stats(str(kept))
     steps = [key for key in stats.stats if key[2] == "step" and key[0].endswith("engine.py")]
     assert steps and stats.stats[steps[0]][1] == 3, f"engine.step called 3 times in the profile: {steps}"
+
+
+def test_structured_decoding_benchmark_prints_both_tpots_and_the_compile(tmp_path: Path) -> None:
+    out_file = tmp_path / "structured.json"
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "structured_decoding.py"), "--batches", "1", "4",
+                          "--max-tokens", "16", "--json-out", str(out_file)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    figures = {(r["figure"], r.get("batch")): r for r in json.loads(out_file.read_text())}
+    compile_figure = figures[("compile", None)]
+    assert compile_figure["schema_cold_ms"] > compile_figure["schema_cached_ms"] > 0
+    for batch in (1, 4):
+        tpot = figures[("tpot", batch)]
+        assert tpot["free_tpot_ms"] > 0 and tpot["constrained_tpot_ms"] > 0 and tpot["ratio"] > 0, tpot
+        assert tpot["host_mask_fill_ms"] > 0, "the constrained run filled no mask"
