@@ -143,6 +143,7 @@ class EngineWorker(ServiceRuntime):
             self.engine_config = dataclasses.replace(self.engine_config, num_blocks=blocks)
         self.max_model_len = self.engine_config.max_model_len
         self.engine = LLMEngine(self.loaded.model, self.loaded.tokenizer, self.engine_config, self.device, self.dtype)
+        self.engine.prepare_structured_outputs()
         self.streams: dict[str, Stream] = {}
         self.offers_in_flight = 0
         self.offers_skipped = 0

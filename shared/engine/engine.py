@@ -667,6 +667,11 @@ class LLMEngine:
         self.runner.load_weights(state_dict)  # a tensor-parallel runner cuts each tensor for every rank
         self.block_manager.reset_prefix_cache()
 
+    def prepare_structured_outputs(self) -> None:
+        """Build the vocabulary's token table for grammars now (a worker at start-up), not in the
+        step of the first structured request, where a large vocabulary's would stall every row."""
+        _ = self.grammars.vocabulary
+
     def drain_kv_events(self) -> tuple[list[int], list[int]]:
         """``(stored, removed)`` block hashes since the last call, net; see ``BlockManager.drain_events``.
 

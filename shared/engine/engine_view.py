@@ -91,6 +91,8 @@ class EngineView(Protocol):
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
 
+    def prepare_structured_outputs(self) -> None: ...
+
     @property
     def kv_layout(self) -> tuple[int, ...]:
         """The shape of one exported or imported KV block (a hand-off's or a KV-store's ``kv[i]``)."""

@@ -7,8 +7,8 @@ of ``capacity`` specs. Copies of one template also share its lazily built lexer 
 serializes filling their masks: on a GPU, where masks are filled on several threads, a spec gets up
 to ``copies_per_spec`` templates, compiled as its concurrent requests first need them, and its
 requests take them in turn, so the rows of one step can be filled in parallel. The vocabulary's
-token table is built on the first structured request, not at start-up: a worker that serves none
-never pays for it.
+token table is built when first needed; a worker builds it at start-up
+(``LLMEngine.prepare_structured_outputs``), so no request's step pays for it.
 """
 
 from __future__ import annotations

@@ -208,3 +208,12 @@ def test_unconstrained_rows_beside_constrained_ones_are_untouched(tiny) -> None:
     constrained = [EngineRequest(f"c{i}", list(b"y = "), params("json_object", seed=i)) for i in range(4)]
     mixed = outputs_of(make_engine(tiny), [*free, *constrained])
     assert {k: v for k, v in mixed.items() if k.startswith("f")} == alone
+
+
+def test_the_vocabulary_table_can_be_built_before_the_first_structured_request(tiny) -> None:
+    engine = make_engine(tiny)
+    engine.prepare_structured_outputs()
+    table = engine.grammars._vocabulary
+    assert table is not None and table.vocab_size == engine.vocab_size
+    outputs_of(engine, [EngineRequest("c", list(b"x"), params("choice", seed=0))])
+    assert engine.grammars._vocabulary is table, "the first structured request built the table again"
