@@ -1,6 +1,6 @@
 """Embeddings on the GPU: pooled on the device, copied to pinned host memory behind an event, beside
 generation with decode CUDA graphs, overlapped steps and deferred text on (their CPU twin:
-tests/unit/engine/test_embeddings.py). A one-token prompt is a one-token row like a decode row: it
+tests/unit/engine/test_embedding_pooling.py). A one-token prompt is a one-token row like a decode row: it
 must never be sent through a graph replay, which computes no hidden rows to pool."""
 
 from __future__ import annotations
