@@ -369,12 +369,11 @@ def test_generate_constrains_the_output(system, flags, admitted, tmp_path):
                                   "required": ["n"], "additionalProperties": False}))
     grammar.write_text('root ::= "a" ("b" | "cc") "d"')
     flags = [str({"@schema": schema, "@grammar": grammar}.get(flag, flag)) for flag in flags]
-    for seed in range(3):
-        done = tandem(["generate", "x = ", "--nats-url", system.url, "--max-tokens", "40", "--seed", str(seed),
-                       "--json", *flags], tmp_path)
-        assert done.returncode == 0, done.stderr
-        result = json.loads(done.stdout)
-        assert result["finish_reason"] == "stop" and admitted(result["text"]), result
+    done = tandem(["generate", "x = ", "--nats-url", system.url, "--max-tokens", "40", "--seed", "1", "--json",
+                   *flags], tmp_path)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["finish_reason"] == "stop" and admitted(result["text"]), result
 
 
 @pytest.mark.parametrize("flags, stderr", [

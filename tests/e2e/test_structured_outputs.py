@@ -6,7 +6,8 @@ parse. Constrained, every output must: ``chat.completions.parse`` with a pydanti
 seeds, vLLM's ``structured_outputs`` and ``guided_*`` fields on completions, streamed and whole. A
 bad schema or grammar is a 400 naming the problem, and none of it disturbs a stream running beside.
 
-Run: ``python3 -m pytest -q tests/e2e/test_structured_outputs.py``.
+The many-seed runs carry the ``slow`` marker; the default run keeps the rest.
+Run: ``python3 -m pytest -q tests/e2e/test_structured_outputs.py`` (``-m slow``: the many-seed runs).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def client_for(api) -> openai.AsyncOpenAI:
 MESSAGES = [{"role": "user", "content": "an order, as JSON"}]
 
 
+@pytest.mark.slow
 async def test_parse_with_a_pydantic_model_gives_a_valid_object_for_every_seed(api):
     client = client_for(api)
     results = await asyncio.gather(*(client.chat.completions.parse(
@@ -91,6 +93,7 @@ async def test_parse_with_a_pydantic_model_gives_a_valid_object_for_every_seed(a
     assert len({r.choices[0].message.content for r in results}) > 1, "every seed gave the same output"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 async def test_a_json_schema_response_format_validates_for_every_seed(api, stream: bool):
     client = client_for(api)
@@ -138,7 +141,7 @@ async def test_json_object_mode_gives_a_json_object(api):
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 async def test_completions_take_vllms_structured_fields(api, extra: dict, check, stream: bool):
     client = client_for(api)
-    for seed in range(4):
+    for seed in range(2):
         kwargs = dict(model="tiny", prompt="x = ", max_tokens=200, temperature=1.0, seed=seed, extra_body=extra)
         if stream:
             pieces = [c async for c in await client.completions.create(stream=True, **kwargs)]
@@ -204,6 +207,7 @@ def assert_valid_calls(calls, names: set[str], where: str) -> None:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tool_choice, names", [
     ("required", {"get_weather", "get_time"}),
     ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
@@ -221,6 +225,7 @@ async def test_a_forced_tool_call_is_valid_for_every_seed(api, tool_choice, name
         assert len(choice.message.tool_calls) == 1, f"seed {seed}: {choice.message.tool_calls}"
 
 
+@pytest.mark.slow
 async def test_required_with_parallel_calls_makes_valid_calls(api):
     """The tiny model rarely stops calling: every call but one cut by max_tokens is valid."""
     for seed in range(4):
