@@ -65,6 +65,7 @@ from typing import Any
 
 import numpy as np
 
+from tandem.shared.structured.vocabulary import byte_level_decoder, piece_bytes
 from tandem.shared.text.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
 
 # An order record: the shape of what clients ask tandem for (tool arguments, extraction records).
@@ -294,27 +295,6 @@ def train_bpe(vocab_size: int, seed: int) -> Any:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(synthetic_corpus(seed), trainer)
     return tokenizer
-
-
-def byte_level_decoder() -> dict[str, int]:
-    """GPT-2's printable stand-in for each byte, inverted: the alphabet byte-level BPE vocabularies are written in."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    chars, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[chr(byte)] = byte
-        else:
-            chars[chr(256 + extra)] = byte
-            extra += 1
-    return chars
-
-
-def piece_bytes(piece: str, byte_level: bool, byte_map: dict[str, int]) -> bytes:
-    if byte_level:
-        return bytes(byte_map[c] for c in piece) if all(c in byte_map for c in piece) else piece.encode()
-    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
-        return bytes([int(piece[3:5], 16)])
-    return piece.replace("\u2581", " ").encode()
 
 
 def bpe_vocab(path: str | None, vocab_size: int, seed: int, eos_name: str | None) -> Vocab:

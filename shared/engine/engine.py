@@ -669,8 +669,12 @@ class LLMEngine:
 
     def prepare_structured_outputs(self) -> None:
         """Build the vocabulary's token table for grammars now (a worker at start-up), not in the
-        step of the first structured request, where a large vocabulary's would stall every row."""
-        _ = self.grammars.vocabulary
+        step of the first structured request, where a large vocabulary's would stall every row.
+        A tokenizer it cannot read leaves the worker serving: its structured requests are refused."""
+        try:
+            _ = self.grammars.vocabulary
+        except ValueError as exc:
+            log.warning("structured outputs will be refused: %s", exc)
 
     def drain_kv_events(self) -> tuple[list[int], list[int]]:
         """``(stored, removed)`` block hashes since the last call, net; see ``BlockManager.drain_events``.

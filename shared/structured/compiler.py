@@ -59,7 +59,11 @@ class GrammarCompiler:
     @property
     def vocabulary(self):  # noqa: ANN201 - an llguidance.LLTokenizer
         if self._vocabulary is None:
-            self._vocabulary = grammar_tokenizer(self.tokenizer, self.vocab_size)
+            try:
+                self._vocabulary = grammar_tokenizer(self.tokenizer, self.vocab_size)
+            except Exception as exc:  # llguidance's reasons vary: the request gets them as its own error
+                raise StructuredOutputError(f"this model's tokenizer cannot be read for structured outputs "
+                                            f"({one_line(str(exc))})") from None
         return self._vocabulary
 
     def output_grammar(self, spec: StructuredOutput) -> OutputGrammar:
