@@ -138,7 +138,7 @@ async def test_json_object_mode_gives_a_json_object(api):
     ({"guided_json": {"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"],
                       "additionalProperties": False}}, lambda t: json.loads(t) in ({"k": True}, {"k": False})),
 ], ids=["guided_regex", "guided_choice", "regex", "gbnf", "lark", "guided_json"])
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["whole", "streamed"])
 async def test_completions_take_vllms_structured_fields(api, extra: dict, check, stream: bool):
     client = client_for(api)
     for seed in range(2):
@@ -170,7 +170,13 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("fields, param, words", BAD, ids=[str(i) for i in range(len(BAD))])
+# Four cases in the default run (a bad schema, an unsupported keyword, a bad grammar, too large); the rest slow.
+DEFAULT_BAD = (0, 1, 5, 8)
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    case if i in DEFAULT_BAD else pytest.param(*case, marks=pytest.mark.slow) for i, case in enumerate(BAD)],
+    ids=[str(i) for i in range(len(BAD))])
 async def test_a_bad_spec_is_a_400_naming_it_beside_a_live_stream(api, fields: dict, param: str, words: str):
     client = client_for(api)
     live = await client.completions.create(model="tiny", prompt="def f():", max_tokens=60, temperature=0.0,

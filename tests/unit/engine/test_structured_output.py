@@ -86,7 +86,8 @@ def outputs_of(engine, requests: list[EngineRequest]) -> dict[str, tuple[list[in
     return got
 
 
-@pytest.mark.parametrize("kind", list(SPECS))
+@pytest.mark.parametrize("kind", [pytest.param(kind, marks=pytest.mark.slow) if kind == "json_object" else kind
+                                  for kind in SPECS])
 def test_every_sampled_output_is_one_the_spec_admits(tiny, kind: str) -> None:
     """Bounded specs always end; ``json_object`` strings are unbounded, so a sample may run out of
     tokens inside one (as with any server): the outputs that end must be JSON objects."""
@@ -122,7 +123,8 @@ MODES = {
 }
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", [pytest.param(mode, marks=pytest.mark.slow) if mode == "swap preemption" else mode
+                                  for mode in MODES])
 def test_engine_modes_give_the_same_constrained_tokens(tiny, mode: str) -> None:
     prompts = make_prompts()
     kinds = ["json_schema", "regex", "lark", "choice", "gbnf"] * 2
@@ -151,7 +153,8 @@ def test_several_samples_each_follow_their_own_matcher(tiny) -> None:
         assert admitted("json_schema", text), f"sample {index}: {text!r}"
 
 
-@pytest.mark.parametrize("cut", [0, 1, 9, 17])
+@pytest.mark.parametrize("cut", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(9, marks=pytest.mark.slow),
+                                 17])
 def test_a_hand_off_or_a_migration_goes_on_token_exact(tiny, cut: int) -> None:
     """The decode worker's matcher takes the prefill worker's token, a migrated request's takes the
     tokens already delivered: either way the rest comes out as in one undisturbed run."""
@@ -202,10 +205,10 @@ def test_a_spec_compiles_once_per_engine(tiny) -> None:
 
 def test_unconstrained_rows_beside_constrained_ones_are_untouched(tiny) -> None:
     """A batch mixing free and constrained rows samples the free ones exactly as a free batch does."""
-    free = [EngineRequest(f"f{i}", prompt, SamplingParams(max_tokens=30, temperature=1.0, seed=i, ignore_eos=True))
-            for i, prompt in enumerate(make_prompts()[:4])]
+    free = [EngineRequest(f"f{i}", prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=i, ignore_eos=True))
+            for i, prompt in enumerate(make_prompts()[:3])]
     alone = outputs_of(make_engine(tiny), free)
-    constrained = [EngineRequest(f"c{i}", list(b"y = "), params("json_object", seed=i)) for i in range(4)]
+    constrained = [EngineRequest(f"c{i}", list(b"y = "), params("regex", seed=i)) for i in range(3)]
     mixed = outputs_of(make_engine(tiny), [*free, *constrained])
     assert {k: v for k, v in mixed.items() if k.startswith("f")} == alone
 
