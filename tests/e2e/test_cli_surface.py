@@ -358,9 +358,10 @@ def test_frontend_overhead_benchmark_starts_its_own_tandem_up(tmp_path):
 
 @pytest.mark.parametrize("flags, admitted", [
     (["--regex", "[0-9]{2}-[a-z]{3}"], lambda text: re.fullmatch(r"[0-9]{2}-[a-z]{3}", text)),
-    (["--choice", "left", "--choice", "right"], lambda text: text in ("left", "right")),
+    pytest.param(["--choice", "left", "--choice", "right"], lambda text: text in ("left", "right"),
+                 marks=pytest.mark.slow),
     (["--json-schema", "@schema"], lambda text: json.loads(text)["n"] in range(10)),
-    (["--grammar", "@grammar"], lambda text: re.fullmatch(r"a(b|cc)d", text)),
+    pytest.param(["--grammar", "@grammar"], lambda text: re.fullmatch(r"a(b|cc)d", text), marks=pytest.mark.slow),
 ], ids=["regex", "choice", "json-schema", "grammar"])
 def test_generate_constrains_the_output(system, flags, admitted, tmp_path):
     schema, grammar = tmp_path / "schema.json", tmp_path / "grammar.gbnf"
@@ -378,8 +379,9 @@ def test_generate_constrains_the_output(system, flags, admitted, tmp_path):
 
 @pytest.mark.parametrize("flags, stderr", [
     (["--regex", "[a-"], "unclosed character class"),
-    (["--json-schema", "/nonexistent.json"], "tandem generate: --json-schema: cannot read /nonexistent.json"),
-    (["--regex", "a", "--choice", "b"], "not allowed with argument"),
+    pytest.param(["--json-schema", "/nonexistent.json"],
+                 "tandem generate: --json-schema: cannot read /nonexistent.json", marks=pytest.mark.slow),
+    pytest.param(["--regex", "a", "--choice", "b"], "not allowed with argument", marks=pytest.mark.slow),
 ], ids=["bad regex", "missing file", "two at once"])
 def test_generate_with_a_bad_structured_output_says_so_in_one_line(system, flags, stderr, tmp_path):
     done = tandem(["generate", "x", "--nats-url", system.url, *flags], tmp_path)

@@ -187,6 +187,7 @@ def test_eager_host_profile_is_written_where_asked(tmp_path: Path) -> None:
     assert steps and stats.stats[steps[0]][1] == 3, f"engine.step called 3 times in the profile: {steps}"
 
 
+@pytest.mark.slow  # a whole benchmark script run
 def test_structured_decoding_benchmark_prints_both_tpots_and_the_compile(tmp_path: Path) -> None:
     out_file = tmp_path / "structured.json"
     out = subprocess.run([sys.executable, str(BENCHMARKS / "structured_decoding.py"), "--batches", "1", "4",

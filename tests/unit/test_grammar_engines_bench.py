@@ -20,6 +20,8 @@ from typing import Any
 import jsonschema
 import pytest
 
+pytestmark = pytest.mark.slow  # the whole benchmark script runs, as for every benchmark's test
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "grammar_engines.py"
 # Enough steps at batch 4 for rows to finish byte-level documents of a few hundred tokens.
 ARGS = ["--vocab", "byte", "--batch", "1", "4", "--steps", "400", "--warmup", "20", "--repeats", "1",
