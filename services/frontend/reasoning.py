@@ -104,7 +104,7 @@ class ReasoningStream:
                 self._buffer = self._buffer[end + len(THINK_CLOSE):]
                 self._state = "answer_start"
                 return True
-            keep = 0 if final else _partial_suffix(self._buffer, THINK_CLOSE)
+            keep = 0 if final else partial_suffix(self._buffer, THINK_CLOSE)
             self._reasoning(self._buffer[:len(self._buffer) - keep], closing=final)
             self._buffer = self._buffer[len(self._buffer) - keep:]
             return False
@@ -145,7 +145,7 @@ class ReasoningStream:
         return merged
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of ``text`` that begins ``marker`` (and is shorter than it)."""
     for length in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-length:]):

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tandem.services.frontend.reasoning import partial_suffix
 from tandem.shared.protocol.serving import MAX_STRUCTURED_SPEC_CHARS, StructuredOutput
 
 MAX_TOOLS = 128  # tools per request: each is rendered into the prompt and may become a grammar rule
@@ -750,7 +751,7 @@ class ToolCallStream:
             self._buffer = self._buffer[found:]
             self._state = "header"
             return True
-        keep = 0 if final else _partial_suffix(self._buffer, marker)
+        keep = 0 if final else partial_suffix(self._buffer, marker)
         self._text_content(self._buffer[:len(self._buffer) - keep])
         self._buffer = self._buffer[len(self._buffer) - keep:]
         return False
@@ -861,11 +862,3 @@ class ToolCallStream:
                 merged.append(delta)
         self._out = []
         return merged
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that begins ``marker`` (and is shorter than it)."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0

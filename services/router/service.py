@@ -543,12 +543,10 @@ class Router(ServiceRuntime):
                 await asyncio.sleep(self.settings.bus.heartbeat_interval_s)
                 waited += time.monotonic() - start
 
-    async def place_on_decode(self, msg: GenerateRequest, ids: list[int], prompt: PromptBlocks, accepted_at: float,
-                              gone: set[tuple[str, str]]) -> Placement | None:
-        """Place an admitted request on the cheapest live decode worker that takes it (with a prefill
-        worker, or prefilled there), never on a process in ``gone``; None when every one tried was
-        gone (they join ``gone``). Raises a worker's refusal."""
-        decoders = [w for w in self.alive("decode", self.meta.name, msg.exclude_workers)  # they may have come or gone
+    def ranked_decoders(self, exclude: list[str], prompt: PromptBlocks, gone: set[tuple[str, str]]) -> list | None:
+        """The live decode workers not in ``gone`` (those with room first), cheapest first; None
+        while a restarted worker is awaited; raises when there is none."""
+        decoders = [w for w in self.alive("decode", self.meta.name, exclude)  # they may have come or gone
                     if (w.beat.instance_id, w.beat.incarnation) not in gone]
         if not decoders:
             if self.awaiting_restart():
@@ -556,7 +554,16 @@ class Router(ServiceRuntime):
             raise self.no_decode_workers()
         limit = self.settings.router.max_inflight_per_worker
         decoders = [w for w in decoders if has_room(self.admission_load(w), limit)] or decoders
-        ranked_decode = self.ranked(decoders, prompt)
+        return self.ranked(decoders, prompt)
+
+    async def place_on_decode(self, msg: GenerateRequest, ids: list[int], prompt: PromptBlocks, accepted_at: float,
+                              gone: set[tuple[str, str]]) -> Placement | None:
+        """Place an admitted request on the cheapest live decode worker that takes it (with a prefill
+        worker, or prefilled there), never on a process in ``gone``; None when every one tried was
+        gone (they join ``gone``). Raises a worker's refusal."""
+        ranked_decode = self.ranked_decoders(msg.exclude_workers, prompt, gone)
+        if ranked_decode is None:
+            return None
         for decode_worker, choice in ranked_decode:
             spec = request_spec(msg, ids, self.meta.name, accepted_at, decode_worker.beat.max_model_len)
             # Counted before the round trips, so requests placed meanwhile already see this load.
@@ -585,15 +592,9 @@ class Router(ServiceRuntime):
                               gone: set[tuple[str, str]]) -> Placement | None:
         """:meth:`place_on_decode` for an embedding: the cheapest live decode worker that takes
         ``work`` computes it alone; None when every one tried was gone (they join ``gone``)."""
-        decoders = [w for w in self.alive("decode", self.meta.name, msg.exclude_workers)
-                    if (w.beat.instance_id, w.beat.incarnation) not in gone]
-        if not decoders:
-            if self.awaiting_restart():
-                return None
-            raise self.no_decode_workers()
-        limit = self.settings.router.max_inflight_per_worker
-        decoders = [w for w in decoders if has_room(self.admission_load(w), limit)] or decoders
-        ranked_decode = self.ranked(decoders, prompt)
+        ranked_decode = self.ranked_decoders(msg.exclude_workers, prompt, gone)
+        if ranked_decode is None:
+            return None
         for decode_worker, choice in ranked_decode:
             if len(work.prompt_token_ids) > decode_worker.beat.max_model_len:
                 raise ProtocolError(ErrorCode.PROMPT_TOO_LONG, f"input has {len(work.prompt_token_ids)} tokens; the "
