@@ -17,6 +17,10 @@ timed when the model is quantized, before capture; larger ones quantize their ro
 multiple of 16 for ``torch._scaled_mm`` inside the graph: a fixed shape per size, like every other
 buffer here.
 
+With LoRA adapters (``shared/lora``) each row's adapter slot is one more input buffer (-1: none, and
+padding): the graphs capture the gathered adapter products over the slot stacks, so an adapter
+written into a slot later needs no recapture.
+
 Tensor parallelism (``shared/parallel``): every rank captures the same ladder, in step (the
 captures hold the layers' all-reduces). Rank 0's graphs begin by broadcasting their input buffers
 to the other ranks' buffers, so a follower's replay needs only the batch size, sent as a command
@@ -32,6 +36,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from tandem.shared.kvcache.attention import AttentionMetadata
+from tandem.shared.lora.ops import LoraBatch
 
 log = logging.getLogger("tandem.engine")
 
@@ -42,7 +47,7 @@ class DecodeGraphs:
     """Captured decode forwards; ``run`` returns float32 logits ``[n, vocab]`` for ``n`` decode rows."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, scratch_block: int, max_batch: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, lora_slots=None) -> None:  # noqa: ANN001 - AdapterSlots
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.shape[3]
@@ -52,13 +57,15 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.table_width = -(-max_model_len // self.block_size)
         scratch_slot = scratch_block * self.block_size
-        # Rows: input ids, positions, slots, context lengths. Padding: token 0, position 0, scratch, 1.
-        self.padding = torch.tensor([0, 0, scratch_slot, 1], dtype=torch.long)
+        # Rows: input ids, positions, slots, context lengths, adapter slots. Padding: token 0,
+        # position 0, scratch, 1, no adapter.
+        self.padding = torch.tensor([0, 0, scratch_slot, 1, -1], dtype=torch.long)
+        self.lora_slots = lora_slots
         self.inputs = self.padding[:, None].repeat(1, max_batch).to(self.device)
         self.tables = torch.full((max_batch, self.table_width), scratch_block, dtype=torch.int32, device=self.device)
         self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=self.device)
         # Two sets of pinned staging used in turn, each with the event of its last copies.
-        self.staging = [torch.empty((5, max_batch), dtype=torch.long).pin_memory() for _ in range(2)]
+        self.staging = [torch.empty((6, max_batch), dtype=torch.long).pin_memory() for _ in range(2)]
         self.table_staging = [torch.empty((max_batch, self.table_width), dtype=torch.int32).pin_memory()
                               for _ in range(2)]
         self.staged = [torch.cuda.Event(), torch.cuda.Event()]
@@ -79,7 +86,13 @@ class DecodeGraphs:
             context_lens=self.inputs[3, :size].to(torch.int32), block_tables=self.tables[:size],
             max_query_len=1, max_context_len=self.max_model_len, block_size=self.block_size, num_decode_seqs=size,
         )
-        hidden = self.model(ids, positions, self.kv_cache, meta)
+        if self.lora_slots is not None:
+            self.lora_slots.batch = LoraBatch(token_slots=self.inputs[4, :size])
+        try:
+            hidden = self.model(ids, positions, self.kv_cache, meta)
+        finally:
+            if self.lora_slots is not None:
+                self.lora_slots.batch = None
         if self.group is not None and not self.group.is_first:
             return hidden
         return self.model.compute_logits(hidden)
@@ -106,22 +119,25 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, token_ids: Seq[int], positions: Seq[int], block_tables: Seq[Seq[int]],
-            device_tokens: tuple[torch.Tensor, Seq[int]] | None = None) -> torch.Tensor:
+            device_tokens: tuple[torch.Tensor, Seq[int]] | None = None,
+            adapter_slots: Seq[int] | None = None) -> torch.Tensor:
         """Replay for one-token rows: row ``i`` computes ``token_ids[i]`` at ``positions[i]`` through
         ``block_tables[i]`` (which covers that position). With ``device_tokens = (ids, rows)`` the
         first ``len(rows)`` rows take ``ids[rows[i]]`` instead, read on the device when the replay
-        runs."""
+        runs. ``adapter_slots``: each row's LoRA slot (-1 or None: none)."""
         n = len(positions)
         size = next(s for s in self.sizes if s >= n)
         bs = self.block_size
         turn, self.turn = self.turn, 1 - self.turn
         self.staged[turn].synchronize()  # the copies that last read this set are done
         stage = self.staging[turn][:, :size]
-        stage[:4].copy_(self.padding[:, None].expand(4, size))
+        stage[:5].copy_(self.padding[:, None].expand(5, size))
         stage[0, :n] = torch.as_tensor(token_ids, dtype=torch.long)
+        if adapter_slots is not None:
+            stage[4, :n] = torch.as_tensor(adapter_slots, dtype=torch.long)
         fed = len(device_tokens[1]) if device_tokens is not None else 0
         if fed:
-            stage[4, :fed] = torch.as_tensor(device_tokens[1], dtype=torch.long)
+            stage[5, :fed] = torch.as_tensor(device_tokens[1], dtype=torch.long)
         pos = torch.as_tensor(positions, dtype=torch.long)
         stage[1, :n] = pos
         flat = [table[p // bs] for table, p in zip(block_tables, positions)]
@@ -135,10 +151,10 @@ class DecodeGraphs:
             rows[row * width : row * width + len(table)] = array("i", table)
         packed = self.table_staging[turn].view(-1)[: size * width]
         packed.copy_(torch.frombuffer(rows, dtype=torch.int32))
-        self.inputs[:, :size].copy_(stage[:4], non_blocking=True)
+        self.inputs[:, :size].copy_(stage[:5], non_blocking=True)
         self.tables[:size, :width].copy_(packed.view(size, width), non_blocking=True)
         if fed:
-            self.source_rows[:fed].copy_(stage[4, :fed], non_blocking=True)
+            self.source_rows[:fed].copy_(stage[5, :fed], non_blocking=True)
             torch.index_select(device_tokens[0], 0, self.source_rows[:fed], out=self.inputs[0, :fed])
         self.staged[turn].record()
         if self.group is not None:

@@ -57,6 +57,9 @@ from tandem.shared.infra.config import EngineSettings
 from tandem.shared.kvcache.block_manager import BlockManager
 from tandem.shared.kvcache.cache import kv_cache_bytes_per_block
 from tandem.shared.kvcache.swap_space import SwapSpace
+from tandem.shared.lora.cache import AdapterCache
+from tandem.shared.lora.slots import AdapterSlots
+from tandem.shared.protocol.adapters import adapter_hash_root
 from tandem.shared.protocol.block_hashes import prefix_hashes
 from tandem.shared.protocol.embedding import POOLING_METHODS
 from tandem.shared.protocol.serving import SamplingParams, TokenLogprobs
@@ -78,6 +81,7 @@ from tandem.shared.text.tokenizer import Tokenizer
 # preemption_mode (auto, swap or recompute: see the scheduler) and quantization (fp8: the runner
 # quantizes the model's decoder linears, unless the loader already did). device, dtype and the
 # memory budgets are the worker's: ``LLMEngine`` takes the resolved device and dtype as arguments.
+# max_loras (> 0: LoRA adapter slots on the device, see shared/lora), max_lora_rank, max_cpu_loras.
 EngineConfig = EngineSettings
 
 log = logging.getLogger("tandem.engine")
@@ -117,6 +121,14 @@ class LLMEngine:
         dtype = dtype if dtype is not None else next(model.parameters()).dtype
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         cfg = model.config
+        # Adapter slots before the KV pool and the graphs: the pool is sized after them, the graphs read them.
+        self.adapters: AdapterCache | None = None
+        if config.max_loras > 0:
+            if getattr(model, "tensor_parallel", None) is not None:
+                raise ValueError("LoRA adapters are not served with --tensor-parallel-size > 1 yet; use one device "
+                                 "per worker or --max-loras 0")
+            slots = AdapterSlots(cfg, config.max_loras, config.max_lora_rank, device, dtype)
+            self.adapters = AdapterCache(cfg, slots, config.max_cpu_loras)
         self.swap_space = SwapSpace.for_cache(config.swap_space_gib, cfg.num_layers, config.block_size,
                                               cfg.num_kv_heads, cfg.head_dim, dtype, device)
         self.scheduler = Scheduler(
@@ -128,10 +140,12 @@ class LLMEngine:
             on_finish=self._on_finish,
             swapper=None if self.swap_space is None else Swapper(self.block_manager, self.swap_space),
             preemption_mode=config.preemption_mode,
+            adapters=self.adapters,
         )
         runner_kwargs = dict(cuda_graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
                              max_model_len=self.max_model_len, eos_token_ids=tokenizer.eos_token_ids,
-                             swap_space=self.swap_space, quantization=config.quantization)
+                             swap_space=self.swap_space, quantization=config.quantization,
+                             lora_slots=None if self.adapters is None else self.adapters.slots)
         group = getattr(model, "tensor_parallel", None)  # a shard of a model (shared/parallel/sharding.py)
         if group is None:
             self.runner = ModelRunner(model, config.num_blocks, config.block_size, device, dtype, **runner_kwargs)
@@ -187,6 +201,11 @@ class LLMEngine:
             raise ValueError(f"logit_bias names token id {outside[0]}, outside the vocabulary [0, {self.vocab_size})")
         if request.kv is not None:
             self._check_kv(request.kv, len(prompt), len(outputs))
+        if request.adapter is not None:
+            if self.adapters is None:
+                raise ValueError(f"adapter {request.adapter.name!r} asked of a worker that serves no adapters: "
+                                 "start it with --max-loras N")
+            self.adapters.load(request.adapter)  # AdapterError (a ValueError) when it cannot be served
         prompt_logprobs = self._owed_prompt_logprobs(request, params)
         grammar = None
         if params.structured_output is not None:
@@ -218,6 +237,8 @@ class LLMEngine:
             prompt_logprobs=prompt_logprobs,
             cumulative_logprob=request.output_cumulative_logprob,
             grammar=grammar,
+            adapter=request.adapter,
+            hash_root=adapter_hash_root(request.adapter),
         )
         if outputs:  # replay the prefill worker's text so deltas continue where it stopped
             # (stop strings looked for as it did: not in the text of the first min_tokens tokens)
@@ -726,7 +747,8 @@ class LLMEngine:
             full = seq.num_computed_tokens // self.config.block_size * self.config.block_size
             if full:
                 self._exported_kv[seq.request_id] = self.runner.export_kv(seq.block_table, full)
-                self._exported_hashes[seq.request_id] = prefix_hashes(seq.token_ids[:full], self.config.block_size)
+                self._exported_hashes[seq.request_id] = prefix_hashes(seq.token_ids[:full], self.config.block_size,
+                                                                      seq.hash_root)
 
     def _check_kv(self, kv: torch.Tensor, num_prompt_tokens: int, num_outputs: int) -> None:
         """Imported K/V cover the first tokens of the request, whatever else is computed here: a

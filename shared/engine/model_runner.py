@@ -26,6 +26,8 @@ from tandem.shared.kvcache.attention import AttentionMetadata, build_attention_m
 from tandem.shared.kvcache.cache import allocate_kv_cache, gather_blocks, scatter_blocks
 from tandem.shared.kvcache.swap_space import SwapSpace
 from tandem.shared.kvtransfer.devcopy import host_values_to
+from tandem.shared.lora.ops import LoraBatch
+from tandem.shared.lora.slots import AdapterSlots
 from tandem.shared.model.fp8 import quantize_model
 from tandem.shared.protocol.serving import TokenLogprobs
 from tandem.shared.structured.bitmask import TokenBitmask
@@ -93,6 +95,7 @@ class ModelRunner:
         eos_token_ids: Seq[int] = (),
         swap_space: SwapSpace | None = None,
         quantization: str = "none",
+        lora_slots: AdapterSlots | None = None,
     ) -> None:
         config = model.config
         self.model = model
@@ -117,11 +120,15 @@ class ModelRunner:
         self.compute_flops_per_s, self.copy_bytes_per_s = DEVICE_RATES.get(self.device.type, DEVICE_RATES["cpu"])
         self.graphs: DecodeGraphs | None = None
         self.last_logits: torch.Tensor | None = None
+        self.lora_slots = lora_slots
+        if lora_slots is not None:  # before capture: the graphs record the adapter products too
+            model.attach_lora(lora_slots)
         if use_graphs:
             # Garbage first: pinned memory of a dead engine (its swap space) that the collector frees
             # in the middle of the capture records a CUDA event there, which invalidates the capture.
             gc.collect()
-            self.graphs = DecodeGraphs(model, self.kv_cache, num_blocks, cuda_graph_max_batch, max_model_len)
+            self.graphs = DecodeGraphs(model, self.kv_cache, num_blocks, cuda_graph_max_batch, max_model_len,
+                                       lora_slots)
             self.graphs.capture()
 
     @property
@@ -129,9 +136,17 @@ class ModelRunner:
         """One exported block's shape ``(L, 2, bs, Hkv, D)``: what hand-offs and KV-stores carry."""
         return tuple(self.kv_cache.shape[1:])
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The model over one flattened batch (outside the decode graphs): final hidden rows ``[T, hidden]``."""
-        return self.model(input_ids, positions, self.kv_cache, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                adapter_rows: Seq[tuple[int, int]] = ()) -> torch.Tensor:
+        """The model over one flattened batch (outside the decode graphs): final hidden rows ``[T, hidden]``.
+        ``adapter_rows``: ``(adapter slot, rows)`` per sequence in batch order (slot -1: none)."""
+        if self.lora_slots is None:
+            return self.model(input_ids, positions, self.kv_cache, meta)
+        self.lora_slots.batch = LoraBatch.from_runs(adapter_rows, input_ids.device)
+        try:
+            return self.model(input_ids, positions, self.kv_cache, meta)
+        finally:
+            self.lora_slots.batch = None
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy tensors (the model's own names and shapes) into the model in place: the decode graphs
@@ -198,7 +213,8 @@ class ModelRunner:
                 logits = logits[host_values_to(self.device, rows, torch.long)]
         else:
             input_ids, positions, meta = self.prepare(batch)
-            hidden = self.forward(input_ids, positions, meta)
+            hidden = self.forward(input_ids, positions, meta,
+                                  [(item.seq.lora_slot, item.num_query_tokens) for item in batch.items])
             if prompt_rows:
                 self._prompt_logprobs(hidden, prompt_rows)
             if pooled:
@@ -226,15 +242,18 @@ class ModelRunner:
         positions = [seq.num_tokens if i < fed else seq.num_computed_tokens for i, seq in enumerate(seqs)]
         known = [0 if i < fed else seq.token_ids[-1] for i, seq in enumerate(seqs)]
         tables = [seq.block_table for seq in seqs]
+        adapter_slots = [seq.lora_slot for seq in seqs]
         if self.graphs is not None and self.graphs.can_run(len(seqs)):
-            logits = self.graphs.run(known, positions, tables, device_tokens=(prev_tokens, source_rows))
+            logits = self.graphs.run(known, positions, tables, device_tokens=(prev_tokens, source_rows),
+                                     adapter_slots=adapter_slots)
         else:
             meta = build_attention_metadata([1] * len(seqs), [p + 1 for p in positions], tables, self.block_size,
                                             self.device)
             input_ids = host_values_to(self.device, known, torch.long)
             if fed:
                 input_ids[:fed] = prev_tokens.index_select(0, host_values_to(self.device, source_rows, torch.long))
-            hidden = self.forward(input_ids, host_values_to(self.device, positions, torch.long), meta)
+            hidden = self.forward(input_ids, host_values_to(self.device, positions, torch.long), meta,
+                                  [(slot, 1) for slot in adapter_slots])
             logits = self.model.compute_logits(hidden)
         indices = [seq.num_output_tokens + (i < fed) for i, seq in enumerate(seqs)]
         return PendingStep(logits, [seq.params for seq in seqs], indices, list(seqs))
@@ -280,7 +299,8 @@ class ModelRunner:
         seqs = [item.seq for item in batch.items]
         positions = [seq.num_computed_tokens for seq in seqs]
         token_ids = [seq.token_ids[p] for seq, p in zip(seqs, positions)]
-        return self.graphs.run(token_ids, positions, [seq.block_table for seq in seqs])
+        return self.graphs.run(token_ids, positions, [seq.block_table for seq in seqs],
+                               adapter_slots=[seq.lora_slot for seq in seqs])
 
     @torch.inference_mode()
     def export_kv(self, block_table: Seq[int], num_tokens: int) -> torch.Tensor:

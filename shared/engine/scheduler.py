@@ -59,6 +59,10 @@ Invariants:
   ``min(max_model_len, num_blocks * block_size + 1)`` tokens, so a lone sequence always fits.
 - Finished and preempted sequences give their blocks back to the block manager, where the full ones
   stay cached until evicted; a finished (aborted) swapped sequence gives its host blocks back too.
+- LoRA adapters (``adapters``, an ``AdapterCache``): a sequence holds its adapter's device slot while it
+  runs (the slot is pinned) and gives it back when it ends or is preempted; the waiting head whose
+  adapter has no slot, every slot pinned by running sequences of other adapters, waits like one
+  waiting for blocks. A queued sequence keeps its adapter's weights in host memory.
 - Several outputs of one request (``fork``): a forked sequence shares every block of its parent,
   the partly filled last one too, and the same arrival (so the group is preempted youngest-first
   together). Before a step writes into a block other tables share, the writer takes a private copy
@@ -82,6 +86,7 @@ from tandem.shared.engine.scheduler_output import ScheduledBatch, ScheduledSeque
 from tandem.shared.engine.sequence import Sequence, SequenceStatus
 from tandem.shared.engine.swapping import Swapper
 from tandem.shared.kvcache.block_manager import BlockManager
+from tandem.shared.lora.cache import AdapterCache
 
 
 def _arrival(seq: Sequence) -> int:
@@ -102,6 +107,7 @@ class Scheduler:
         swapper: Swapper | None = None,
         preemption_mode: str = "auto",
         swap_is_cheaper: Callable[[int, int, int], bool] | None = None,
+        adapters: AdapterCache | None = None,
     ) -> None:
         """``swapper``: preempt by swap too (None: by recompute only). ``preemption_mode``: "auto",
         "swap" or "recompute" (module docstring). ``swap_is_cheaper(recompute_tokens, cached_tokens,
@@ -122,6 +128,7 @@ class Scheduler:
         self.swapper = swapper
         self.preemption_mode = preemption_mode
         self.swap_is_cheaper = swap_is_cheaper
+        self.adapters = adapters  # None: no LoRA (the engine refuses requests that name an adapter)
         self.num_preemptions = 0  # by either way
         self.num_swaps = 0  # preemptions by swap
         self.num_recomputes = 0  # preemptions by recompute
@@ -138,6 +145,8 @@ class Scheduler:
                 f"request {seq.request_id!r} needs {needed} KV blocks for {seq.num_tokens} tokens, "
                 f"the pool has only {self.block_manager.num_blocks}"
             )
+        if seq.adapter is not None:
+            self.adapters.hold(seq.adapter)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self.requests[seq.key] = seq
@@ -198,12 +207,15 @@ class Scheduler:
                     break  # the head waits for blocks; later arrivals wait behind it
                 continue
             seq = self.waiting[0]
+            if not self._adapter_fits(seq):
+                break  # the head waits for an adapter slot; later arrivals wait behind it
             cached = self._cached_prefix(seq)
             if not self.block_manager.can_grow(seq.block_table, seq.num_tokens, claim=cached):
                 if self._release_swapped_blocks(seq):
                     continue
                 break  # the head waits for blocks; later arrivals wait behind it
             self.waiting.popleft()
+            self._take_adapter_slot(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)
             if seq.pending_kv is not None:
@@ -231,8 +243,8 @@ class Scheduler:
         if not self.block_manager.enable_caching or owes_prompt_logprobs(seq) or pools_every_position(seq):
             return []
         if seq.pending_kv is not None:
-            return self.block_manager.find_cached_prefix(seq.token_ids[: self._importable_tokens(seq)])
-        return self.block_manager.find_cached_prefix(seq.token_ids[:-1])
+            return self.block_manager.find_cached_prefix(seq.token_ids[: self._importable_tokens(seq)], seq.hash_root)
+        return self.block_manager.find_cached_prefix(seq.token_ids[:-1], seq.hash_root)
 
     def _claim_prefix(self, seq: Sequence, cached: list[int], count: bool = True) -> None:
         """Take ``cached`` as ``seq``'s first blocks, computed, and count the lookup (imports are
@@ -244,6 +256,18 @@ class Scheduler:
         seq.num_computed_tokens = len(cached) * self.block_size
         if count:
             bm.record_prefix_query(seq.num_tokens, seq.num_computed_tokens)
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        return seq.adapter is None or self.adapters.can_acquire(seq.adapter)
+
+    def _take_adapter_slot(self, seq: Sequence) -> None:
+        if seq.adapter is not None:
+            seq.lora_slot = self.adapters.acquire(seq.adapter)
+
+    def _give_adapter_slot(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.adapters.release(seq.lora_slot)
+            seq.lora_slot = -1
 
     def _batch_full(self, batch: ScheduledBatch) -> bool:
         return batch.num_batched_tokens >= self.max_num_batched_tokens or len(batch.items) >= self.max_num_seqs
@@ -284,6 +308,9 @@ class Scheduler:
             grammar=None if parent.grammar is None else parent.grammar.fork())
         if child.key in self.requests:
             raise ValueError(f"sequence {child.key!r} already exists")
+        if child.adapter is not None:
+            self.adapters.hold(child.adapter)
+            child.lora_slot = self.adapters.acquire(child.adapter)  # in its parent's slot: one more pin
         bisect.insort(self.running, child, key=_arrival)
         self.requests[child.key] = child
         return child
@@ -294,6 +321,7 @@ class Scheduler:
         preemption policy says (module docstring)."""
         self.running.remove(seq)
         self.num_preemptions += 1
+        self._give_adapter_slot(seq)
         if self._swaps(seq):
             self._swap_out += self.swapper.swap_out(seq)
             seq.status = SequenceStatus.SWAPPED
@@ -347,9 +375,10 @@ class Scheduler:
             self.waiting.appendleft(seq)
             self.num_swap_fallbacks += 1
             return True
-        if not self.swapper.can_swap_in(seq, reclaimed):
+        if not self.swapper.can_swap_in(seq, reclaimed) or not self._adapter_fits(seq):
             return False
         self.swapped.popleft()
+        self._take_adapter_slot(seq)
         self._swap_in += self.swapper.swap_in(seq, reclaimed)
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=_arrival)
@@ -432,7 +461,7 @@ class Scheduler:
         """
         if seq.num_computed_tokens // self.block_size > len(seq.block_hashes):
             computed = seq.token_ids[: seq.num_computed_tokens]
-            self.block_manager.hash_full_blocks(seq.block_table, computed, seq.block_hashes)
+            self.block_manager.hash_full_blocks(seq.block_table, computed, seq.block_hashes, seq.hash_root)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark ``seq`` finished and give its blocks back (after the ``on_finish`` hook)."""
@@ -443,6 +472,9 @@ class Scheduler:
                 self.on_finish(seq)
         finally:  # a hook that raised (a KV export, say) must not keep the blocks from coming back
             self.block_manager.free(seq.block_table)
+            self._give_adapter_slot(seq)
+            if seq.adapter is not None and seq.key in self.requests:
+                self.adapters.unhold(seq.adapter)
             self.requests.pop(seq.key, None)
             if seq in self.running:
                 self.running.remove(seq)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from tandem.shared.protocol.adapters import AdapterRef
 from tandem.shared.protocol.base import first_error
 from tandem.shared.protocol.embedding import PoolingParams
 from tandem.shared.protocol.serving import SamplingParams, TokenLogprobs
@@ -51,6 +52,7 @@ class EngineRequest:
     # An embedding: the prompt is prefilled and pooled, nothing sampled (``params`` unused); the
     # request ends with reason "embedded" and its vector (see ``pooling.py``). Method resolved.
     pooling: PoolingParams | None = None
+    adapter: AdapterRef | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 def checked_params(params: SamplingParams) -> SamplingParams:
@@ -155,6 +157,11 @@ class Sequence:
     grammar: OutputGrammar | None = None
     # An embedding sequence's pooled state (``pooling.py``); None for generation.
     pooling: Pooling | None = None
+    # Its LoRA adapter, the root of its block-hash chain (``adapters.adapter_hash_root``: blocks are
+    # shared only between sequences of one adapter) and the device slot it holds while running (-1: none).
+    adapter: AdapterRef | None = None
+    hash_root: int | None = None
+    lora_slot: int = -1
 
     @property
     def key(self) -> str:

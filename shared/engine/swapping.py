@@ -85,7 +85,7 @@ class Swapper:
         if not table.cached:
             return []
         bs = self.block_manager.block_size
-        found = self.block_manager.find_cached_prefix(seq.token_ids[: (table.cached[-1] + 1) * bs])
+        found = self.block_manager.find_cached_prefix(seq.token_ids[: (table.cached[-1] + 1) * bs], seq.hash_root)
         if len(found) <= table.cached[-1]:
             return None
         return [found[i] for i in table.cached]

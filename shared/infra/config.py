@@ -191,6 +191,13 @@ class EngineSettings:
                             "blocks out and back or recomputing them costs less), swap (whenever the swap space has "
                             "room), recompute (never swap)")
 
+    max_loras: int = Field(0, ge=0, description="LoRA adapters resident on the device at once, each in its own slot "
+                                                "(0: no adapters; requests naming one are refused)")
+    max_lora_rank: int = Field(16, ge=1, le=256, description="the highest adapter rank a slot holds (adapters of "
+                                                               "higher rank are refused)")
+    max_cpu_loras: int = Field(0, ge=0, description="adapters kept in host memory, ready for a slot (0: as many "
+                                                    "as --max-loras)")
+
     @field_validator("quantization")
     @classmethod
     def _fp8_needs_a_float_dtype(cls, value: str, info: ValidationInfo) -> str:
@@ -240,10 +247,38 @@ class RouterSettings:
     max_queue_wait_s: float = Field(20.0, gt=0, description="seconds a request may wait in the router's admission "
                                                             "queue before it gets 'overloaded' (below the clients' "
                                                             "--request-timeout-s)")
+    lora_modules: str = Field(
+        "", description="LoRA adapters to serve from the start, NAME=PATH each (PEFT directories), separated by "
+                        "spaces or commas; more come and go at run time (/v1/load_lora_adapter, tandem train "
+                        "--publish)", json_schema_extra={"flat": "lora_modules", "nargs": "+"})
     restart_wait_s: float = Field(15.0, ge=0, description="with no live decode worker, seconds a request waits in the "
                                                           "admission queue for one that is starting, or that died this "
                                                           "recently (a supervisor restarts it), before it gets "
                                                           "'no_workers' (0: at once)")
+
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _join_modules(cls, value: Any) -> Any:
+        return " ".join(value) if isinstance(value, list | tuple) else value
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _name_equals_path(cls, value: str) -> str:
+        for entry in lora_module_entries(value):
+            name, _, path = entry.partition("=")
+            if not name or not path:
+                raise ValueError(f"{entry!r} is not NAME=PATH (an adapter's name, '=', its PEFT directory)")
+        return value
+
+
+def lora_module_entries(value: str) -> list[str]:
+    return [part for part in value.replace(",", " ").split() if part]
+
+
+def lora_modules(value: str) -> list[tuple[str, str]]:
+    """``--lora-modules`` as (name, path) pairs, in the order given."""
+    return [tuple(entry.split("=", 1)) for entry in lora_module_entries(value)]  # type: ignore[misc]
 
 
 @dataclass(config=SECTION)

@@ -179,8 +179,9 @@ class BlockManager:
         self.num_cow_copies += 1
         return original, block_table[index]
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Block ids of the longest cached chain of full blocks starting at ``token_ids[0]``.
+    def find_cached_prefix(self, token_ids: Sequence[int], root: int | None = None) -> list[int]:
+        """Block ids of the longest cached chain of full blocks starting at ``token_ids[0]``, under
+        the chain root ``root`` (a LoRA adapter's; None: the base model's).
 
         Pure lookup: nothing is claimed. A block matches only if its hash, its parent's hash and its
         tokens all equal ours, so a hash collision can never hand out another prefix's K/V.
@@ -188,7 +189,7 @@ class BlockManager:
         found: list[int] = []
         if not self.enable_caching:
             return found
-        parent: int | None = None
+        parent: int | None = root
         for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
             tokens = tuple(token_ids[start : start + self.block_size])
             block_hash = hash_block(parent, tokens)
@@ -222,7 +223,7 @@ class BlockManager:
         self.prefix_hits += num_hit_tokens
 
     def hash_full_blocks(
-        self, block_table: Sequence[int], token_ids: Sequence[int], block_hashes: list[int]
+        self, block_table: Sequence[int], token_ids: Sequence[int], block_hashes: list[int], root: int | None = None
     ) -> None:
         """Hash every block that became full since the last call; extend ``block_hashes`` in place.
 
@@ -232,7 +233,7 @@ class BlockManager:
         unless another block already holds its hash.
         """
         num_full = min(len(token_ids) // self.block_size, len(block_table))
-        parent = block_hashes[-1] if block_hashes else None
+        parent = block_hashes[-1] if block_hashes else root
         for index in range(len(block_hashes), num_full):
             start = index * self.block_size
             tokens = tuple(token_ids[start : start + self.block_size])

@@ -81,6 +81,10 @@ def size_kv_pool(settings: EngineSettings, cfg: CacheShape, device: torch.device
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         share = int(total * settings.gpu_memory_utilization) - torch.cuda.memory_allocated(device)
+        if settings.max_loras and hasattr(cfg, "hidden_size"):  # the adapter slots come after the pool
+            from tandem.shared.lora.slots import slot_bytes
+
+            share -= slot_bytes(cfg, settings.max_loras, settings.max_lora_rank, dtype)
         budget = min(share, free - ACTIVATION_HEADROOM)
     else:
         budget = settings.kv_cache_mib * 1024 * 1024

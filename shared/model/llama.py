@@ -105,6 +105,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class _AdapterProducts:
+    """What a projection does with LoRA adapters attached (``LlamaForCausalLM.attach_lora``): adds the
+    running batch's low-rank products to its output in place (see shared/lora/slots.py)."""
+
+    lora = None  # the model's AdapterSlots once attached
+    layer_idx = 0
+
+    def lora_active(self) -> bool:
+        return self.lora is not None and self.lora.batch is not None
+
+    def add_lora(self, out: torch.Tensor, x: torch.Tensor, group: str) -> torch.Tensor:
+        if self.lora is not None:
+            self.lora.add(out, x, self.layer_idx, group)
+        return out
+
+
 def reduce_across_ranks(module: nn.Module, partial: torch.Tensor) -> torch.Tensor:
     """A row-parallel projection's output summed over the tensor-parallel ranks (as is with one rank):
     each rank holds some heads' (or MLP columns') share of the product (see shared/parallel/sharding.py)."""
@@ -112,7 +128,7 @@ def reduce_across_ranks(module: nn.Module, partial: torch.Tensor) -> torch.Tenso
     return partial if group is None else group.all_reduce(partial)
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(_AdapterProducts, nn.Module):
     tensor_parallel = None  # a TensorParallelGroup once sharded: this module holds its heads only
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
@@ -144,10 +160,12 @@ class LlamaAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D] with q/k norm (Qwen3) and RoPE applied."""
         num_tokens = hidden.shape[0]
+        sizes = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
         if getattr(self, "qkv_proj", None) is not None:
-            q, k, v = self.qkv_proj(hidden).split(
-                [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                 self.num_kv_heads * self.head_dim], -1)
+            q, k, v = self.add_lora(self.qkv_proj(hidden), hidden, "qkv").split(sizes, -1)
+        elif self.lora_active():
+            qkv = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], -1)
+            q, k, v = self.add_lora(qkv, hidden, "qkv").split(sizes, -1)
         else:
             q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -167,10 +185,15 @@ class LlamaAttention(nn.Module):
         from tandem.shared.kvcache.attention import triton_attend
         from tandem.shared.model.triton_ops import rope_and_cache
 
-        q = rope_and_cache(self.qkv_proj(hidden), positions, rotary.cos_cached, rotary.sin_cached,
+        qkv = self.add_lora(self.qkv_proj(hidden), hidden, "qkv")
+        q = rope_and_cache(qkv, positions, rotary.cos_cached, rotary.sin_cached,
                            self.num_heads, self.num_kv_heads, kv_cache, self.layer_idx, meta.slot_mapping)
         out = triton_attend(q, kv_cache, self.layer_idx, meta, self.scaling)
-        return reduce_across_ranks(self, self.o_proj(out.view(hidden.shape[0], self.num_heads * self.head_dim)))
+        return self.output(out.view(hidden.shape[0], self.num_heads * self.head_dim))
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        """o_proj over the heads' outputs ``[T, Hq*D]`` (with its adapter products), summed over ranks."""
+        return reduce_across_ranks(self, self.add_lora(self.o_proj(attended), attended, "o"))
 
     def forward(
         self,
@@ -182,10 +205,10 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.project_qkv(hidden, cos, sin)
         out = _paged_attention()(q, k, v, kv_cache, self.layer_idx, meta, self.scaling)
-        return reduce_across_ranks(self, self.o_proj(out.reshape(hidden.shape[0], self.num_heads * self.head_dim)))
+        return self.output(out.reshape(hidden.shape[0], self.num_heads * self.head_dim))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(_AdapterProducts, nn.Module):
     tensor_parallel = None  # a TensorParallelGroup once sharded: this module holds some columns only
 
     def __init__(self, config: ModelConfig) -> None:
@@ -201,9 +224,21 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(self, "gate_up_proj", None) is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return reduce_across_ranks(self, self.down_proj(F.silu(gate) * up))
-        return reduce_across_ranks(self, self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+            gate, up = self.add_lora(self.gate_up_proj(x), x, "gate_up").chunk(2, dim=-1)
+        elif self.lora_active():
+            gate, up = self.add_lora(torch.cat([self.gate_proj(x), self.up_proj(x)], -1), x, "gate_up").chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down(F.silu(gate) * up)
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """CUDA: the fused gate/up projection and one SiLU-and-multiply kernel."""
+        from tandem.shared.model.triton_ops import silu_and_mul
+
+        return self.down(silu_and_mul(self.add_lora(self.gate_up_proj(x), x, "gate_up")))
+
+    def down(self, activated: torch.Tensor) -> torch.Tensor:
+        return reduce_across_ranks(self, self.add_lora(self.down_proj(activated), activated, "down"))
 
 
 def _fuse_linears(*linears: nn.Linear) -> nn.Linear:
@@ -269,6 +304,12 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
 
+    def attach_lora(self, slots) -> None:  # noqa: ANN001 - shared.lora.slots.AdapterSlots
+        """Add the adapter products of ``slots``' running batch to every projection from now on."""
+        for index, layer in enumerate(self.model.layers):
+            for module in (layer.self_attn, layer.mlp):
+                module.lora, module.layer_idx = slots, index
+
     def tie_weights(self) -> None:
         """Share lm_head with the input embedding when the config says so (call again after loading)."""
         if self.config.tie_word_embeddings:
@@ -301,7 +342,7 @@ class LlamaForCausalLM(nn.Module):
                        meta: AttentionMetadata) -> torch.Tensor:
         """The CUDA forward with fused kernels (see triton_ops): ten launches per layer, the residual
         stream carried beside the normed activations as in vLLM."""
-        from tandem.shared.model.triton_ops import add_rms_norm, silu_and_mul
+        from tandem.shared.model.triton_ops import add_rms_norm
 
         x, residual = self.model.embed_tokens(input_ids), None
         rotary = self.model.rotary_emb
@@ -310,7 +351,7 @@ class LlamaForCausalLM(nn.Module):
             h = layer.self_attn.forward_fused(h, positions, rotary, kv_cache, meta)
             norm = layer.post_attention_layernorm
             h, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
-            x = reduce_across_ranks(layer.mlp, layer.mlp.down_proj(silu_and_mul(layer.mlp.gate_up_proj(h))))
+            x = layer.mlp.forward_fused(h)
         out, _ = add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)
         return out
 

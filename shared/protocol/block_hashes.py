@@ -24,11 +24,12 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+def prefix_hashes(token_ids: Sequence[int], block_size: int, root: int | None = None) -> list[int]:
     """Chained hashes of every full block of ``token_ids``, as a block manager assigns them: what
-    routers, prefill workers and KV-stores use to name a prompt's blocks."""
+    routers, prefill workers and KV-stores use to name a prompt's blocks. ``root``: the first block's
+    parent (a LoRA adapter's, ``adapters.adapter_hash_root``; None for the base model)."""
     hashes: list[int] = []
-    parent = None
+    parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start : start + block_size])
         hashes.append(parent)

@@ -29,6 +29,9 @@ TRAINER_STATUS = f"{PREFIX}.trainer.status"  # TrainStatusRequest
 TRAINER_STEPS_ALL = f"{PREFIX}.trainer.steps.>"
 TRAINER_TIMELINE_ALL = f"{PREFIX}.trainer.timeline.>"
 WEIGHTS_UPDATED = f"{PREFIX}.models.updated"  # WeightsUpdated
+ADAPTERS_CONTROL = f"{PREFIX}.router.adapters"  # LoadAdapter / UnloadAdapter (the routers' queue group)
+ADAPTERS_ALL = f"{PREFIX}.adapters.>"  # AdapterRecord per name, kept (last per name) in ADAPTERS_STREAM
+ADAPTERS_STREAM = "TANDEM_ADAPTERS"
 
 
 def router_generate(owner: str) -> str:
@@ -156,6 +159,11 @@ def drain(service: str, instance_id: str) -> str:
 def blocks(service: str, instance_id: str) -> str:
     """Ask one worker for its BlockSnapshot (request-reply, any payload)."""
     return f"{PREFIX}.{service}.{instance_id}.blocks"
+
+
+def adapter_record(name: str) -> str:
+    """Where ``name``'s AdapterRecord goes (names may hold "/" and ":", never a dot or wildcard)."""
+    return f"{PREFIX}.adapters.{name}"
 
 
 def trainer_steps(job_id: str) -> str:

@@ -99,9 +99,18 @@ def add_settings(parser: argparse.ArgumentParser, *specs: str) -> None:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs.update(type=knob.kind if knob.kind in (int, float) else str, metavar=metavar(knob))
+            if nargs(knob):
+                kwargs["nargs"] = nargs(knob)
         groups[knob.section].add_argument(knob.flag, **kwargs)
         added.append(knob.flat)
     parser.set_defaults(**{REGISTERED: (*(parser.get_default(REGISTERED) or ()), *added)})
+
+
+def nargs(knob: Knob) -> str | None:
+    """A field given as several words on a command line (``--lora-modules a=/x b=/y``): one string in
+    the settings, its words separated by spaces."""
+    extra = knob.info.json_schema_extra
+    return extra.get("nargs") if isinstance(extra, dict) else None
 
 
 def given(args: argparse.Namespace) -> dict[str, Any]:
@@ -170,6 +179,10 @@ def argv(values: dict[str, Any], *specs: str, skip: Iterable[str] = ()) -> list[
             continue
         if isinstance(value, bool):
             out.append(knob.flag if value else "--no-" + knob.flag.removeprefix("--"))
+        elif nargs(knob):
+            words = value.replace(",", " ").split() if isinstance(value, str) else [str(v) for v in value]
+            if words:
+                out += [knob.flag, *words]
         else:
             out += [knob.flag, str(value)]
     return out
