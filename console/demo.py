@@ -1,15 +1,16 @@
 """A fixed, made-up :class:`ConsoleState`: the snapshot tests and ``docs/make_screenshots.py`` use it.
 
 Everything is derived from constants (no clock, no randomness), so every pane renders the same
-picture on every run: two decode and two prefill workers, a router, a KV-store, a planner, a
-trainer's step timeline, KV hand-offs, scaling decisions and routing decisions.
+picture on every run: two decode and two prefill workers (three of them with LoRA adapter slots),
+a router, a KV-store, a planner, a trainer's step timeline, KV hand-offs, scaling decisions and
+routing decisions.
 """
 
 from __future__ import annotations
 
 import math
 
-from tandem.console.state import ConsoleState, ServiceRow
+from tandem.console.state import ConsoleState, ServiceRow, WorkerAdapters
 from tandem.console.widgets import hidden_fraction
 from tandem.shared.protocol.fleet import RouteCandidate, RoutingDecision, ScalingDecision
 from tandem.shared.protocol.training import TimelineOp, TrainStepMetrics, TrainTimeline
@@ -59,14 +60,26 @@ def _blocks() -> BlockSnapshot:
         states[block] = 2
     sequences = [
         SequenceBlocks(request_id="req-0001", num_tokens=190, block_table=seq_a, prefix_cached_blocks=0,
-                       imported_blocks=11),
+                       imported_blocks=11, adapter="sql-lora"),
         SequenceBlocks(request_id="req-0002", num_tokens=150, block_table=seq_b, prefix_cached_blocks=4,
                        imported_blocks=5, constrained="json_schema"),
-        *(SequenceBlocks(request_id="req-0003", num_tokens=tokens, block_table=table, sample_index=i)
+        *(SequenceBlocks(request_id="req-0003", num_tokens=tokens, block_table=table, sample_index=i,
+                         adapter="chat-lora")
           for i, (table, tokens) in enumerate(zip(samples, (317, 281, 290)))),
     ]
     return BlockSnapshot(instance_id="decode-a", num_blocks=640, block_size=16, states=bytes(states),
                          ref_counts=bytes(refs), cow_copies=2, sequences=sequences)
+
+
+def _adapters() -> dict[str, WorkerAdapters]:
+    """What the workers' heartbeats say of their LoRA adapters (most recently used last); prefill-b
+    has no slots."""
+    return {
+        "decode-a": WorkerAdapters(4, ("sql-lora", "chat-lora"), ("summarize", "sql-lora", "chat-lora")),
+        "decode-b": WorkerAdapters(4, ("sql-lora",), ("sql-lora",)),
+        "prefill-a": WorkerAdapters(2, ("chat-lora", "sql-lora"), ("chat-lora", "sql-lora")),
+        "prefill-b": WorkerAdapters(0),
+    }
 
 
 def _timeline() -> TrainTimeline:
@@ -132,6 +145,7 @@ def demo_state() -> ConsoleState:
     state = ConsoleState(url="nats://nats:4222", connection="connected", now=NOW, discovered=True,
                          services=_services(), selected_worker=("decode", "decode-a"), planner_stream=True)
     state.blocks["decode-a"] = _blocks()
+    state.adapters.update(_adapters())
     state.kvstores["kvstore-a"] = {
         "ram_bytes": 700 * MIB, "ram_capacity": 1024 * MIB, "ram_blocks": 700, "disk_bytes": 5200 * MIB,
         "disk_capacity": 8192 * MIB, "disk_blocks": 5200, "hits_ram": 3100, "hits_disk": 800, "misses": 1300,

@@ -15,7 +15,7 @@ What it does, all in the app's event loop:
   (``tandem.v1.kvstore.<id>.stats``), a latency sample, and the planner's stream history once;
 - every second: the selected worker's :class:`BlockSnapshot` (``tandem.v1.<service>.<id>.blocks``);
 - subscriptions: routing decisions, scaling decisions, KV transfers, trainer steps and timelines,
-  metrics snapshots.
+  metrics snapshots, and the workers' heartbeats (their LoRA adapter slots and resident adapters).
 
 Actions (after the operator confirmed them in the UI): :meth:`drain` and :meth:`scale`.
 """
@@ -41,7 +41,14 @@ from tandem.console.state import ConsoleState, service_row
 from tandem.shared.protocol import subjects
 from tandem.shared.protocol.base import ErrorReply
 from tandem.shared.protocol.codec import decode, encode
-from tandem.shared.protocol.fleet import DrainRequest, MetricsSnapshot, RoutingDecision, ScaleRequest, ScalingDecision
+from tandem.shared.protocol.fleet import (
+    DrainRequest,
+    Heartbeat,
+    MetricsSnapshot,
+    RoutingDecision,
+    ScaleRequest,
+    ScalingDecision,
+)
 from tandem.shared.protocol.training import TrainStepMetrics, TrainTimeline
 from tandem.shared.protocol.views import BlockSnapshot, KVTransferEvent
 
@@ -169,7 +176,8 @@ class NatsSource(Source):
                                      (subjects.KV_TRANSFERS, self._on_transfer),
                                      (subjects.TRAINER_STEPS_ALL, self._on_step),
                                      (subjects.TRAINER_TIMELINE_ALL, self._on_timeline),
-                                     (subjects.METRICS_ALL, self._on_metrics)):
+                                     (subjects.METRICS_ALL, self._on_metrics),
+                                     (subjects.HEARTBEAT_ALL, self._on_heartbeat)):
                 await nc.subscribe(subject, cb=self._guard(handler))
             blocks = asyncio.create_task(self._blocks_loop())
             while True:
@@ -213,6 +221,7 @@ class NatsSource(Source):
                 log.info("kvstore %s stats: %s", store.instance_id, exc)
         live = {s.instance_id for s in st.services}
         st.kvstores = {k: v for k, v in st.kvstores.items() if k in live}
+        st.adapters = {k: v for k, v in st.adapters.items() if k in live}
         st.sample_latency()
         if not st.planner_stream:
             await self._read_planner_history()
@@ -277,6 +286,9 @@ class NatsSource(Source):
 
     def _on_metrics(self, data: bytes) -> None:
         self.state.add_metrics(decode(data, MetricsSnapshot))
+
+    def _on_heartbeat(self, data: bytes) -> None:
+        self.state.add_heartbeat(decode(data, Heartbeat))
 
     # -- actions ----------------------------------------------------------------------------------
     async def _ask(self, subject: str, message, who: str) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 
 from tandem.shared.infra.metrics import histogram_delta, histogram_merge, histogram_quantile
-from tandem.shared.protocol.fleet import HistogramSnapshot, MetricsSnapshot, RoutingDecision, ScalingDecision
+from tandem.shared.protocol.fleet import Heartbeat, HistogramSnapshot, MetricsSnapshot, RoutingDecision, ScalingDecision
 from tandem.shared.protocol.training import TrainStepMetrics, TrainTimeline
 from tandem.shared.protocol.views import BlockSnapshot, KVTransferEvent
 
@@ -104,6 +104,33 @@ def http_traffic(snapshot: MetricsSnapshot | None) -> HTTPTraffic:
     return traffic
 
 
+@dataclass(frozen=True)
+class WorkerAdapters:
+    """A worker's LoRA adapters as its last heartbeat named them: names only (a version changes with
+    every publish of a name and says little on screen), most recently used last."""
+
+    slots: int  # --max-loras (0: serves no adapters)
+    resident: tuple[str, ...] = ()  # in device slots
+    in_host: tuple[str, ...] = ()  # read into host memory (those in slots among them)
+
+    @classmethod
+    def of(cls, beat: Heartbeat) -> WorkerAdapters:
+        return cls(beat.max_loras, tuple(adapter_name(k) for k in beat.adapters_resident),
+                   tuple(adapter_name(k) for k in beat.adapters_host))
+
+    def summary(self) -> str:
+        """``used/slots name,name`` for a worker with slots; "-" for one without."""
+        if not self.slots:
+            return "-"
+        names = ",".join(reversed(self.resident))  # most recently used first
+        return f"{len(self.resident)}/{self.slots} {names}".rstrip()
+
+
+def adapter_name(key: str) -> str:
+    """An adapter's name from its ``name@version`` key (a name may hold "@", a version never does)."""
+    return key.rsplit("@", 1)[0]
+
+
 @dataclass
 class LatencySeries:
     """p50 and p99 of one latency (seconds) per sampling interval, oldest first."""
@@ -135,6 +162,7 @@ class ConsoleState:
     decisions: deque = field(default_factory=lambda: deque(maxlen=100))
     planner_stream: bool | None = None  # None: not looked up yet
     metrics: dict[tuple[str, str], MetricsSnapshot] = field(default_factory=dict)
+    adapters: dict[str, WorkerAdapters] = field(default_factory=dict)  # worker instance id -> from its heartbeats
     latency: dict[str, LatencySeries] = field(default_factory=lambda: {k: LatencySeries() for k in LATENCY_KINDS})
     routing: deque = field(default_factory=lambda: deque(maxlen=100))
     version: int = 0
@@ -167,8 +195,8 @@ class ConsoleState:
 
     def forget_live(self) -> None:
         """The bus is gone: drop what only a live answer vouches for (the service rows, KV-store
-        stats, block tables). History (decisions, routing, transfers, latency) stays."""
-        self.services, self.kvstores, self.blocks = [], {}, {}
+        stats, block tables, adapters). History (decisions, routing, transfers, latency) stays."""
+        self.services, self.kvstores, self.blocks, self.adapters = [], {}, {}, {}
         self.discovered = False
         self.changed()
 
@@ -184,6 +212,13 @@ class ConsoleState:
     def add_transfer(self, event: KVTransferEvent) -> None:
         self.transfers.append(event)
         self.changed()
+
+    def add_heartbeat(self, beat: Heartbeat) -> None:
+        """A worker's beat; the panes redraw only when its adapters changed (beats come every second)."""
+        adapters = WorkerAdapters.of(beat)
+        if self.adapters.get(beat.instance_id) != adapters:
+            self.adapters[beat.instance_id] = adapters
+            self.changed()
 
     def add_metrics(self, snapshot: MetricsSnapshot) -> None:
         self.metrics[(snapshot.service, snapshot.instance_id)] = snapshot

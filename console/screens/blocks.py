@@ -2,7 +2,7 @@
 
 Top left, the prefill and decode workers found by discovery (pick one; its block snapshot comes
 every second); below, its live sequences (a request's later outputs as ``request#i``; a structured
-output's kind under "constrained"). The
+output's kind under "constrained"; the LoRA adapter it runs with under "adapter"). The
 middle shows the pool, one cell per physical block coloured by state (free, in use, free but
 cached, shared: a shared cell shows how many block tables hold it), how many blocks
 copy-on-write has copied (forked samples and beams share blocks until one writes), the chosen
@@ -46,8 +46,10 @@ def block_table_text(seq: SequenceBlocks, snapshot: BlockSnapshot, service: str)
               max(0, len(seq.block_table) - seq.prefix_cached_blocks - seq.imported_blocks))
     refs = [ref_count(snapshot, b) if 0 <= b < snapshot.num_blocks else 1 for b in seq.block_table]
     shared = sum(r > 1 for r in refs)
-    text = Text.assemble((sequence_name(seq), "bold"), f" · {seq.num_tokens} tokens · {len(seq.block_table)} blocks of "
-                         f"{snapshot.block_size}\n")
+    text = Text.assemble((sequence_name(seq), "bold"))
+    if seq.adapter:
+        text.append(" · adapter ").append(seq.adapter, "cyan")
+    text.append(f" · {seq.num_tokens} tokens · {len(seq.block_table)} blocks of {snapshot.block_size}\n")
     for (origin, style), count in zip(ORIGINS, counts):
         text.append("■ ", style).append(f"{names[origin]} {count}   ")
     text.append("\n")
@@ -101,7 +103,7 @@ class BlocksScreen(PaneScreen):
                 yield OptionList(id="workers")
                 yield Label("sequences", classes="title")
                 table = DataTable(id="sequences", cursor_type="row")
-                table.add_columns("request", "blocks", "cached", "imported", "constrained")
+                table.add_columns("request", "blocks", "cached", "imported", "constrained", "adapter")
                 yield table
             with Vertical(id="center"):
                 yield Label("physical blocks", classes="title", id="pool-title")
@@ -140,10 +142,13 @@ class BlocksScreen(PaneScreen):
     def show_sequences(self, snapshot: BlockSnapshot | None) -> None:
         table = self.query_one("#sequences", DataTable)
         table.clear()
-        sequences = [s for s in snapshot.sequences if self.filter_text in sequence_name(s)] if snapshot else []
+        shown = self.filter_text
+        sequences = [s for s in snapshot.sequences if shown in sequence_name(s) or (shown and shown in s.adapter)
+                     ] if snapshot else []
         for seq in sequences:
             table.add_row(sequence_name(seq)[:16], str(len(seq.block_table)), str(seq.prefix_cached_blocks),
-                          str(seq.imported_blocks), seq.constrained or "-", key=sequence_name(seq))
+                          str(seq.imported_blocks), seq.constrained or "-", seq.adapter[:24] or "-",
+                          key=sequence_name(seq))
         keys = [sequence_name(s) for s in sequences]
         if self.sequence in keys:
             table.move_cursor(row=keys.index(self.sequence), animate=False)

@@ -1,8 +1,10 @@
 """Pane 1, Services: every live instance found by ``$SRV.STATS`` discovery (every 2 s).
 
-Columns: service, instance id, host, uptime, requests, errors, mean latency and last error (the
-console's own polls left out; the front end's HTTP answers, from its metrics snapshots, count too);
-below, the highlighted instance's ``metrics()`` figures. ``d``
+Columns: service, instance id, host, uptime, requests, errors, mean latency, LoRA adapters and last
+error (the console's own polls left out; the front end's HTTP answers, from its metrics snapshots,
+count too). A worker's LoRA column, from its heartbeats, reads ``used/slots`` and the names of the
+adapters in its device slots, most recently used first ("-": no slots, ``--max-loras`` 0); below,
+the highlighted instance's adapters in slots and in host memory and its ``metrics()`` figures. ``d``
 drains the highlighted prefill or decode worker after a confirmation; Enter opens its block table.
 """
 
@@ -20,7 +22,8 @@ from tandem.console.screens.base import PaneScreen, uptime
 from tandem.console.screens.modals import ConfirmScreen
 from tandem.console.state import WORKER_SERVICES, ConsoleState, ServiceRow
 
-COLUMNS = ("service", "instance", "host", "uptime", "requests", "errors", "mean latency", "last error")
+COLUMNS = ("service", "instance", "host", "uptime", "requests", "errors", "mean latency", "LoRA", "last error")
+LORA_WIDTH = 20  # the LoRA column's most characters: the rest of the names are in the detail below
 
 
 class ServicesScreen(PaneScreen):
@@ -50,8 +53,11 @@ class ServicesScreen(PaneScreen):
         rows = self.rows(state)
         for row in rows:
             errors = Text(str(row.errors), "bold red" if row.errors else "")
+            adapters = state.adapters.get(row.instance_id)
+            lora = adapters.summary() if adapters is not None else "-"
+            lora = lora if len(lora) <= LORA_WIDTH else lora[:LORA_WIDTH - 1] + "…"
             table.add_row(row.service, row.instance_id, row.host, uptime(state.now - row.started), str(row.requests),
-                          errors, f"{row.mean_latency_s * 1e3:.1f} ms" if row.requests else "-",
+                          errors, f"{row.mean_latency_s * 1e3:.1f} ms" if row.requests else "-", lora,
                           Text(row.last_error[:60], "red"), key=row.instance_id)
         keys = [r.instance_id for r in rows]
         if selected is not None and selected.instance_id in keys:
@@ -76,7 +82,14 @@ class ServicesScreen(PaneScreen):
         if row.service in WORKER_SERVICES:
             text.append("d drains it · Enter shows its block table", "grey50")
         text.append("\n")
+        adapters = self.state.adapters.get(row.instance_id)
+        if adapters is not None and adapters.slots:
+            text.append("LoRA slots ", "grey50").append(f"{len(adapters.resident)}/{adapters.slots}   ")
+            text.append("in slots ", "grey50").append(", ".join(reversed(adapters.resident)) or "-")
+            text.append("   in host ", "grey50").append(", ".join(reversed(adapters.in_host)) or "-").append("\n")
         for name, value in sorted(row.data.items()):
+            if name.startswith("adapters_"):  # names as the engine keeps them: shown above
+                continue
             shown = f"{value:.3f}" if isinstance(value, float) else str(value)
             text.append(f"{name} ", "grey50").append(f"{shown[:40]}   ")
         detail.update(text)

@@ -6,9 +6,10 @@
 3 shared by more than one block table) and its ref count, the blocks copy-on-write has copied so
 far (forked samples and beams share blocks until one writes), and every live sequence's block
 table with how many of its leading blocks came from the prefix cache and how many were imported
-(a hand-off or a KV-store fetch). The engine is not thread-safe, so the worker takes the snapshot on its engine thread
-(:meth:`EngineThread.call`), between two steps. ``register_blocks_endpoint(worker)`` serves it on
-``tandem.v1.<service>.<id>.blocks`` (any request payload); ``tandem console`` asks for it::
+(a hand-off or a KV-store fetch), and the name of its LoRA adapter. The engine is not thread-safe,
+so the worker takes the snapshot on its engine thread (:meth:`EngineThread.call`), between two
+steps. ``register_blocks_endpoint(worker)`` serves it on ``tandem.v1.<service>.<id>.blocks`` (any
+request payload); ``tandem console`` asks for it::
 
     nats req tandem.v1.decode.<id>.blocks ''   # msgpack BlockSnapshot
 
@@ -48,7 +49,9 @@ def take_snapshot(engine: EngineView, instance_id: str) -> BlockSnapshot:
     sequences = [
         SequenceBlocks(request_id=seq.request_id, num_tokens=seq.num_tokens, block_table=list(seq.block_table),
                        prefix_cached_blocks=seq.prefix_cached_blocks, imported_blocks=seq.imported_blocks,
-                       sample_index=seq.sample_index, constrained=seq.constrained)
+                       sample_index=seq.sample_index, constrained=seq.constrained,
+                       # getattr: a SequenceView without the adapter field (shared/engine/engine_view.py) says none
+                       adapter=seq.adapter)
         for seq in engine.sequences(limit=MAX_SEQUENCES) if seq.status != "swapped"
     ]
     return BlockSnapshot(instance_id=instance_id, num_blocks=pool.num_blocks, block_size=pool.block_size,

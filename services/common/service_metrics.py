@@ -29,6 +29,18 @@ Workers (:class:`WorkerMetrics`, fed from each engine step's outputs in ``Engine
   ``tandem:engine_busy_seconds_total`` (time inside engine steps: prefill throughput for the
   planner), ``tandem:engine_steps_total``, ``tandem:worker_draining``.
 
+LoRA adapters (workers; names only, never ``name@version``, so a republished adapter keeps its series):
+
+- ``tandem:lora_requests_info{running_lora_adapters,waiting_lora_adapters,max_lora}``: vLLM's
+  ``vllm:lora_requests_info``, exported only by a worker with adapter slots (``--max-loras``): the
+  adapter names of its running and of its waiting (and swapped) sequences, comma-joined and sorted,
+  and its slot count; the value is the scrape's unix time. A scrape shows only the current label set.
+- ``tandem:lora_requests_total{adapter}``: requests finished here (as ``request_success_total``
+  counts them) per adapter name; ``adapter=""`` is the base model (no adapter name is empty);
+- ``tandem:lora_slots`` (``--max-loras``; 0: serves no adapters), ``tandem:lora_adapters_resident``
+  (adapters in device slots now), ``tandem:lora_adapter_loads_total`` (adapters read from disk into
+  host memory) and ``tandem:lora_slot_writes_total`` (adapters copied into a slot: slot misses).
+
 Router (:class:`RouterMetrics`): ``tandem:router_requests_total``, ``tandem:router_rejected_total{code}``,
 ``tandem:router_request_prompt_tokens`` and ``tandem:router_request_max_tokens`` (the arriving load),
 ``tandem:router_placement_seconds``, ``tandem:router_workers{service}``, and the admission queue's
@@ -66,7 +78,7 @@ class WorkerMetrics:
     """Per-request latencies and token counts of one prefill or decode worker."""
 
     def __init__(self, prom: MetricsRegistry, stats: Callable[[], dict], busy_s: Callable[[], float],
-                 steps: Callable[[], int], draining: Callable[[], bool]) -> None:
+                 steps: Callable[[], int], draining: Callable[[], bool], max_loras: int = 0) -> None:
         h = prom.histogram
         self.ttft = h("tandem:time_to_first_token_seconds", "router accept to first token handed to the bus",
                       TTFT_BUCKETS)
@@ -92,6 +104,18 @@ class WorkerMetrics:
         prom.counter_fn("tandem:engine_busy_seconds", "time spent inside engine steps", busy_s)
         prom.counter_fn("tandem:engine_steps", "engine steps run", steps)
         prom.gauge_fn("tandem:worker_draining", "1 while draining", lambda: float(draining()))
+        self.lora_requests = prom.counter("tandem:lora_requests_total", "requests finished here per LoRA adapter "
+                                          "name (\"\": the base model)", ["adapter"])
+        prom.gauge_fn("tandem:lora_slots", "LoRA adapter slots on the device (--max-loras)", lambda: max_loras)
+        prom.gauge_fn("tandem:lora_adapters_resident", "LoRA adapters in device slots now",
+                      lambda: len(stats().get("adapters_resident", ())))
+        prom.counter_fn("tandem:lora_adapter_loads", "LoRA adapters read from disk", stat("adapter_loads"))
+        prom.counter_fn("tandem:lora_slot_writes", "LoRA adapters copied into a device slot",
+                        stat("adapter_slot_writes"))
+        if max_loras:  # as vLLM: only where adapters are served
+            prom.gauge_fn("tandem:lora_requests_info", "adapters of the running and waiting requests (value: "
+                          "unix time)", lambda: lora_info(stats(), max_loras),
+                          ["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
 
     def on_output(self, out: RequestOutput, stream: Stream, now: float | None = None) -> None:
         """Account one engine output before its chunk goes out (``stream.next_index`` not yet moved)."""
@@ -111,6 +135,7 @@ class WorkerMetrics:
             self.prompt_tokens.inc(out.num_prompt_tokens)
         if out.ends_request and out.finish_reason != FINISHED:
             self.success.labels(out.finish_reason or "unknown").inc()
+            self.lora_requests.labels(stream.adapter).inc()
             self.e2e.observe(max(0.0, now - stream.arrival))
             self.req_prompt.observe(out.num_prompt_tokens)
             self.req_gen.observe(out.num_output_tokens)
@@ -120,6 +145,14 @@ class WorkerMetrics:
     def on_scheduled(self, stream: Stream, started: float) -> None:
         """The first engine step that runs this request began at ``started``."""
         self.queue.observe(max(0.0, started - stream.received))
+
+
+def lora_info(stats: dict, max_loras: int) -> dict[tuple[str, ...], float]:
+    """``tandem:lora_requests_info``'s one sample: the adapter names (sorted, comma-joined) of the
+    running and of the waiting sequences, as vLLM labels its ``vllm:lora_requests_info``."""
+    running = ",".join(stats.get("adapters_running", ()))
+    waiting = ",".join(stats.get("adapters_waiting", ()))
+    return {(running, waiting, str(max_loras)): time.time()}
 
 
 class RouterMetrics:

@@ -35,11 +35,14 @@ from tandem.shared.infra.config import Settings
 from tandem.shared.kvcache.cache import kv_namespace, size_kv_pool
 from tandem.shared.kvtransfer.channel import KVChannel
 from tandem.shared.kvtransfer.devcopy import tensor_bytes, to_host
+from tandem.shared.lora.peft_format import AdapterError
+from tandem.shared.lora.slots import slot_bytes
 from tandem.shared.model.loader import LoadedModel, load_model, resolve_dtype
 from tandem.shared.model.meta import load_model_meta
 from tandem.shared.parallel.group import TensorParallelError, TensorParallelGroup
 from tandem.shared.parallel.sharding import shard_config, sharder
 from tandem.shared.protocol import subjects
+from tandem.shared.protocol.adapters import adapter_hash_root
 from tandem.shared.protocol.base import ErrorCode, ErrorReply, ProtocolError, shortened
 from tandem.shared.protocol.block_hashes import prefix_hashes
 from tandem.shared.protocol.codec import decode, encode
@@ -72,7 +75,8 @@ def engine_config(settings: Settings, loaded: LoadedModel, device: torch.device,
     start set explicitly (the KV pool's size, the context capped by the model, device and dtype)."""
     engine = settings.engine
     return dataclasses.replace(
-        engine, num_blocks=size_kv_pool(engine, loaded.model.config, device, dtype),
+        engine, num_blocks=size_kv_pool(engine, loaded.model.config, device, dtype, reserved_bytes=slot_bytes(
+            loaded.config, engine.max_loras, engine.max_lora_rank, dtype) if engine.max_loras else 0),
         max_model_len=min(engine.max_model_len, loaded.config.max_position_embeddings),
         device=str(device), dtype=str(dtype).removeprefix("torch."),
     )
@@ -89,7 +93,7 @@ def engine_request(spec: RequestSpec, *, kv: torch.Tensor | None = None, output_
         request_id=spec.request_id, prompt_token_ids=list(spec.prompt_token_ids), params=spec.params, kv=kv,
         output_token_ids=list(output_token_ids or spec.resume_output_token_ids),
         output_cumulative_logprob=output_cumulative_logprob,
-        prefill_only=prefill_only, export_on_finish=export_on_finish,
+        prefill_only=prefill_only, export_on_finish=export_on_finish, adapter=spec.adapter,
     )
 
 
@@ -104,6 +108,7 @@ class Stream:
     last_token: float = 0.0
     received: float = field(default_factory=time.time)  # when it reached this worker
     pooling: str = ""  # an embedding request's pooling method ("": generation)
+    adapter: str = ""  # its LoRA adapter's name, for per-adapter metrics ("": the base model)
 
     later_outputs: dict[int, int] = field(default_factory=dict)  # the same for outputs 1.. of a request with several
 
@@ -151,7 +156,8 @@ class EngineWorker(ServiceRuntime):
         self.drainer = Drainer(self)
         self.serving = WorkerMetrics(self.prom, lambda: self.thread.stats if self.thread else self.engine.stats(),
                                      lambda: self.thread.busy_s if self.thread else 0.0,
-                                     lambda: self.thread.steps if self.thread else 0, lambda: self.draining)
+                                     lambda: self.thread.steps if self.thread else 0, lambda: self.draining,
+                                     self.engine_config.max_loras)
         self.thread: EngineThread | None = None
         self.kv_channel: KVChannel | None = None  # opened in setup
         self._outbox: list[tuple[str, str, bytes]] = []  # (request id, its stream subject, a chunk)
@@ -228,6 +234,7 @@ class EngineWorker(ServiceRuntime):
 
     def heartbeat(self) -> Heartbeat:
         stats = self.thread.stats if self.thread else self.engine.stats()
+        adapters = self.engine.adapters
         return Heartbeat(
             service=self.name, instance_id=self.instance_id, host=self.host, pid=os.getpid(),
             incarnation=self.incarnation, model=self.model_name, running=stats["running"],
@@ -238,6 +245,9 @@ class EngineWorker(ServiceRuntime):
             prefix_cache_queries=stats.get("prefix_cache_queries", 0),
             prefix_cache_hits=stats.get("prefix_cache_hits", 0),
             draining=self.draining, device=self.device_id,
+            max_loras=self.engine_config.max_loras, max_lora_rank=self.engine_config.max_lora_rank if adapters else 0,
+            adapters_resident=stats.get("adapters_resident", []),
+            adapters_host=adapters.in_host() if adapters else [],
         )
 
     def busy(self) -> bool:
@@ -292,7 +302,7 @@ class EngineWorker(ServiceRuntime):
         want = min(blocks, (len(spec.prompt_token_ids) - 1) // bs)  # the last token is computed
         if not store or want <= 0 or spec.params.prompt_logprobs is not None:
             return None
-        hashes = prefix_hashes(spec.prompt_token_ids, bs)[:want]
+        hashes = prefix_hashes(spec.prompt_token_ids, bs, adapter_hash_root(spec.adapter))[:want]
         start = time.time()
         try:
             client = KVStoreClient(self.nc, store, channel=self.kv_channel)
@@ -326,6 +336,25 @@ class EngineWorker(ServiceRuntime):
         if max(prompt_token_ids) >= self.loaded.config.vocab_size:
             raise ProtocolError(ErrorCode.INVALID_REQUEST,
                                 f"token id {max(prompt_token_ids)} is outside the vocabulary")
+
+    async def prepare_adapter(self, spec: RequestSpec) -> None:
+        """Read the request's adapter into host memory (off the event loop) unless it is there, so
+        the engine thread only copies it into a slot; a bad adapter is the request's typed error."""
+        if spec.adapter is None:
+            return
+        cache = self.engine.adapters
+        if cache is None:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"worker {self.instance_id} serves no LoRA adapters "
+                                f"(asked for {spec.adapter.name!r}): start it with --max-loras N", "model")
+        started = time.perf_counter()
+        loads = cache.loads
+        try:
+            await asyncio.to_thread(cache.load, spec.adapter)
+        except AdapterError as exc:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, str(exc), "model") from None
+        if cache.loads > loads:
+            self.log.info("adapter %s loaded from %s in %.2fs", spec.adapter.key, spec.adapter.path,
+                          time.perf_counter() - started)
 
     async def _on_cancel(self, msg) -> None:
         try:

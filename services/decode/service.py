@@ -137,10 +137,14 @@ class DecodeService(EngineWorker):
     async def admit(self, request: Request) -> None:
         msg: DecodeRequest = decode(request.data, DecodeRequest)
         spec = msg.spec
-        self.check_request(spec)
-        if spec.request_id in self.streams or spec.request_id in self.admitting:
+        try:
+            self.check_request(spec)
+            if spec.request_id in self.streams or spec.request_id in self.admitting:
+                raise ProtocolError(ErrorCode.INVALID_REQUEST, f"request {spec.request_id} is already running here")
+            await self.prepare_adapter(spec)
+        except ProtocolError:
             self.kv_receiver.discard(msg)  # refused before its blocks are copied; their slots go back at once
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"request {spec.request_id} is already running here")
+            raise
         self.admitting.add(spec.request_id)  # a duplicate arriving during the copy is refused too
         try:
             kv = await self.kv_receiver.take(msg)  # a ring copy runs on a thread: admits and streams go on
@@ -153,7 +157,8 @@ class DecodeService(EngineWorker):
                               export_on_finish=bool(msg.kvstore))
         self.streams[spec.request_id] = Stream(spec.stream_subject, next_index=len(work.output_token_ids),
                                                arrival=spec.arrival_time, first_token=msg.first_token_time,
-                                               last_token=msg.first_token_time)
+                                               last_token=msg.first_token_time,
+                                               adapter=spec.adapter.name if spec.adapter else "")
         if msg.kvstore:
             self.offers[spec.request_id] = (msg.kvstore, msg.kvstore_held_blocks)
         try:

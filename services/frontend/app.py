@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 
 from tandem.client import Client, RequestStream, TandemError
 from tandem.services.frontend import schemas
+from tandem.services.frontend.adapters import add_adapter_routes
 from tandem.services.frontend.chat_answer import THINK_END, ChatAnswer, ChoiceStream
 from tandem.services.frontend.embeddings import add_embeddings_route
 from tandem.services.frontend.errors import (
@@ -43,6 +44,7 @@ from tandem.services.frontend.limits import BodyLimit, HTTPLimits, check_in_flig
 from tandem.services.frontend.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from tandem.services.frontend.metrics import FrontendMetrics
 from tandem.services.frontend.sampling import sampling_params
+from tandem.shared.infra.adapter_registry import AdapterRegistry
 from tandem.shared.infra.version import VERSION
 from tandem.shared.text.chat_template import ChatTemplate, ChatTemplateError
 from tandem.shared.text.tokenizer import HFTokenizer, Tokenizer
@@ -89,11 +91,27 @@ class Frontend:
     running: int = 0
     log: object = None
     created: int = field(default_factory=schemas.now)
+    adapters: AdapterRegistry | None = None  # the fleet's LoRA adapters (None: none served)
+    allow_runtime_lora_updating: bool = False
 
     # -- request building -----------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if not self.model.answers_to(model):
-            raise unknown_model(model, self.model.names())
+    def check_model(self, model: str | None) -> str:
+        """The name the request goes to the bus with: the base model's, or the LoRA adapter's it
+        names; a 404 naming what is served otherwise."""
+        if self.model.answers_to(model):
+            return self.model.bus_name
+        if self.adapters is not None:
+            record = self.adapters.lookup(model)
+            if record is not None and record.base_model == self.model.bus_name:
+                return record.name
+        raise unknown_model(model, self.model.names() + self.adapter_names())
+
+    def adapter_names(self) -> list[str]:
+        return [] if self.adapters is None else [r.name for r in self.adapters.served(self.model.bus_name)]
+
+    def shown_model(self, bus_model: str) -> str:
+        """A response's ``model``: the served name for the base model, an adapter's own name."""
+        return self.model.served_name if bus_model == self.model.bus_name else bus_model
 
     def chat_answer(self, request: schemas.ChatCompletionRequest) -> ChatAnswer:
         """What the request asks of its answer beyond text (tools, reasoning); a 400 for bad tools."""
@@ -135,11 +153,12 @@ class Frontend:
         self.running += prompts
 
     async def open_streams(self, prompts: list[str | list[int]], params: dict, chat: bool,
-                           priority: int = 0) -> list[RequestStream]:
+                           priority: int = 0, model: str | None = None) -> list[RequestStream]:
         """Place every prompt's request; if one is refused, cancel the others and raise its error
         (a chat request's prompt is its ``messages``)."""
         try:
-            streams = [self.client.stream(p, model=self.model.bus_name, priority=priority, **params) for p in prompts]
+            streams = [self.client.stream(p, model=model or self.model.bus_name, priority=priority, **params)
+                       for p in prompts]
         except TandemError as exc:
             raise from_tandem(exc, exc.param) from None
         results = await asyncio.gather(*(s.__aenter__() for s in streams), return_exceptions=True)
@@ -329,6 +348,7 @@ def build_app(frontend: Frontend) -> FastAPI:
     app.add_middleware(BodyLimit, limits=frontend.limits)
     app.add_middleware(Gate, frontend=frontend)
     add_embeddings_route(app, frontend)
+    add_adapter_routes(app, frontend)
 
     @app.get("/health")
     async def health() -> Response:
@@ -352,32 +372,38 @@ def build_app(frontend: Frontend) -> FastAPI:
             name = frontend.model.served_name if bus_name == frontend.model.bus_name else bus_name
             cards.append(schemas.ModelCard(id=name, created=frontend.created, root=bus_name,
                                            max_model_len=frontend.max_model_len(bus_name), vocab_size=vocab_size))
+            if bus_name == frontend.model.bus_name and frontend.adapters is not None:
+                cards += [schemas.ModelCard(id=r.name, created=int(r.published_at) or frontend.created, root=r.path,
+                                            parent=name, max_model_len=frontend.max_model_len(bus_name),
+                                            vocab_size=vocab_size)
+                          for r in frontend.adapters.served(bus_name)]
         return schemas.ModelList(data=cards)
 
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
-        frontend.check_model(body.model)
+        bus_model = frontend.check_model(body.model)
         prompts = body.prompts()
         frontend.limits.check(body, len(prompts))
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = sampling_params(body, max_tokens, "max_tokens")
         if not prompts or any(isinstance(p, str | list) and len(p) == 0 for p in prompts):
             raise bad_request("prompt: the prompt is empty", "prompt")
-        return await run(request, body, prompts, params, chat=False)
+        return await run(request, body, prompts, params, chat=False, bus_model=bus_model)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
-        frontend.check_model(body.model)
+        bus_model = frontend.check_model(body.model)
         frontend.limits.check(body, 1)
         field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         answer = frontend.chat_answer(body)
         params = sampling_params(body, body.asked_max_tokens(), field_name)
         prompt, prompt_text = await frontend.chat_prompt(body, answer)
         answer = answer.after_prompt(prompt_text)
-        return await run(request, body, [prompt], answer.constrain(params, body), chat=True, answer=answer)
+        return await run(request, body, [prompt], answer.constrain(params, body), chat=True, answer=answer,
+                         bus_model=bus_model)
 
     async def run(request: Request, body: schemas.SamplingFields, prompts: list, params: dict, chat: bool,
-                  answer: ChatAnswer | None = None) -> Response:
+                  answer: ChatAnswer | None = None, bus_model: str | None = None) -> Response:
         frontend.admit(len(prompts))
         released = False
 
@@ -390,10 +416,10 @@ def build_app(frontend: Frontend) -> FastAPI:
         n = params.get("n", 1)
         try:
             started = time.perf_counter()
-            streams = await frontend.open_streams(prompts, params, chat, body.priority)
+            streams = await frontend.open_streams(prompts, params, chat, body.priority, bus_model)
             tally = Tally(started, [len(s.accepted.prompt_token_ids) for s in streams], n)
             request_id = schemas.new_id("chatcmpl" if chat else "cmpl")
-            model = frontend.model.served_name
+            model = frontend.shown_model(bus_model or frontend.model.bus_name)
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 events = stream_events(streams, n, tally, request_id, model, answer if chat else None, include_usage,

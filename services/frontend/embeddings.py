@@ -52,14 +52,14 @@ def add_embeddings_route(app: FastAPI, frontend: Frontend) -> None:
 
     @app.post(PATH)
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        frontend.check_model(body.model)
+        bus_model = frontend.check_model(body.model)
         inputs = checked_inputs(body)
         check_options(body)
         in_flight = min(len(inputs), IN_FLIGHT)
         frontend.admit(in_flight)
         started = time.perf_counter()
         try:
-            vectors = await embed_unless_disconnected(request, frontend, body, inputs)
+            vectors = await embed_unless_disconnected(request, frontend, body, inputs, bus_model)
         finally:
             frontend.running -= in_flight
         if frontend.metrics is not None:
@@ -109,10 +109,10 @@ def check_options(body: EmbeddingRequest) -> None:
 
 
 async def embed_unless_disconnected(request: Request, frontend: Frontend, body: EmbeddingRequest,
-                                    inputs: list[str | list[int]]) -> list[Embedding]:
+                                    inputs: list[str | list[int]], bus_model: str) -> list[Embedding]:
     """Every input's embedding, in order; a client gone meanwhile cancels them (499)."""
     work = asyncio.ensure_future(frontend.client.embed(
-        inputs, pooling=body.pooling, dimensions=body.dimensions, model=frontend.model.bus_name,
+        inputs, pooling=body.pooling, dimensions=body.dimensions, model=bus_model,  # an adapter: the router says no
         priority=body.priority, truncate_prompt_tokens=body.truncate_prompt_tokens, max_in_flight=IN_FLIGHT))
 
     async def disconnected() -> None:

@@ -256,7 +256,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "tandem"
-    root: str | None = None  # the model the router loads (a directory, or "tiny")
+    root: str | None = None  # the model the router loads (a directory, or "tiny"); an adapter's directory
+    parent: str | None = None  # an adapter's base model (None: a base model)
     max_model_len: int | None = None
     vocab_size: int | None = None  # token ids in a prompt must be below it (a benchmark's random prompts)
 

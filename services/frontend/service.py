@@ -21,6 +21,7 @@ from tandem.services.common.runtime import ServiceRuntime, run_service
 from tandem.services.frontend.app import Frontend, ServedModel, build_app
 from tandem.services.frontend.limits import HTTPLimits
 from tandem.services.frontend.metrics import FrontendMetrics
+from tandem.shared.infra.adapter_registry import AdapterRegistry
 from tandem.shared.infra.config import Settings
 from tandem.shared.model.meta import load_model_meta
 from tandem.shared.protocol import subjects
@@ -91,6 +92,7 @@ class FrontendService(ServiceRuntime):
         self.server_task: asyncio.Task | None = None
         self.context: dict[str, int] = {}  # bus model -> max_model_len, from decode workers' heartbeats
         self._router_models: tuple[float, dict[str, int | None]] = (0.0, {})
+        self.adapters = AdapterRegistry()
 
     def metadata(self) -> dict[str, str]:
         return {**super().metadata(), "http_url": self.http_url, "model": self.meta.name,
@@ -109,9 +111,11 @@ class FrontendService(ServiceRuntime):
                                  max_concurrent_requests=self.settings.frontend.max_concurrent_requests,
                                  router_models=self.router_models, max_model_len=self.context.get,
                                  router_alive=self.router_alive, limits=HTTPLimits.of(self.settings.frontend),
-                                 metrics_page=self.prom.text, log=self.log)
+                                 metrics_page=self.prom.text, log=self.log, adapters=self.adapters,
+                                 allow_runtime_lora_updating=self.settings.frontend.allow_runtime_lora_updating)
         self.frontend.metrics = FrontendMetrics(self.prom, lambda: self.frontend.running)
         await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self.on_beat)
+        await self.adapters.follow(self.nc)
         config = uvicorn.Config(build_app(self.frontend), log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=2)
         self.server = QuietServer(config)

@@ -26,6 +26,7 @@ from tandem.shared.engine.sequence import RequestOutput
 from tandem.shared.infra.config import Settings
 from tandem.shared.kvtransfer.handoff import Destination, HandoffSender
 from tandem.shared.protocol import subjects
+from tandem.shared.protocol.adapters import adapter_hash_root
 from tandem.shared.protocol.base import Ack, ErrorCode, ErrorReply, ProtocolError
 from tandem.shared.protocol.block_hashes import prefix_hashes
 from tandem.shared.protocol.codec import decode, encode, error_reply
@@ -72,7 +73,8 @@ class PrefillService(EngineWorker):
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"request {spec.request_id} is already running here")
         # A migrated request's stream goes on after the tokens its client already has.
         self.streams[spec.request_id] = Stream(spec.stream_subject, next_index=len(spec.resume_output_token_ids),
-                                               arrival=spec.arrival_time)
+                                               arrival=spec.arrival_time,
+                                               adapter=spec.adapter.name if spec.adapter else "")
         self.pending[spec.request_id] = msg
         # Admission waits for the engine thread (up to a step) and maybe a store round trip: from a
         # task, or every request behind this one in the subscription waits too.
@@ -80,8 +82,10 @@ class PrefillService(EngineWorker):
 
     async def admit(self, msg: PrefillRequest, request: Request) -> None:
         spec = msg.spec
-        prefix = await self.fetch_prefix(spec, msg.kvstore, msg.kvstore_fetch_blocks)
+        prefix = None
         try:
+            await self.prepare_adapter(spec)
+            prefix = await self.fetch_prefix(spec, msg.kvstore, msg.kvstore_fetch_blocks)
             await self.thread.add(engine_request(spec, kv=prefix, prefill_only=True))
         except Exception as exc:  # refused by the engine (ValueError) or failed: the router hears why
             self.streams.pop(spec.request_id, None)
@@ -158,7 +162,7 @@ class PrefillService(EngineWorker):
                                start, time.time())
         if msg.kvstore:  # the prompt's full blocks the store does not hold yet
             held, full = msg.kvstore_held_blocks, len(prompt) // self.settings.engine.block_size
-            hashes = prefix_hashes(prompt, self.settings.engine.block_size)
+            hashes = prefix_hashes(prompt, self.settings.engine.block_size, adapter_hash_root(msg.spec.adapter))
             await self.offer_blocks(msg.kvstore, request_id, hashes[held:full], kv[held:full])
 
     async def teardown(self) -> None:

@@ -3,7 +3,10 @@
 The formula, in the manner of Dynamo's KV router: a worker's cost is the prefill work the request
 would still need there plus the work already queued on it, both in blocks of tokens,
 
-    cost = (prompt_blocks - cached_prefix_blocks) + load_weight * (running + waiting + just_placed)
+    cost = (prompt_blocks - cached_prefix_blocks) + load_weight * (running + waiting + just_placed) + extra
+
+(``extra``: what else the worker would have to do first, such as loading the request's LoRA adapter:
+see ``adapters.py``)
 
 and the cheapest worker wins (ties: more free KV blocks, then instance id). Counting the uncached
 blocks rather than the cached ones makes a long shared prefix worth exactly what it saves; the
@@ -39,11 +42,13 @@ class Candidate:
     cost: float
 
 
-def rank(prompt_blocks: int, workers: list[tuple[str, int, int, int]], load_weight: float) -> list[Candidate]:
-    """``workers``: (instance id, cached prefix blocks, load, free blocks); cheapest first."""
+def rank(prompt_blocks: int, workers: list[tuple[str, int, int, int] | tuple[str, int, int, int, float]],
+         load_weight: float) -> list[Candidate]:
+    """``workers``: (instance id, cached prefix blocks, load, free blocks[, extra cost]); cheapest first."""
     candidates = [
-        Candidate(instance_id, cached, load, free, (prompt_blocks - cached) + load_weight * load)
-        for instance_id, cached, load, free in workers
+        Candidate(row[0], row[1], row[2], row[3], (prompt_blocks - row[1]) + load_weight * row[2]
+                  + (row[4] if len(row) > 4 else 0.0))
+        for row in workers
     ]
     return sorted(candidates, key=lambda c: (c.cost, -c.free_blocks, c.instance_id))
 

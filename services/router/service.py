@@ -44,6 +44,7 @@ from nats.micro.request import Request
 
 from tandem.services.common.runtime import ServiceRuntime, run_service
 from tandem.services.common.service_metrics import RouterMetrics
+from tandem.services.router.adapters import RouterAdapters
 from tandem.services.router.admission import AdmissionQueue, QueuedRequestCancelled, WorkerLoad, has_room
 from tandem.services.router.kv_index import KVIndex
 from tandem.services.router.policy import Candidate, rank, remote_prefill_workers, shares_device
@@ -52,6 +53,7 @@ from tandem.shared.infra.kvevents import ensure_kv_events_stream
 from tandem.shared.infra.liveness import Liveness, on_bus
 from tandem.shared.model.meta import load_model_meta
 from tandem.shared.protocol import subjects
+from tandem.shared.protocol.adapters import AdapterRecord, AdapterRef, LoadAdapter, UnloadAdapter, adapter_hash_root
 from tandem.shared.protocol.base import Ack, ErrorCode, ErrorReply, ProtocolError
 from tandem.shared.protocol.block_hashes import prefix_hashes
 from tandem.shared.protocol.codec import decode, encode, error_reply
@@ -74,7 +76,7 @@ THREAD_TOKENIZE_CHARS = 32768  # longer prompts tokenize in a thread (7.5M chara
 
 
 def request_spec(msg: GenerateRequest, prompt_token_ids: list[int], model: str, accepted_at: float,
-                 max_model_len: int) -> RequestSpec:
+                 max_model_len: int, adapter: AdapterRef | None = None) -> RequestSpec:
     """The request as prefill and decode workers see it: ``msg`` with its prompt tokenized, its model
     resolved, its ``max_tokens`` set (unset: what the context leaves) and its arrival stamped. Built
     once per request; the workers carry it on unchanged. A prompt the context cannot hold, a
@@ -109,7 +111,7 @@ def request_spec(msg: GenerateRequest, prompt_token_ids: list[int], model: str, 
         update={"max_tokens": max_tokens})
     return RequestSpec(request_id=msg.request_id, prompt_token_ids=prompt_token_ids, params=params,
                        stream_subject=msg.stream_subject, model=model, arrival_time=accepted_at,
-                       resume_output_token_ids=msg.resume_output_token_ids)
+                       resume_output_token_ids=msg.resume_output_token_ids, adapter=adapter)
 
 
 def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
@@ -212,11 +214,13 @@ class PromptBlocks:
     asks for them for every candidate worker and store."""
 
     ids: list[int]
+    adapter: AdapterRecord | None = None  # the LoRA adapter it runs with: its blocks chain from the adapter's root
     _hashes: dict[int, list[int]] = field(default_factory=dict)
 
     def hashes(self, block_size: int) -> list[int]:
         if block_size not in self._hashes:
-            self._hashes[block_size] = prefix_hashes(self.ids, block_size)
+            root = adapter_hash_root(None if self.adapter is None else self.adapter.ref())
+            self._hashes[block_size] = prefix_hashes(self.ids, block_size, root)
         return self._hashes[block_size]
 
 
@@ -254,6 +258,7 @@ class Router(ServiceRuntime):
         # Until then, with no live decode worker, requests wait in the admission queue: one died
         # (not drained) that recently, and a supervisor is likely bringing it back.
         self.restart_deadline = 0.0
+        self.adapters = RouterAdapters(self.meta.name, self.meta.config, self.log)
 
     def metadata(self) -> dict[str, str]:
         return {**super().metadata(), "model": self.meta.name, "vocab_size": str(self.meta.config.vocab_size)}
@@ -266,8 +271,24 @@ class Router(ServiceRuntime):
         await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self.on_heartbeat)
         await self.nc.subscribe(subjects.CANCEL_ALL, cb=self.on_cancel)
         await self.follow_kv_events()
+        await self.adapters.start(self.nc, self.settings.router.lora_modules, self.adapter_rank_limit)
+        await self.add_endpoint("adapters", subjects.ADAPTERS_CONTROL, self.on_adapter_control, queue_group="router")
         await self.add_endpoint("generate", subjects.ROUTER_GENERATE_ALL, self.on_generate, queue_group="router")
         await self.add_endpoint("embed", subjects.ROUTER_EMBED_ALL, self.on_embed, queue_group="router")
+
+    async def on_adapter_control(self, request: Request) -> None:
+        msg = decode(request.data, (LoadAdapter, UnloadAdapter))
+        if isinstance(msg, LoadAdapter):
+            record = await self.adapters.load(msg, self.adapter_rank_limit())
+        else:
+            record = await self.adapters.unload(msg)
+        await request.respond(encode(record))
+
+    def adapter_rank_limit(self) -> int | None:
+        """The highest adapter rank some live decode worker holds (None: no worker with slots is up
+        yet, so only the workers can judge the rank, when a request comes)."""
+        ranks = [w.beat.max_lora_rank for w in self.alive("decode", self.meta.name) if w.beat.max_loras]
+        return max(ranks) if ranks else None
 
     async def teardown(self) -> None:
         if self.admission.depth:  # queued requests hear why now, not from their clients' timeouts
@@ -439,10 +460,6 @@ class Router(ServiceRuntime):
         await request.respond(encode(reply))
 
     async def tokenize(self, msg: GenerateRequest | EmbedRequest) -> list[int]:
-        model = msg.model or self.meta.name
-        if model != self.meta.name:
-            raise ProtocolError(ErrorCode.UNKNOWN_MODEL,
-                                f"unknown model {model!r}; this router serves {self.meta.name!r}", "model")
         if (msg.prompt is None) == (msg.prompt_token_ids is None):
             raise ProtocolError(ErrorCode.INVALID_REQUEST, "give exactly one of prompt and prompt_token_ids", "prompt")
         if msg.prompt is not None and len(msg.prompt) > THREAD_TOKENIZE_CHARS:
@@ -457,9 +474,13 @@ class Router(ServiceRuntime):
         return ids
 
     def ranked(self, workers: list[Worker], prompt: PromptBlocks) -> list[tuple[Worker, Candidate]]:
-        """Workers cheapest first for this prompt (cached prefix from the index, load from beats)."""
+        """Workers cheapest first for this prompt (cached prefix from the index, load from beats, the
+        prompt's adapter where they lack it); for an adapter's prompt, only workers that serve it."""
+        if prompt.adapter is not None:
+            workers = [w for w in workers if self.adapters.serves(w.beat, prompt.adapter)]
         if not workers:
             return []
+        adapter = None if prompt.adapter is None else prompt.adapter.ref()
         hashes = prompt.hashes(workers[0].beat.block_size)
         overlaps: dict[str, dict[str, int]] = {}
         rows = []
@@ -467,7 +488,8 @@ class Router(ServiceRuntime):
             ns = w.beat.kv_namespace
             if ns not in overlaps:
                 overlaps[ns] = self.index.prefix_overlap(ns, hashes) if ns else {}
-            rows.append((w.beat.instance_id, overlaps[ns].get(w.beat.instance_id, 0), w.load(), w.beat.free_blocks))
+            rows.append((w.beat.instance_id, overlaps[ns].get(w.beat.instance_id, 0), w.load(), w.beat.free_blocks,
+                         self.adapters.extra_cost(w.beat, adapter)))
         by_id = {w.beat.instance_id: w for w in workers}
         return [(by_id[c.instance_id], c) for c in rank(len(hashes), rows, self.settings.router.load_weight)]
 
@@ -481,13 +503,14 @@ class Router(ServiceRuntime):
         return max((w.beat.max_model_len for w in decoders), default=0)
 
     async def place_valid(self, msg: GenerateRequest, accepted_at: float) -> GenerateAccepted:
+        adapter = self.adapters.resolve(msg.model)
         ids = await self.tokenize(msg)
         check_logit_bias(msg.params, self.meta.config.vocab_size)
         longest = self.decode_context(msg)
         if longest and len(ids) >= longest:  # before hashing a prompt no worker could hold
             raise ProtocolError(ErrorCode.PROMPT_TOO_LONG,
                                 f"prompt has {len(ids)} tokens; the context holds {longest}", "prompt")
-        prompt = PromptBlocks(ids)
+        prompt = PromptBlocks(ids, adapter)
         placed, waited = await self.admit_and_place(
             msg, len(ids), lambda gone: self.place_on_decode(msg, ids, prompt, accepted_at, gone))
         await self.publish_decision(msg, ids, placed.ranked, placed.decode, placed.prefill, placed.reason)
@@ -501,6 +524,9 @@ class Router(ServiceRuntime):
     async def place_embedding(self, msg: EmbedRequest, accepted_at: float) -> GenerateAccepted:
         """Place an embedding on a decode worker; the answer names it (no prefill worker, no tokens
         to grant: ``max_tokens`` 0)."""
+        if self.adapters.resolve(msg.model) is not None:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"{msg.model!r} is a LoRA adapter, which serves no "
+                                f"embeddings: ask {self.meta.name!r}", "model")
         ids = await self.tokenize(msg)
         longest = self.decode_context(msg)
         ids = truncated(ids, msg.truncate_prompt_tokens, longest or len(ids))
@@ -552,6 +578,12 @@ class Router(ServiceRuntime):
             if self.awaiting_restart():
                 return None
             raise self.no_decode_workers()
+        if prompt.adapter is not None:
+            decoders = [w for w in decoders if self.adapters.serves(w.beat, prompt.adapter)]
+            if not decoders:
+                raise ProtocolError(ErrorCode.NO_WORKERS, f"no live decode worker serves LoRA adapters of rank "
+                                    f"{prompt.adapter.rank} ({prompt.adapter.name!r}): start decode workers with "
+                                    "--max-loras N and --max-lora-rank R")
         limit = self.settings.router.max_inflight_per_worker
         decoders = [w for w in decoders if has_room(self.admission_load(w), limit)] or decoders
         return self.ranked(decoders, prompt)
@@ -565,7 +597,8 @@ class Router(ServiceRuntime):
         if ranked_decode is None:
             return None
         for decode_worker, choice in ranked_decode:
-            spec = request_spec(msg, ids, self.meta.name, accepted_at, decode_worker.beat.max_model_len)
+            spec = request_spec(msg, ids, self.meta.name, accepted_at, decode_worker.beat.max_model_len,
+                                None if prompt.adapter is None else prompt.adapter.ref())
             # Counted before the round trips, so requests placed meanwhile already see this load.
             stamp = decode_worker.reserve()
             try:
@@ -624,6 +657,8 @@ class Router(ServiceRuntime):
         cached_tokens = min(len(ids), choice.cached_blocks * dec.beat.block_size)
         router = self.settings.router
         alive = self.alive("prefill", self.meta.name, excluded)
+        if prompt.adapter is not None:  # a prefill worker without slots cannot compute the adapter's K/V
+            alive = [w for w in alive if self.adapters.serves(w.beat, prompt.adapter)]
         devices = [(w.beat.instance_id, w.beat.device) for w in alive]
         usable, why_local = remote_prefill_workers(len(ids) - cached_tokens, router.local_prefill_max_tokens,
                                                    dec.beat.device, devices, router.prefill_on_shared_device)

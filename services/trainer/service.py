@@ -125,6 +125,14 @@ def validate_job(job: TrainJob) -> None:
         resolve_model(job.model)
     except ModelLoadError as exc:
         raise ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+    if job.lora_rank is not None:
+        from tandem.shared.lora.peft_format import AdapterError
+        from tandem.shared.train.lora import check_targets
+
+        try:
+            check_targets(job.lora_targets)
+        except AdapterError as exc:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) from None
     kind = records_kind(job.dataset, job.data_format)
     if kind is not None:
         read_records(Path(job.dataset), kind)
@@ -251,6 +259,8 @@ class TrainerService(ServiceRuntime):
             self._publish(subjects.trainer_timeline(job_id), encode(msg))
 
         def on_checkpoint(path: Path, step: int) -> None:
+            if record.job.lora_rank is not None:  # an adapter, not a model for the workers to reload
+                return
             # under the data dir by confine_job; checked again, so no event ever names another folder
             path = under_data_dir(path, self.settings.data_dir, "checkpoint path")
             msg = WeightsUpdated(model=runner.model_name, path=str(path), step=step, version=f"{job_id}.{step}")

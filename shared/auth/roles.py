@@ -19,6 +19,9 @@ and by nothing else). Least privilege, as the trust-boundary issue asks:
 * drain, scale, trainer control and ``models.updated`` belong to the **operator** (``tandem up``,
   the console, ``tandem train``), which may do anything; the **planner** may drain workers too (its
   actuator drains one before removing it under compose or Kubernetes);
+* LoRA adapters are loaded and unloaded through the routers (``tandem.v1.router.adapters``): the
+  front end (vLLM's load and unload endpoints), the trainer (publishing what it trained) and the
+  operator ask; only routers write the registry stream, which routers and front ends follow;
 * a service may ``$SRV.PING`` its own service's instances (``tandem ping <service>``: a container's
   readiness probe, with the key the container already holds);
 * JetStream's API is granted per stream to the roles that keep or replay that stream.
@@ -81,19 +84,21 @@ PERMISSIONS: dict[str, dict[str, Any]] = {
         "pub": {"allow": [*OWN_REQUESTS, *ASK_ROUTERS]},
         "sub": {"allow": [OWN_INBOX, s.HEARTBEAT_ALL]},
     },
-    "frontend": _service("frontend", [*OWN_REQUESTS, *ASK_ROUTERS], [s.HEARTBEAT_ALL]),
+    "frontend": _service("frontend", [*OWN_REQUESTS, *ASK_ROUTERS, s.ADAPTERS_CONTROL,
+                                      *stream_api(s.ADAPTERS_STREAM, consume=True)], [s.HEARTBEAT_ALL]),
     "router": _service("router", [s.prefill("*"), s.decode_admit("*"), s.decode_embed("*"), s.alive("prefill", "*"),
                                   s.alive("decode", "*"), s.ROUTER_DECISIONS, ANY_INBOX,
-                                  *stream_api(s.KV_EVENTS_STREAM, consume=True)],
+                                  *stream_api(s.KV_EVENTS_STREAM, consume=True), s.ADAPTERS_ALL,
+                                  *stream_api(s.ADAPTERS_STREAM, consume=True)],
                        [s.ROUTER_GENERATE_ALL, s.ROUTER_EMBED_ALL, s.HEARTBEAT_ALL, s.KV_EVENTS_ALL,
-                        s.CANCEL_ALL]),  # cancel: queued ones
+                        s.CANCEL_ALL, s.ADAPTERS_CONTROL]),  # cancel: queued ones
     "prefill": _service("prefill", [s.decode_admit("*"), s.kv_events("prefill", ME), *_WORKER_PUB], _WORKER_SUB),
     "decode": _service("decode", [s.kv_events("decode", ME), *_WORKER_PUB], _WORKER_SUB),
     "kvstore": _service("kvstore", [s.kv_events("kvstore", ME), *_WORKER_PUB], [s.KVSTORE_LOOKUP_ALL]),
     "planner": _service("planner", [s.PLANNER_DECISIONS, *stream_api(s.PLANNER_STREAM),
                                     s.drain("prefill", "*"), s.drain("decode", "*")],  # its actuator's scale-downs
                         [s.HEARTBEAT_ALL, s.METRICS_ALL, s.PLANNER_SCALE]),
-    "trainer": _service("trainer", [s.TRAINER_STEPS_ALL, s.TRAINER_TIMELINE_ALL, s.WEIGHTS_UPDATED],
+    "trainer": _service("trainer", [s.TRAINER_STEPS_ALL, s.TRAINER_TIMELINE_ALL, s.WEIGHTS_UPDATED, s.ADAPTERS_CONTROL],
                         [s.TRAINER_START, s.TRAINER_STOP, s.TRAINER_STATUS]),
     "operator": {"pub": {"allow": [">"]}, "sub": {"allow": [">"]}, "resp": REPLIES},
 }

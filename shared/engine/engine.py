@@ -634,6 +634,13 @@ class LLMEngine:
 
     # -- what services read (engine_view.py: nothing outside shared/engine reads the parts) -----------
     def stats(self) -> EngineStats:
+        cache = self.adapters
+        running: list[str] = []  # adapter names of the running, and of the waiting or swapped, sequences
+        waiting: list[str] = []
+        if cache is not None:
+            queued = itertools.chain(self.scheduler.waiting, self.scheduler.swapped)
+            running = sorted({seq.adapter.name for seq in self.scheduler.running if seq.adapter is not None})
+            waiting = sorted({seq.adapter.name for seq in queued if seq.adapter is not None})
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -652,6 +659,13 @@ class LLMEngine:
             "prefix_cache_hits": self.block_manager.prefix_hits,  # of those, tokens found cached
             "cached_blocks": self.block_manager.num_cached_blocks,  # free but holding a cached prefix
             "cow_copies": self.block_manager.num_cow_copies,  # blocks copied on a forked sequence's first write
+            # LoRA (all 0 or empty without adapter slots): read here, on the engine thread, so the
+            # worker's heartbeats and metrics never walk the cache or the queues while a step moves them.
+            "adapter_loads": 0 if cache is None else cache.loads,  # adapters read from disk
+            "adapter_slot_writes": 0 if cache is None else cache.slot_writes,  # adapters copied into a slot
+            "adapters_resident": [] if cache is None else cache.resident(),  # name@version, in slots
+            "adapters_running": running,
+            "adapters_waiting": waiting,
         }
 
     @property
@@ -669,7 +683,8 @@ class LLMEngine:
         return [SequenceView(request_id=seq.request_id, sample_index=seq.sample_index, status=seq.status.value,
                              num_tokens=seq.num_tokens, num_output_tokens=seq.num_output_tokens,
                              block_table=tuple(seq.block_table), prefix_cached_blocks=seq.prefix_cached_blocks,
-                             imported_blocks=seq.imported_blocks, constrained=constrained_kind(seq.params))
+                             imported_blocks=seq.imported_blocks, constrained=constrained_kind(seq.params),
+                             adapter=seq.adapter.name if seq.adapter is not None else "")
                 for seq in itertools.islice(queues, limit)]
 
     def kv_pool(self) -> KVPoolView:

@@ -44,6 +44,11 @@ class EngineStats(TypedDict):
     prefix_cache_hits: int  # of those, tokens found cached
     cached_blocks: int  # free but holding a cached prefix
     cow_copies: int  # blocks copied on a forked sequence's first write
+    adapter_loads: int  # LoRA adapters read from their directories
+    adapter_slot_writes: int  # adapters copied into a device slot
+    adapters_resident: list[str]  # name@version in device slots, most recently used last
+    adapters_running: list[str]  # adapter names of running sequences, sorted
+    adapters_waiting: list[str]  # of waiting and swapped ones
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class SequenceView:
     prefix_cached_blocks: int  # leading blocks claimed from the prefix cache
     imported_blocks: int  # blocks after those that came with it (a hand-off or a KV-store fetch)
     constrained: str = ""  # the kind of its structured output (json_schema, regex, ...); "": free text
+    adapter: str = ""  # its LoRA adapter's name ("": the base model)
 
 
 @dataclass(frozen=True)

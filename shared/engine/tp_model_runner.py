@@ -86,7 +86,8 @@ class TensorParallelRunner(ModelRunner):
         layers, two, block_size, heads, head_dim = self.kv_cache.shape[1:]
         return (layers, two, block_size, heads * self.group.size // self.replicas, head_dim)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                adapter_rows=()) -> torch.Tensor:  # noqa: ANN001 - no adapters here: the engine refuses them
         header, flat = pack_step(input_ids, positions, meta)
         self.group.send_command(("forward", header))
         self.group.broadcast(flat)

@@ -350,6 +350,10 @@ class FrontendSettings:
                                 json_schema_extra={"flat": "api_key"})
     served_model_name: str | None = Field(None, description="the model's name in the API (unset: the router's model "
                                                             "name)", json_schema_extra={"flat": "served_model_name"})
+    allow_runtime_lora_updating: bool = Field(
+        False, description="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (anyone with the API key may "
+                           "then make the workers read adapter directories)",
+        json_schema_extra={"flat": "allow_runtime_lora_updating"})
     max_concurrent_requests: int = Field(512, ge=1, description="requests in flight at once, each prompt of a "
                                                                 "request counted (one request on the bus each); "
                                                                 "more get 429",

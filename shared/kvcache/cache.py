@@ -66,13 +66,15 @@ def num_blocks_for_memory(
     return max(0, int(bytes_budget) // per_block)
 
 
-def size_kv_pool(settings: EngineSettings, cfg: CacheShape, device: torch.device, dtype: torch.dtype) -> int:
+def size_kv_pool(settings: EngineSettings, cfg: CacheShape, device: torch.device, dtype: torch.dtype,
+                 reserved_bytes: int = 0) -> int:
     """Blocks for the KV pool (``settings`` is the engine section; ``cfg`` the shape this process holds,
     one rank's share under tensor parallelism): as configured, else from a memory budget.
 
     On CUDA ``gpu_memory_utilization`` is this worker's share of the device's total memory, weights
     included (as in vLLM), so workers sharing a GPU each take their own share and never race for
-    "free" memory; on CPU the budget is ``kv_cache_mib``."""
+    "free" memory; on CPU the budget is ``kv_cache_mib``. ``reserved_bytes``: device memory allocated
+    after the pool that the share must leave (LoRA adapter slots)."""
     if settings.num_blocks:
         return settings.num_blocks
     per_block = kv_cache_bytes_per_block(
@@ -80,11 +82,7 @@ def size_kv_pool(settings: EngineSettings, cfg: CacheShape, device: torch.device
     )
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        share = int(total * settings.gpu_memory_utilization) - torch.cuda.memory_allocated(device)
-        if settings.max_loras and hasattr(cfg, "hidden_size"):  # the adapter slots come after the pool
-            from tandem.shared.lora.slots import slot_bytes
-
-            share -= slot_bytes(cfg, settings.max_loras, settings.max_lora_rank, dtype)
+        share = int(total * settings.gpu_memory_utilization) - torch.cuda.memory_allocated(device) - reserved_bytes
         budget = min(share, free - ACTIVATION_HEADROOM)
     else:
         budget = settings.kv_cache_mib * 1024 * 1024

@@ -65,6 +65,9 @@ class LoraBatch:
             start += count
         return cls(None, runs, device)
 
+    def longest_run(self) -> int:
+        return max((end - start for _, start, end in self.runs), default=0)
+
     @property
     def empty(self) -> bool:
         return self.runs is not None and not self.runs
@@ -94,4 +97,5 @@ def add_gathered(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.T
     shrunk = torch.bmm(a.index_select(0, index), x.unsqueeze(2)).squeeze(2) * valid  # [T, n*R]
     for j, (offset, size) in enumerate(zip(group.out_offsets(), group.out_sizes)):
         rows_b = b[:, offset : offset + size].index_select(0, index)  # [T, size, R]
-        out[:, offset : offset + size] += torch.bmm(rows_b, shrunk[:, j * rank : (j + 1) * rank].unsqueeze(2)).squeeze(2)
+        target_shrunk = shrunk[:, j * rank : (j + 1) * rank].unsqueeze(2)
+        out[:, offset : offset + size] += torch.bmm(rows_b, target_shrunk).squeeze(2)

@@ -30,7 +30,8 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTENTION_TARGETS + MLP_TARGETS
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on its JSON header
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (an adapter name may sit before .weight)
-_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])"
+                  r"(?:\.[\w-]+)?\.weight$")
 # Config keys whose non-default values change what the adapter computes, with the value tandem computes.
 _UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None,
                 "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}, "layer_replication": None,
@@ -225,9 +226,9 @@ def save_adapter(path: str | os.PathLike, weights: LoraWeights) -> Path:
     tensors = {}
     for (layer, target), tensor in weights.a.items():
         group = "self_attn" if target in ATTENTION_TARGETS else "mlp"
-        tensors[f"base_model.model.model.layers.{layer}.{group}.{target}.lora_A.weight"] = tensor.detach().cpu().contiguous()
-        tensors[f"base_model.model.model.layers.{layer}.{group}.{target}.lora_B.weight"] = \
-            weights.b[(layer, target)].detach().cpu().contiguous()
+        prefix = f"base_model.model.model.layers.{layer}.{group}.{target}"
+        tensors[f"{prefix}.lora_A.weight"] = tensor.detach().cpu().contiguous()
+        tensors[f"{prefix}.lora_B.weight"] = weights.b[(layer, target)].detach().cpu().contiguous()
     tmp = folder / (WEIGHTS_FILE + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, folder / WEIGHTS_FILE)

@@ -63,7 +63,8 @@ class AdapterSlots:
                     continue
                 used.add(name)
                 for layer in range(self.num_layers):
-                    a[layer, j * self.max_rank : j * self.max_rank + r].copy_(weights.a[(layer, target)], non_blocking=True)
+                    rows = slice(j * self.max_rank, j * self.max_rank + r)
+                    a[layer, rows].copy_(weights.a[(layer, target)], non_blocking=True)
                     b[layer, offset : offset + size, :r].copy_(weights.b[(layer, target)].float() * scaling,
                                                                non_blocking=True)
         self.ranks[slot] = r
@@ -88,7 +89,8 @@ class AdapterSlots:
             from tandem.shared.lora import triton_bgmv
 
             if triton_bgmv.supports(x):  # one launch for every run, however many
-                triton_bgmv.add_sgmv(out, x, a, b, spec, self.max_rank, *batch.segments())
+                triton_bgmv.add_sgmv(out, x, a, b, spec, self.max_rank, *batch.segments(),
+                                     max_segment_rows=batch.longest_run())
                 return
         add_segmented(out, x, a, b, spec, self.max_rank, [r for r in batch.runs if group in self.slot_groups[r[0]]],
                       self.ranks)

@@ -11,6 +11,7 @@ from typing import Annotated
 import msgpack
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
+from tandem.shared.protocol.adapters import AdapterRecord, LoadAdapter, UnloadAdapter
 from tandem.shared.protocol.base import (
     SCHEMA_VERSION,
     Ack,
@@ -65,7 +66,8 @@ Message = Annotated[
     | KVLookupRequest | KVLookupReply | KVGetRequest | KVGetReply | KVPutRequest | KVPutReply
     | TrainStart | TrainStop | TrainStatusRequest | TrainStatusReply | TrainStepMetrics | TrainTimeline
     | WeightsUpdated | MetricsSnapshot | ScalingDecision | ScaleRequest | DrainRequest | BlockSnapshot
-    | KVTransferEvent | PlacementReceived | EmbedRequest | EmbedWork | EmbeddingResult,
+    | KVTransferEvent | PlacementReceived | EmbedRequest | EmbedWork | EmbeddingResult
+    | AdapterRecord | LoadAdapter | UnloadAdapter,
     Field(discriminator="kind"),
 ]
 

@@ -46,6 +46,12 @@ class Heartbeat(WireMessage):
     # prefill: requests it holds (prefilling or handing off) per decode worker they go to, which the
     # router counts against that worker until they arrive there
     owed_requests: dict[str, int] = Field(default_factory=dict)
+    # LoRA: slots on the device (0: serves no adapters), the highest rank a slot holds, and the
+    # adapters (name@version) in its slots and in its host memory, which the router places by.
+    max_loras: int = 0
+    max_lora_rank: int = 0
+    adapters_resident: list[str] = Field(default_factory=list, max_length=1024)
+    adapters_host: list[str] = Field(default_factory=list, max_length=1024)
 
 
 class RouteCandidate(BaseModel):

@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from tandem.shared.protocol.adapters import AdapterRef
 from tandem.shared.protocol.base import ErrorReply, WireMessage
 from tandem.shared.protocol.kv import KVTransfer, RingSlots
 
@@ -247,6 +248,9 @@ class RequestSpec(BaseModel):
     # request's engine sequence with them as its output so far (seeds, penalties, min_tokens and
     # stop strings see them), and streams from index len(resume_output_token_ids) on.
     resume_output_token_ids: list[TokenId] = Field(default_factory=list)
+    # The LoRA adapter it runs with (None: the base model): resolved by the router from the request's
+    # model name; a worker without it reads it from its path before admitting.
+    adapter: AdapterRef | None = None
 
 
 class PrefillRequest(WireMessage):

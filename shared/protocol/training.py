@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tandem.shared.protocol.base import WireMessage
 
@@ -45,6 +45,17 @@ class TrainJob(BaseModel):
     # CUDA kernels with a fixed reduction order (shared/train/determinism.py): reruns and resumes are bit-exact;
     # False: the atomics-based backward kernels (embedding, attention), slightly faster, last bits vary
     deterministic: bool = True
+    # LoRA (shared/train/lora.py): train an adapter of this rank on the frozen model (None: full training);
+    # alpha None: 2 x rank; targets: of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (None: all)
+    lora_rank: int | None = Field(None, ge=1)
+    lora_alpha: float | None = Field(None, gt=0)
+    lora_targets: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _lora_needs_rank(self) -> TrainJob:
+        if self.lora_rank is None and (self.lora_alpha is not None or self.lora_targets is not None):
+            raise ValueError("lora_alpha and lora_targets need lora_rank")
+        return self
 
 
 class TrainStart(WireMessage):

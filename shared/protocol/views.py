@@ -18,6 +18,7 @@ class SequenceBlocks(BaseModel):
     imported_blocks: int = 0  # leading blocks that came from a hand-off or the KV-store
     sample_index: int = 0  # which output of its request (n > 1, best_of, beams): each has its own table
     constrained: str = ""  # the kind of structured output its tokens are held to (json_schema, regex, ...)
+    adapter: str = ""  # the name of the LoRA adapter it runs with ("": the base model)
 
 
 MAX_SHOWN_REF_COUNT = 255  # a ref count byte saturates here

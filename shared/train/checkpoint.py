@@ -142,10 +142,22 @@ def save_checkpoint(path: str | os.PathLike, state: HostState, step: int, job: d
     write(STATE_FILE, json.dumps({"step": step, "data_position": step, "job": job}, indent=2) + "\n")
     config = state.config.to_hf_dict() | {"torch_dtype": "float32"}
     write("config.json", json.dumps(config, indent=2) + "\n")  # last: a fresh folder's loader waits for it
-    stale = sorted(set(_owned(path)) - set(written))  # the other weights layout's files, shards of another count
+    commit_save(path, step, written, _owned(path))  # stale: the other weights layout's files, shards of another count
+    return path
+
+
+def partial_path(path: Path) -> Path:
+    """Where a file of a save is written before its commit (removed if the save dies before it)."""
+    return _partial(path)
+
+
+def commit_save(path: Path, step: int, written: list[str], owned: list[str]) -> None:
+    """Make ``written`` (names in ``path``, each whole under :func:`partial_path`) the checkpoint of
+    ``step`` as one change: the commit record, then the renames and the removal of those of
+    ``owned`` (what a checkpoint of this kind writes) not written this time (see the module)."""
+    stale = sorted(set(owned) - set(written))
     _write_whole(path / COMMIT_FILE, json.dumps({"step": step, "rename": written, "remove": stale}) + "\n")
     finish_interrupted_save(path)
-    return path
 
 
 def has_checkpoint(path: str | os.PathLike) -> bool:

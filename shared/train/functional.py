@@ -10,7 +10,9 @@ the attention half runs staged (:func:`layer_backward`), so what it holds across
 q, k, v and SDPA's own tensors, not the norm's and projections' graph. On CUDA the two blocks can be
 ``torch.compile``d (:func:`compiled_blocks`): the norms, RoPE and SiLU-gating fuse into a few kernels,
 fewer launches and memory round trips in a step's GPU compute (docs/measurements.md); the math and
-parameter names stay the same.
+parameter names stay the same. A LoRA run's adapter rides in the same parameter dicts: every
+projection goes through :func:`project`, which adds the adapter's low-rank term where the dict holds
+one (lora.py), so each path here (chunked, staged, packed, compiled) trains it.
 
 Packed rows (several fine-tuning examples in one row, ``data.Batch.segments``) take two extra inputs:
 RoPE tables gathered per position (``[B, S, head_dim/2]``, positions restarting at 0 with each
@@ -142,6 +144,24 @@ def _compiled_flex() -> Callable[..., torch.Tensor]:
     return torch.compile(flex_attention, dynamic=False)
 
 
+LORA_SCALING = "lora.scaling"  # a 0-dim fp32 tensor in a layer's params when it carries a LoRA adapter
+
+
+def project(p: Params, name: str, x: torch.Tensor) -> torch.Tensor:
+    """The projection ``name`` (``self_attn.q_proj``, ``mlp.down_proj``, ...) of ``x``: its weight and
+    bias, plus, when ``p`` holds ``name.lora_A`` and ``name.lora_B`` (a LoRA run, lora.py), the
+    adapter's ``lora_B(lora_A(x)) * scaling`` in PEFT's order of operations, so a CPU run in fp32
+    matches PEFT to rounding. The adapter's tensors are its fp32 masters, cast to ``x``'s dtype
+    here: on CUDA the adapter computes in bf16 as under autocast, and autograd hands their
+    gradients back in fp32."""
+    out = F.linear(x, p[name + ".weight"], p.get(name + ".bias"))
+    lora_a = p.get(name + ".lora_A")
+    if lora_a is None:
+        return out
+    low = F.linear(F.linear(x, lora_a.to(x.dtype)), p[name + ".lora_B"].to(x.dtype))
+    return out + low * p[LORA_SCALING]
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on ``x`` ``[B, S, H, D]`` with tables shared by every row (``[S, D/2]``) or per row
     (``[B, S, D/2]``, packed rows): the serving path's :func:`apply_rope`, over ``B·S`` tokens in the
@@ -159,12 +179,9 @@ def _project_qkv(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     k: ``[B, S, heads, head_dim]`` each (``kv_heads`` for k and v)."""
     bsz, seq, _ = x.shape
     h = rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps)
-    q = F.linear(h, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias")).view(bsz, seq, cfg.num_heads,
-                                                                                      cfg.head_dim)
-    k = F.linear(h, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias")).view(bsz, seq, cfg.num_kv_heads,
-                                                                                      cfg.head_dim)
-    v = F.linear(h, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias")).view(bsz, seq, cfg.num_kv_heads,
-                                                                                      cfg.head_dim)
+    q = project(p, "self_attn.q_proj", h).view(bsz, seq, cfg.num_heads, cfg.head_dim)
+    k = project(p, "self_attn.k_proj", h).view(bsz, seq, cfg.num_kv_heads, cfg.head_dim)
+    v = project(p, "self_attn.v_proj", h).view(bsz, seq, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, p["self_attn.q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.rms_norm_eps)
@@ -196,7 +213,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig, 
 
 
 def _o_proj(p: Params, out: torch.Tensor) -> torch.Tensor:
-    return F.linear(out, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
+    return project(p, "self_attn.o_proj", out)
 
 
 def attention_block(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
@@ -213,8 +230,8 @@ def attention_block(p: Params, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 def mlp_block(p: Params, a: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """``a + down(silu(gate(n)) * up(n))`` with ``n = post_attention_layernorm(a)``; any leading shape."""
     h = rms_norm(a, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-    act = F.silu(F.linear(h, p["mlp.gate_proj.weight"])) * F.linear(h, p["mlp.up_proj.weight"])
-    return a + F.linear(act, p["mlp.down_proj.weight"])
+    act = F.silu(project(p, "mlp.gate_proj", h)) * project(p, "mlp.up_proj", h)
+    return a + project(p, "mlp.down_proj", act)
 
 
 @dataclass(frozen=True)

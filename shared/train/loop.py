@@ -1,7 +1,9 @@
 """One training job from start to finish: what `tandem train`, the trainer service and the
 benchmark run. Builds the host state (fresh, from a Hugging Face directory, or resumed from the
 job's own checkpoint), the host optimizer and the offloaded step, then steps, reporting each step,
-a per-op trace at a bounded rate, and checkpoints.
+a per-op trace at a bounded rate, and checkpoints. A LoRA job (``job.lora_rank``) builds the frozen
+base (frozen_base.py), the adapter and its device-side AdamW (lora.py) and the LoRA step
+(lora_step.py) instead, and checkpoints the adapter in PEFT's format (lora_checkpoint.py).
 
     runner = TrainLoop(TrainJob(model="tiny", steps=100), "job-1", data_dir=Path("~/.local/share/tandem"))
     summary = runner.run(on_step=print)
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.shared.lora.peft_format import AdapterConfig, AdapterError
 from tandem.shared.model.config import ModelConfig, ModelLoadError
 from tandem.shared.model.meta import read_hf_config
 from tandem.shared.protocol.base import ErrorCode, ProtocolError
@@ -39,11 +42,15 @@ from tandem.shared.train.checkpoint import (
 )
 from tandem.shared.train.data import TokenData
 from tandem.shared.train.finetune_data import FinetuneData, records_kind, training_template
+from tandem.shared.train.frozen_base import FrozenBase
 from tandem.shared.train.host_state import HostState
 from tandem.shared.train.lanes import hidden_fraction
 from tandem.shared.train.layout import count_parameters
+from tandem.shared.train.lora import AdapterAdamW, TrainedAdapter, adapter_numel, check_targets, lora_config
+from tandem.shared.train.lora_checkpoint import has_adapter_checkpoint, restore_adapter, save_adapter_checkpoint
+from tandem.shared.train.lora_step import LoraStep
 from tandem.shared.train.offload_step import OffloadStep, StepHandle
-from tandem.shared.train.optimizer import HostAdamW, lr_schedule
+from tandem.shared.train.optimizer import BETAS, EPS, HostAdamW, lr_schedule
 from tandem.shared.train.plan import (
     H200,
     H200_SMS,
@@ -52,8 +59,10 @@ from tandem.shared.train.plan import (
     Placement,
     PlanError,
     Rates,
+    choose_lora_resident,
     choose_placement,
     host_ram_available,
+    lora_step_bound,
     measure_rates,
     memory_plan,
     step_bound,
@@ -105,6 +114,7 @@ class JobSetup:
     placement: Placement
     plan: MemoryPlan
     bound: dict[str, float]  # step_bound of the placement with the rates it was chosen with
+    lora: AdapterConfig | None = None  # a LoRA job's adapter (its base frozen); None: full training
 
 
 def gpu_cap_bytes(device: torch.device, gpu_memory_gib: float | None) -> int | None:
@@ -131,10 +141,14 @@ def plan_job(job: TrainJob, output_dir: Path, rates: Rates | None = None, mlp_ch
         config, init_from, model_name = resolve_model(job.model)
     except ModelLoadError as exc:
         raise ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+    lora = job_adapter(job, init_from, model_name, output_dir)
     if job.resume and finish_interrupted_save(output_dir):
         log.info("%s: completed the save its last run was stopped in", output_dir)
-    resume = job.resume and has_checkpoint(output_dir)
-    if resume:
+    if lora is not None:  # the base is the job's model whether resumed or not
+        resume = job.resume and has_adapter_checkpoint(output_dir)
+    else:
+        resume = job.resume and has_checkpoint(output_dir)
+    if resume and lora is None:
         config = read_hf_config(output_dir)
     if job.seq_len > config.max_position_embeddings:
         # trained at this length, the checkpoint must say so, or a server loading it caps requests
@@ -154,6 +168,9 @@ def plan_job(job: TrainJob, output_dir: Path, rates: Rates | None = None, mlp_ch
                            gpu_cap=cap, host_available=host_free, mlp_chunk=mlp_chunk, data_bytes=data_bytes,
                            packed=data.packed, deterministic=job.deterministic, sm_count=sms)
 
+    if lora is not None:
+        return _lora_setup(job, config, init_from, model_name, device, dtype, resume, output_dir, data, lora, cap,
+                           host_free, mlp_chunk, sms, rates)
     split = job.split_update if job.split_update is not None else device.type == "cuda"
     if split and job.split_update is None and not plan_for(Placement(), True).fits_host():
         log.info("no room in host RAM for a second gradient buffer; host AdamW runs whole updates")
@@ -180,6 +197,55 @@ def plan_job(job: TrainJob, output_dir: Path, rates: Rates | None = None, mlp_ch
                     plan_for(placement, split), bound)
 
 
+def job_adapter(job: TrainJob, init_from: Path | None, model_name: str, output_dir: Path) -> AdapterConfig | None:
+    """The adapter a LoRA job trains (None: a full-training job), once its targets are known and its
+    output directory cannot hold the other kind's checkpoint (their files overlap); else
+    ``invalid_request`` in one line naming the flag."""
+    if job.lora_rank is None:
+        if has_adapter_checkpoint(output_dir):
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"{output_dir} holds a LoRA adapter's checkpoint; give "
+                                "full training another --output-dir (or add --lora-rank to continue the adapter)")
+        return None
+    try:
+        targets = check_targets(job.lora_targets)
+    except AdapterError as exc:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+    if init_from is not None and init_from.resolve() == output_dir.resolve():
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, "a LoRA run writes its adapter beside no model: give it an "
+                            "--output-dir of its own, not the base model's directory")
+    if has_checkpoint(output_dir):
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"{output_dir} holds a full-training checkpoint; give the LoRA "
+                            "run another --output-dir (or train it in full: leave out --lora-rank)")
+    return lora_config(job.lora_rank, job.lora_alpha, targets, str(init_from) if init_from else model_name)
+
+
+def _lora_setup(job: TrainJob, config: ModelConfig, init_from: Path | None, model_name: str, device: torch.device,
+                dtype: torch.dtype, resume: bool, output_dir: Path, data: TokenData | FinetuneData,
+                lora: AdapterConfig, cap: int | None, host_free: int | None, mlp_chunk: int, sms: int,
+                rates: Rates | None) -> JobSetup:
+    """A LoRA job's setup: the base layers kept on the GPU (``job.device_resident_layers``, or as many
+    as the cap holds: plan.choose_lora_resident), the rest streamed; no layer is updated, so
+    ``--device-update-layers`` is refused."""
+    if job.device_update_layers:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, "a LoRA run updates no base layer: leave out "
+                            "--device-update-layers (--device-resident-layers keeps base layers on the GPU)")
+    if job.device_resident_layers is not None:
+        placement = Placement(min(job.device_resident_layers, config.num_layers) if device.type == "cuda" else 0,
+                              reason="given", frozen=True)
+    elif device.type == "cuda":
+        placement = choose_lora_resident(config, dtype, job.batch_size, job.seq_len, cap, lora, mlp_chunk,
+                                         packed=data.packed, deterministic=job.deterministic, sm_count=sms)
+    else:
+        placement = Placement(reason="CPU: the base in host memory", frozen=True)
+    plan = memory_plan(config, dtype, job.batch_size, job.seq_len, placement, device=device.type, split=False,
+                       gpu_cap=cap, host_available=host_free, mlp_chunk=mlp_chunk, data_bytes=data.nbytes,
+                       packed=data.packed, deterministic=job.deterministic, sm_count=sms, lora=lora)
+    bound = lora_step_bound(config, job.batch_size, job.seq_len, placement.resident, rates or H200,
+                            dtype.itemsize) if device.type == "cuda" else {}
+    return JobSetup(config, init_from, model_name, device, dtype, resume, output_dir, data, False, plan.placement,
+                    plan, bound, lora)
+
+
 def load_data(job: TrainJob, config: ModelConfig, init_from: Path | None,
               model_name: str) -> TokenData | FinetuneData:
     """The job's data: text (``data.TokenData``) or fine-tuning records (``finetune_data``) as
@@ -200,9 +266,15 @@ def load_data(job: TrainJob, config: ModelConfig, init_from: Path | None,
                              model_name=f"model {model_name!r}", template_problem=problem)
 
 
-def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
-    """Model FLOPs per trained token, the usual 6N plus causal attention's 6·L·d·seq (recompute not counted)."""
-    return 6 * num_params + 6 * num_layers * hidden * seq_len
+def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int,
+                    adapter_params: int | None = None) -> float:
+    """Model FLOPs per trained token, the usual 6N plus causal attention's 6·L·d·seq (recompute not
+    counted). With a LoRA adapter of ``adapter_params`` the frozen N cost 4 (forward and the input's
+    gradient: no weight gradient) and the adapter 6."""
+    attention = 6 * num_layers * hidden * seq_len
+    if adapter_params is not None:
+        return 4 * num_params + 6 * adapter_params + attention
+    return 6 * num_params + attention
 
 
 def output_dir_of(job: TrainJob, job_id: str, data_dir: Path) -> Path:
@@ -231,6 +303,15 @@ class TrainLoop:
         self.source_dir = init_from
         pin = self.device.type == "cuda"
         self.start_step = 0
+        self.lr_at = lr_schedule(job.lr, job.warmup_steps, job.steps)
+        self.compile_layers = job.compile_layers if job.compile_layers is not None else self.device.type == "cuda"
+        self.config = config
+        self.data = setup.data
+        self.num_params = count_parameters(config)
+        self.adapter: TrainedAdapter | None = None
+        if setup.lora is not None:
+            self._init_lora(setup, mlp_chunk, pin)
+            return
         if setup.resume:
             self.state = HostState.from_checkpoint(config, self.output_dir, dtype, pin)
             self.start_step = int(restore_optimizer(self.output_dir, self.state)["step"])
@@ -239,11 +320,7 @@ class TrainLoop:
             self.state = HostState.from_checkpoint(config, init_from, dtype, pin)
         else:
             self.state = HostState.random(config, job.seed, dtype, pin)
-        self.config = config
-        self.data = setup.data
-        self.lr_at = lr_schedule(job.lr, job.warmup_steps, job.steps)
         self.optimizer = HostAdamW(self.state, self.lr_at, job.weight_decay, job.grad_clip, split=setup.split)
-        self.compile_layers = job.compile_layers if job.compile_layers is not None else self.device.type == "cuda"
         self.engine = OffloadStep(config, self.state, self.optimizer, self.device, mlp_chunk=mlp_chunk,
                                       device_update_layers=self.placement.device_update,
                                       device_update_sets=self.placement.sets,
@@ -251,16 +328,50 @@ class TrainLoop:
                                       compile_layers=self.compile_layers, deterministic=job.deterministic)
         log.info("job %s: placement %s (%s)", job_id, self.placement.describe(config.num_layers),
                  self.placement.reason)
-        self.num_params = count_parameters(config)
         self.flops_per_token = flops_per_token(self.num_params, config.num_layers, config.hidden_size, job.seq_len)
         log.info("job %s: %s, %.3fB parameters, %s, data %s, host state %.1f GiB", job_id, job.model,
                  self.num_params / 1e9, self.device, self.data.description, self.state.nbytes() / 2**30)
 
+    def _init_lora(self, setup: JobSetup, mlp_chunk: int, pin: bool) -> None:
+        """A LoRA job's base, adapter, optimizer and step (see the module)."""
+        job, config, device = self.job, setup.config, self.device
+        resident = setup.placement.resident
+        if setup.init_from is not None:
+            self.state = FrozenBase.from_checkpoint(config, setup.init_from, setup.dtype, device, resident, pin)
+        else:
+            self.state = FrozenBase.random(config, job.seed, setup.dtype, device, resident, pin)
+        self.adapter = TrainedAdapter(config, setup.lora, device)
+        if setup.resume:
+            try:
+                self.start_step = int(restore_adapter(self.output_dir, config, self.adapter)["step"])
+            except AdapterError as exc:
+                raise ProtocolError(ErrorCode.INVALID_REQUEST, f"job {self.job_id}: {exc}") from None
+            log.info("resuming %s from %s at step %d", self.job_id, self.output_dir, self.start_step)
+        else:
+            self.adapter.init_(job.seed)
+        self.optimizer = AdapterAdamW(self.adapter, self.lr_at, job.weight_decay, job.grad_clip, BETAS, EPS)
+        self.engine = LoraStep(config, self.state, self.optimizer, device, mlp_chunk=mlp_chunk,
+                               compile_layers=self.compile_layers, deterministic=job.deterministic)
+        trained = adapter_numel(config, setup.lora)
+        self.flops_per_token = flops_per_token(self.num_params, config.num_layers, config.hidden_size, job.seq_len,
+                                               trained)
+        log.info("job %s: placement %s (%s)", self.job_id, self.placement.describe(config.num_layers),
+                 self.placement.reason)
+        log.info("job %s: %s, %.3fB frozen parameters (%.1f GiB in host RAM, %.1f GiB on %s), LoRA rank %d on %s: "
+                 "%.2fM trained, data %s", self.job_id, job.model, self.num_params / 1e9,
+                 self.state.host_nbytes() / 2**30, self.state.device_nbytes() / 2**30, device, setup.lora.rank,
+                 ",".join(setup.lora.targets), trained / 1e6, self.data.description)
+
     def checkpoint(self, step: int) -> Path:
         self.optimizer.wait_all(self.engine.version)
         self.engine.synchronize()
+        if self.adapter is not None:
+            return save_adapter_checkpoint(self.output_dir, self.adapter, step, self.job.model_dump())
         return save_checkpoint(self.output_dir, self.state, step, self.job.model_dump(),
                                extra=self._tokenizer_files(self.output_dir))
+
+    def _has_checkpoint(self) -> bool:
+        return (has_adapter_checkpoint if self.adapter is not None else has_checkpoint)(self.output_dir)
 
     def _tokenizer_files(self, path: Path) -> dict[str, Path | str]:
         """What a checkpoint in ``path`` takes beside the weights, so it serves as its source did: the
@@ -329,7 +440,7 @@ class TrainLoop:
             self.optimizer.wait_all(self.engine.version)
             self.engine.synchronize()
             self._emit_traces(traces, on_trace, wait=True)
-            if final_checkpoint and (step > self.start_step or not has_checkpoint(self.output_dir)):
+            if final_checkpoint and (step > self.start_step or not self._has_checkpoint()):
                 path = self._save(step, on_checkpoint)
         finally:
             self.optimizer.close()

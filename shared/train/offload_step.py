@@ -68,7 +68,29 @@ class OffloadStep:
                  mlp_chunk: int = 16384, loss_chunk: int | None = None, device_update_layers: int = 0,
                  compile_layers: bool = False, device_update_sets: int = 2, device_resident_layers: int = 0,
                  deterministic: bool = False, attention_chunk: int = fn.ATTENTION_CHUNK) -> None:
-        self.cfg, self.state, self.opt, self.device = config, state, optimizer, device
+        self._init_streaming(config, state, device, mlp_chunk, loss_chunk, compile_layers, deterministic,
+                             attention_chunk)
+        self.opt = optimizer
+        n = self.layer_layout.numel
+        empty = lambda size: torch.zeros(size, dtype=self.dtype, device=device)  # noqa: E731
+        self.w_slots, self.g_slots = [empty(n), empty(n)], [empty(n), empty(n)]
+        self.g_free = [None, None]  # d2h event after the slot's gradients left
+        self.extras_w, self.extras_g = empty(self.extras_layout.numel), empty(self.extras_layout.numel)
+        self.extras_free = self.extras_g_free = None
+        self.sumsq = torch.zeros(len(state.units), dtype=torch.float64, device=device)
+        self.sumsq_host = torch.zeros(len(state.units), dtype=torch.float64, pin_memory=self.lanes.cuda)
+        self.version = min(optimizer.version)  # updates applied to the weights the next step uses
+        self.updater = DeviceUpdater(state, optimizer, self.lanes, device, device_update_layers,
+                                     device_update_sets, device_resident_layers)
+        self._sync()  # the slots were zeroed on the default stream
+
+    def _init_streaming(self, config: ModelConfig, state: HostState, device: torch.device, mlp_chunk: int,
+                        loss_chunk: int | None, compile_layers: bool, deterministic: bool,
+                        attention_chunk: int) -> None:
+        """What any engine that streams layers through two slots needs, trained base or frozen
+        (lora_step.py): lanes, layouts, the layer templates, the slots' bookkeeping (its subclass
+        allocates the weight slots) and the per-shape buffers' placeholders."""
+        self.cfg, self.state, self.device = config, state, device
         self.deterministic = deterministic and device.type == "cuda"  # the CPU kernels are deterministic already
         if self.deterministic:
             fix_cublas_workspace()
@@ -81,27 +103,15 @@ class OffloadStep:
         self.blocks = fn.compiled_blocks() if compile_layers else fn.EAGER
         self.loss_chunk = loss_chunk or max(256, (512 << 20) // (4 * config.vocab_size))
         self.head_name = head_weight_name(config)
-        n = self.layer_layout.numel
-        empty = lambda size: torch.zeros(size, dtype=self.dtype, device=device)  # noqa: E731
-        self.w_slots, self.g_slots = [empty(n), empty(n)], [empty(n), empty(n)]
         self.slot_holds: list[tuple[int, int] | None] = [None, None]  # (layer, version) loaded in each slot
         self.slot_free = [None, None]  # compute event after the slot's last use
         self.w_ready = [None, None]
-        self.g_free = [None, None]  # d2h event after the slot's gradients left
-        self.extras_w, self.extras_g = empty(self.extras_layout.numel), empty(self.extras_layout.numel)
-        self.extras_free = self.extras_g_free = None
-        self.sumsq = torch.zeros(len(state.units), dtype=torch.float64, device=device)
-        pin = self.lanes.cuda
-        self.sumsq_host = torch.zeros(len(state.units), dtype=torch.float64, pin_memory=pin)
-        self.loss_host = torch.zeros((), dtype=torch.float32, pin_memory=pin)  # small: the allocator's pinning
+        # small: the allocator's pinning
+        self.loss_host = torch.zeros((), dtype=torch.float32, pin_memory=self.lanes.cuda)
         self._shape: tuple[int, int] | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.version = min(optimizer.version)  # updates applied to the weights the next step uses
         self._pending: dict[int, tuple[torch.Tensor, object]] = {}  # checkpoints on their way back
         self._fwd = True
-        self.updater = DeviceUpdater(state, optimizer, self.lanes, device, device_update_layers,
-                                     device_update_sets, device_resident_layers)
-        self._sync()  # the slots were zeroed on the default stream
 
     # -- buffers per batch shape -------------------------------------------------------------------
     def _prepare(self, bsz: int, seq: int) -> None:

@@ -46,9 +46,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from tandem.shared.lora.peft_format import AdapterConfig
 from tandem.shared.model.config import ModelConfig
 from tandem.shared.train.functional import ATTENTION_CHUNK, flex_packing, staged
 from tandem.shared.train.layout import extras_layout, layer_layout
+from tandem.shared.train.lora import adapter_numel
 
 GiB = 2**30
 RESIDENT_TAIL = 2  # the top layers whose inputs stay on the GPU between forward and backward (resident_tail)
@@ -110,6 +112,7 @@ class Placement:
     device_update: int = 0  # layers updated on the GPU, the resident ones included
     sets: int = 2  # GPU buffer sets for the streamed updates
     reason: str = "given"
+    frozen: bool = False  # a LoRA run: ``resident`` base layers live on the GPU, no layer is updated
 
     @property
     def streamed(self) -> int:
@@ -119,6 +122,9 @@ class Placement:
         return num_layers - self.device_update
 
     def describe(self, num_layers: int) -> str:
+        if self.frozen:
+            return (f"LoRA: {self.resident} frozen base layers resident on the GPU, {num_layers - self.resident} "
+                    "streamed from host RAM; the adapter and its AdamW on the device")
         return (f"{self.resident} layers resident on the GPU, {self.streamed} streamed for a GPU update, "
                 f"{self.host_layers(num_layers)} updated by the CPU")
 
@@ -140,6 +146,7 @@ class MemoryPlan:
     host_available: int | None = None  # bytes of host RAM free for it
     headroom: int = 0
     deterministic_extra: int = 0  # GPU bytes the deterministic kernels add to the peak (flash_splits)
+    lora: AdapterConfig | None = None  # a LoRA run's adapter (its base frozen: lora_parts)
 
     @property
     def host_total(self) -> int:
@@ -183,9 +190,13 @@ class MemoryPlan:
         if not self.fits_gpu():
             need = self.gpu_peak + self.headroom
             p = self.placement
-            state = (f", or fewer GPU-resident/updated layers (now {p.resident}/{p.device_update}: "
-                     f"{(self.gpu['resident'] + self.gpu['device_grads'] + self.gpu['update_sets']) / GiB:.1f} GiB)"
-                     if p.device_update else "")
+            if p.frozen:
+                state = (f", or fewer GPU-resident base layers (--device-resident-layers, now {p.resident}: "
+                         f"{self.gpu['resident'] / GiB:.1f} GiB)" if p.resident else "")
+            else:
+                state = (f", or fewer GPU-resident/updated layers (now {p.resident}/{p.device_update}: "
+                         f"{(self.gpu['resident'] + self.gpu['device_grads'] + self.gpu['update_sets']) / GiB:.1f} GiB)"
+                         if p.device_update else "")
             if self.deterministic_extra:
                 state += (f", or --no-deterministic (the deterministic flash backward needs "
                           f"{self.deterministic_extra / GiB:.1f} GiB more)")
@@ -202,10 +213,15 @@ class MemoryPlan:
     def describe(self) -> str:
         """The plan, a few lines."""
         cfg, p = self.config, self.placement
+        if self.lora is not None:
+            trained = (f"LoRA rank {self.lora.rank} (alpha {self.lora.alpha:g}) on {','.join(self.lora.targets)}: "
+                       f"{adapter_numel(cfg, self.lora) / 1e6:.1f}M trained parameters, base frozen, AdamW on the "
+                       "device")
+        else:
+            trained = f"host AdamW {'preview + commit' if self.split else 'whole updates'}"
         lines = [f"memory plan: {cfg.num_layers} layers x {layer_layout(cfg).numel / 1e6:.1f}M + extras "
                  f"{extras_layout(cfg).numel / 1e6:.1f}M parameters, {self.device}, batch {self.batch} x "
-                 f"{self.seq}, {self.work_bytes * 8}-bit compute, host AdamW "
-                 f"{'preview + commit' if self.split else 'whole updates'}",
+                 f"{self.seq}, {self.work_bytes * 8}-bit compute, {trained}",
                  f"  placement: {p.describe(cfg.num_layers)} ({p.reason})"]
         host = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.host.items() if v)
         avail = f" of {self.host_available / GiB:.1f} GiB available" if self.host_available is not None else ""
@@ -289,7 +305,7 @@ def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int,
                 device: str = "cuda", split: bool = True, gpu_cap: int | None = None,
                 host_available: int | None = None, mlp_chunk: int = 16384, loss_chunk: int | None = None,
                 data_bytes: int = 0, packed: bool = False, attention_chunk: int = ATTENTION_CHUNK,
-                deterministic: bool = False, sm_count: int = H200_SMS) -> MemoryPlan:
+                deterministic: bool = False, sm_count: int = H200_SMS, lora: AdapterConfig | None = None) -> MemoryPlan:
     """The bytes a job needs, from the same shapes the allocating code uses (module docstring).
     ``packed``: batches pack several examples a row, so each step also holds the attention mask and
     RoPE tables gathered per row: on CUDA without ``deterministic`` a FlexAttention block mask
@@ -297,7 +313,8 @@ def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int,
     start from where the examples start, in ``[B, tiles, tiles]`` work), else ``functional.segment_mask``
     (``[B, 1, S, S]`` of the work dtype, the last dim padded to 16). ``deterministic`` (CUDA): the step
     runs deterministic kernels, whose flash backward needs more room on long sequences (:func:`flash_splits`,
-    ``sm_count`` SMs)."""
+    ``sm_count`` SMs). ``lora``: a LoRA run of that adapter (:func:`lora_parts`; ``placement.resident``
+    counts the base layers kept on the GPU, ``split`` and ``device_update`` do not apply)."""
     e = torch.empty((), dtype=work_dtype).element_size()
     L = cfg.num_layers
     n, ne = layer_layout(cfg).numel, extras_layout(cfg).numel
@@ -328,6 +345,11 @@ def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int,
         "update_sets": sets * (16 + e) * n,
         "steps": 4 * k,
     }
+    if lora is not None:
+        placement = replace(placement, device_update=0, frozen=True)
+        split = False
+        host, gpu = lora_parts(cfg, e, batch, seq, placement.resident, lora, device, attention_chunk)
+        host["process"] += data_bytes
     tiles = -(-seq // 128)
     flex = packed and flex_packing(device == "cuda", deterministic)
     if flex:
@@ -339,21 +361,108 @@ def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int,
     splits = flash_splits(batch, cfg.num_heads, deterministic and device == "cuda", sm_count)
     working = activation_bytes(cfg, batch, seq, e, mlp_chunk, loss_chunk or default_loss_chunk(cfg), attention_chunk,
                                splits)
+    deterministic_extra = 0
+    if splits > 1:
+        plain = activation_bytes(cfg, batch, seq, e, mlp_chunk, loss_chunk or default_loss_chunk(cfg), attention_chunk)
+        deterministic_extra = max(working.values()) - max(plain.values())
+    if lora is not None:
+        extra = lora_activation_bytes(cfg, batch, seq, e, mlp_chunk, lora.rank)
+        working = {k: v + extra.get(k, 0) for k, v in working.items()}
     if flex:
         # Per token: the segment ids sorted and their run starts (int64); per tile pair: the chosen
         # tiles, their orders and FlexAttention's transposition for the backward (the CPU allocator's
         # peak measured 34-40 bytes a token and 40-45 a pair; CUDA's sort keeps a second buffer).
         working["packed mask build"] = 56 * batch * seq + 64 * batch * tiles * tiles
     plan = MemoryPlan(cfg, device, batch, seq, e, placement, split, host, gpu, working, gpu_cap=gpu_cap,
-                      host_available=host_available)
-    if splits > 1:
-        plain = activation_bytes(cfg, batch, seq, e, mlp_chunk, loss_chunk or default_loss_chunk(cfg), attention_chunk)
-        plan.deterministic_extra = max(working.values()) - max(plain.values())
+                      host_available=host_available, deterministic_extra=deterministic_extra, lora=lora)
     if device == "cuda":
         plan.workspace = CUBLAS_WORKSPACE
     if gpu_cap is not None:
         plan.headroom = max(HEADROOM_MIN, int(HEADROOM_FRACTION * gpu_cap))
     return plan
+
+
+def lora_parts(cfg: ModelConfig, e: int, batch: int, seq: int, resident: int, lora: AdapterConfig, device: str,
+               attention_chunk: int = ATTENTION_CHUNK) -> tuple[dict[str, int], dict[str, int]]:
+    """``(host, gpu)`` bytes of a LoRA run (frozen_base.py, lora.py, lora_step.py), exactly as they
+    allocate them: in host RAM only the frozen base's streamed layers (``e`` bytes a parameter: no
+    fp32 master, no moments, no gradient buffer), the activation checkpoints and the loss and norm;
+    on the device the extras and ``resident`` base layers (``e`` a parameter), two weight slots
+    unless every layer is resident, and the adapter's fp32 masters, gradients and two moments
+    (16 bytes a trained parameter) with its step count and scaling."""
+    L = cfg.num_layers
+    n, ne = layer_layout(cfg).numel, extras_layout(cfg).numel
+    r = min(resident, L) if device == "cuda" else 0
+    act = batch * seq * cfg.hidden_size * e
+    host = {
+        "frozen base": (L - r) * n * e,
+        "checkpoints": (L - resident_tail(L, batch * seq, attention_chunk)) * act,
+        "engine": 8 + 4,  # the norm and the loss
+        "process": CUDA_CONTEXT if device == "cuda" else PROCESS_BASE,
+    }
+    gpu = {
+        "weight slots": 2 * n * e if r < L else 0,
+        "extras": ne * e,
+        "resident": r * n * e,
+        "adapter": 16 * adapter_numel(cfg, lora) + 4 + 4,
+        "activation slots": 2 * act,
+        "rope": 2 * seq * (cfg.head_dim // 2) * 4,
+        "norms": 8,
+    }
+    return host, gpu
+
+
+def lora_activation_bytes(cfg: ModelConfig, batch: int, seq: int, e: int, mlp_chunk: int, rank: int) -> dict[str, int]:
+    """What the adapter adds to :func:`activation_bytes`' phases, per token: the attention half's graph
+    keeps q's, k's, v's and o's ``A x`` (``rank`` wide) for B's gradient, and their backward makes
+    the gradient of one low-rank output at a time (``q`` wide at most); an MLP chunk keeps the
+    gate's, up's and down's ``A x`` and one such gradient (the intermediate width). (A frozen base
+    weight gets no gradient, so no weight-sized gradient is made: the CPU profile of a LoRA step is
+    within the estimate.)"""
+    tokens = batch * seq
+    q = cfg.num_heads * cfg.head_dim
+    attention = tokens * e * (4 * rank + q)
+    chunk = min(mlp_chunk, tokens)
+    mlp = chunk * e * (3 * rank + cfg.intermediate_size)
+    return {"layer backward (mlp)": attention + mlp, "layer backward (attention)": attention}
+
+
+def choose_lora_resident(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int, gpu_cap: int,
+                         lora: AdapterConfig, mlp_chunk: int = 16384, loss_chunk: int | None = None,
+                         packed: bool = False, deterministic: bool = False, sm_count: int = H200_SMS) -> Placement:
+    """A LoRA run's placement: as many frozen base layers resident on the GPU as fit ``gpu_cap``
+    beside the rest of the plan. Each one saves its host RAM and its two loads a step over PCIe,
+    and costs nothing else, so the most that fit is the best (the others stream)."""
+    def fits(r: int) -> bool:
+        return memory_plan(cfg, work_dtype, batch, seq, Placement(r), split=False, gpu_cap=gpu_cap, mlp_chunk=mlp_chunk,
+                           loss_chunk=loss_chunk, packed=packed, deterministic=deterministic, sm_count=sm_count,
+                           lora=lora).fits_gpu()
+
+    r = 0
+    while r < cfg.num_layers and fits(r + 1):
+        r += 1
+    plan = memory_plan(cfg, work_dtype, batch, seq, Placement(r), split=False, gpu_cap=gpu_cap, mlp_chunk=mlp_chunk,
+                       loss_chunk=loss_chunk, packed=packed, deterministic=deterministic, sm_count=sm_count, lora=lora)
+    return Placement(r, 0, reason=f"auto: the most base layers the cap holds; GPU peak {plan.gpu_peak / GiB:.1f} of "
+                                  f"{gpu_cap / GiB:.1f} GiB", frozen=True)
+
+
+def lora_step_bound(cfg: ModelConfig, batch: int, seq: int, resident: int, rates: Rates,
+                    e: int = 2) -> dict[str, float]:
+    """Seconds a LoRA step needs of each resource, and ``bound``, the largest: the GPU's compute (per
+    token and parameter 2 FLOPs forward, 2 recomputed, 2 for the input's gradient: a frozen weight
+    has none; attention as in :func:`step_bytes`) and PCIe (the streamed layers' weights both ways
+    of the pass, except the two a slot still holds, and the activation checkpoints)."""
+    L, n, ne = cfg.num_layers, layer_layout(cfg).numel, extras_layout(cfg).numel
+    tokens = batch * seq
+    streamed = L - min(resident, L)
+    loads = 2 * max(0, streamed - 2)
+    ckpts = (L - resident_tail(L, tokens)) * tokens * cfg.hidden_size * e
+    flops = (6 * (L * n + ne) + 8 * L * cfg.hidden_size * seq) * tokens
+    terms = {"gpu compute": flops / rates.gpu_flops, "pcie h2d": (loads * n * e + ckpts) / rates.h2d,
+             "pcie d2h": ckpts / rates.d2h}
+    terms["bound"] = max(terms.values())
+    return terms
 
 
 def host_ram_available() -> int | None:

@@ -1,9 +1,12 @@
 """Model presets of the trainer and how a job's ``model`` spec becomes a config.
 
 ``tiny`` is the built-in byte-level model (:meth:`ModelConfig.tiny`). ``1b``, ``3b`` and ``7b`` are
-Llama-shaped models with a 32000-entry vocabulary (the shapes of ``../shared/anchors``); they use
-the byte tokenizer's ids (a byte corpus trains them, and a saved checkpoint serves with the byte
-tokenizer). Any other spec is a Hugging Face checkpoint directory to start from.
+Llama-shaped models with a 32000-entry vocabulary (the shapes of ``../shared/anchors``); ``13b``,
+``34b`` and ``70b`` have Llama 2 13B's, Code Llama 34B's and Llama 2 70B's shapes (grouped KV heads
+on the last two), for measuring what fits (a LoRA run keeps only the frozen base in host RAM, at 2
+bytes a parameter). They use the byte tokenizer's ids (a byte corpus trains them, and a saved
+checkpoint serves with the byte tokenizer). Any other spec is a Hugging Face checkpoint directory
+to start from.
 
     config, init_from, name = resolve_model("3b")
 """
@@ -21,6 +24,9 @@ _SHAPES = {
     "1b": dict(hidden_size=2048, num_layers=16, intermediate_size=8192, num_heads=32, num_kv_heads=8),
     "3b": dict(hidden_size=3072, num_layers=28, intermediate_size=8192, num_heads=24, num_kv_heads=8),
     "7b": dict(hidden_size=4096, num_layers=32, intermediate_size=11008, num_heads=32, num_kv_heads=32),
+    "13b": dict(hidden_size=5120, num_layers=40, intermediate_size=13824, num_heads=40, num_kv_heads=40),
+    "34b": dict(hidden_size=8192, num_layers=48, intermediate_size=22016, num_heads=64, num_kv_heads=8),
+    "70b": dict(hidden_size=8192, num_layers=80, intermediate_size=28672, num_heads=64, num_kv_heads=8),
 }
 PRESETS = ("tiny", *_SHAPES)
 

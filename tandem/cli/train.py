@@ -5,6 +5,7 @@
     tandem train --model DIR --dataset notes/ --steps 500 --output-dir out/ [--resume]
     tandem train --model DIR --dataset chat.jsonl --steps 300 --seq-len 1024 --lr 2e-5 --output-dir tuned/
     tandem train --model 3b --device cuda --batch-size 8 --seq-len 2048 --gpu-memory-gib 16 --plan
+    tandem train --model DIR --dataset chat.jsonl --lora-rank 16 --steps 300 --output-dir adapter/
 
 ``--default`` trains the built-in tiny model where ``tandem up`` finds it (a few minutes on 2 CPU
 cores) and prints a sample. With ``--nats-url`` a ``WeightsUpdated`` event follows every checkpoint,
@@ -13,7 +14,10 @@ so running workers that serve the model reload it. Before allocating, the job's 
 refused in one line naming what to change; ``--plan`` prints the plan, the placement of each
 layer's fp32 state and the predicted step bound, and exits. A ``.jsonl`` dataset is fine-tuning
 records, chat (``{"messages": [...]}``) or prompt/completion, trained on the answers only and packed
-(shared/train/finetune_data.py); a bad line is refused in one line naming it.
+(shared/train/finetune_data.py); a bad line is refused in one line naming it. ``--lora-rank R`` trains
+a LoRA adapter on the frozen model instead of the whole model (shared/train/lora.py) and writes it
+in PEFT's format (adapter_config.json + adapter_model.safetensors) into ``--output-dir``; no
+``WeightsUpdated`` follows its checkpoints (an adapter is not a model to reload).
 
 Stopping. Ctrl-C (SIGINT) or SIGTERM lets the step in flight finish, saves a checkpoint of it, says
 in one line where and how to continue (the same command with ``--resume``), and exits 130 or 143
@@ -41,7 +45,7 @@ DEFAULT_JOB = dict(model="tiny", dataset="stdlib", steps=200, batch_size=16, seq
 JOB_FLAGS = ("model", "dataset", "data_format", "pack", "steps", "batch_size", "seq_len", "lr", "weight_decay",
              "grad_clip", "warmup_steps", "seed", "device", "output_dir", "resume",
              "gpu_memory_gib", "device_update_layers", "device_resident_layers", "device_update_sets",
-             "compile_layers", "split_update", "deterministic")
+             "compile_layers", "split_update", "deterministic", "lora_rank", "lora_alpha", "lora_targets")
 SAMPLE_PROMPT = "def "
 CHECKPOINT_EVERY = "30m"
 UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600}
@@ -53,6 +57,12 @@ class CheckpointEvery:
 
     steps: int = 0
     seconds: float = 0.0
+
+
+def lora_targets(text: str) -> list[str]:
+    """``--lora-targets``' value: projection names separated by commas (checked against the model's
+    projections when the job is planned, shared/train/lora.py)."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def checkpoint_every(text: str) -> CheckpointEvery:
@@ -128,7 +138,7 @@ def add_train_parser(sub: argparse._SubParsersAction, add_common) -> None:  # no
     add_common(p)
     p.add_argument("--default", action="store_true",
                    help="the tiny byte model on the Python stdlib, saved where `tandem up` finds it")
-    p.add_argument("--model", help="tiny, 1b, 3b, 7b, or a Hugging Face directory to start from")
+    p.add_argument("--model", help="tiny, 1b, 3b, 7b, 13b, 34b, 70b, or a Hugging Face directory to start from")
     p.add_argument("--dataset", help="stdlib, random, a text file or a folder of them, or a JSONL file of fine-tuning "
                                      "records: {\"messages\": [...]} chats or {\"prompt\", \"completion\"} pairs")
     p.add_argument("--data-format", choices=("auto", "text", "chat", "completion"),
@@ -174,6 +184,16 @@ def add_train_parser(sub: argparse._SubParsersAction, add_common) -> None:  # no
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: backward kernels with a fixed reduction order, so a rerun or a resume is bit-exact "
                         "(default: on; --no-deterministic: the atomics-based kernels, last bits vary)")
+    p.add_argument("--lora-rank", type=int,
+                   help="train a LoRA adapter of this rank on the frozen model instead of the whole model: the "
+                        "base takes 2 bytes a parameter in host RAM (bf16), only the adapter's A and B and their "
+                        "AdamW state are trained; the adapter is saved in PEFT's format in --output-dir "
+                        "(default: unset: full training)")
+    p.add_argument("--lora-alpha", type=float,
+                   help="LoRA's alpha: the adapter's output is scaled by alpha / rank (default: 2 x --lora-rank)")
+    p.add_argument("--lora-targets", type=lora_targets, metavar="NAME,...",
+                   help="the projections the adapter trains, separated by commas (default: all seven: "
+                        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
     p.add_argument("--job-id", help="name of the run (default: random)")
     p.add_argument("--log-every", type=int_at_least(1), default=10, help="steps between progress lines")
     p.add_argument("--threads", type=int_at_least(1), help="CPU threads for torch (default: torch's)")
@@ -183,6 +203,8 @@ def build_job(args: argparse.Namespace, data_dir: Path):  # noqa: ANN201 - Train
     from tandem.shared.model.meta import trained_tiny_dir
     from tandem.shared.protocol.training import TrainJob
 
+    if args.default and getattr(args, "lora_rank", None) is not None:
+        raise ValueError("--default trains the tiny model in full; leave out --lora-rank, or give --model instead")
     fields = dict(DEFAULT_JOB) if args.default else {}
     if args.default:
         fields["output_dir"] = str(trained_tiny_dir(data_dir))
@@ -261,7 +283,9 @@ def train(args: argparse.Namespace, settings, stops: StopSignals) -> int:  # noq
     from tandem.shared.auth.credentials import CredentialsError
 
     try:
-        publisher = _Publisher(settings, runner.model_name, job_id) if settings.bus.nats_url else None
+        # an adapter is not a model for the workers to reload: a LoRA run announces nothing
+        announce = settings.bus.nats_url and job.lora_rank is None
+        publisher = _Publisher(settings, runner.model_name, job_id) if announce else None
     except (BusConnectError, CredentialsError) as exc:
         print(f"tandem train: {exc}", file=sys.stderr)
         return 1
@@ -294,8 +318,9 @@ def train(args: argparse.Namespace, settings, stops: StopSignals) -> int:  # noq
               f"{job.steps}; checkpoint saved in {runner.output_dir}; to continue, {hint}", flush=True)
         return exit_status(stops.signum)
     mean = f"{summary.mean_loss:.4f}" if summary.mean_loss is not None else "n/a"
+    saved = "LoRA adapter (PEFT format) saved to" if job.lora_rank is not None else "saved to"
     print(f"tandem train: {summary.state} at step {summary.step} in {time.perf_counter() - started:.0f}s, "
-          f"mean loss of the last 10 steps {mean}; saved to {summary.checkpoint}", flush=True)
+          f"mean loss of the last 10 steps {mean}; {saved} {summary.checkpoint}", flush=True)
     if args.default and summary.checkpoint is not None and stops.signum is None:
         print(f"--- sample (temperature 0.8, top-k 40):\n{sample(summary.checkpoint, SAMPLE_PROMPT)}", flush=True)
     return 0

@@ -194,10 +194,28 @@ def usage_problem(settings: Settings) -> str:
         return (f"--nats-monitor-port {settings.supervisor.nats_monitor_port} and --nats-url {settings.bus.nats_url}: "
                 "--nats-monitor-port is the embedded server's, --nats-url means no embedded server; give one")
     try:
-        load_model_meta(settings.model, settings.data_dir)
+        meta = load_model_meta(settings.model, settings.data_dir)
     except Exception as exc:  # a config or tokenizer that does not parse raises its library's own errors
         reason = " ".join(str(exc).split()) or type(exc).__name__
         return f"--model {settings.model}: {reason}"
+    return lora_modules_problem(settings, meta.config)
+
+
+def lora_modules_problem(settings: Settings, config) -> str:  # noqa: ANN001 - a ModelConfig
+    """``--lora-modules`` checked as the router will check them (config and tensor shapes, against the
+    workers' --max-lora-rank), and refused without adapter slots: "" when they can be served."""
+    from tandem.shared.infra.config import lora_modules
+    from tandem.shared.lora.peft_format import AdapterError, check_adapter
+
+    modules = lora_modules(settings.router.lora_modules)
+    if modules and not settings.engine.max_loras:
+        return (f"--lora-modules names {len(modules)} adapter(s) but the workers have no adapter slots: add "
+                f"--max-loras {max(len(modules), 1)} (adapters resident on a GPU at once)")
+    for name, path in modules:
+        try:
+            check_adapter(path, config, settings.engine.max_lora_rank)
+        except AdapterError as exc:
+            return f"--lora-modules {name}={path}: {exc}"
     return ""
 
 

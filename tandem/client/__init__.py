@@ -29,6 +29,16 @@ stream ends with a worker failure, the client places it again with the tokens de
 and the stream goes on with no gap and no duplicate (``max_migrations`` per request, default 3;
 see :mod:`tandem.client.migration`).
 
+A request runs with a LoRA adapter by naming it as its ``model``:
+``client.complete("SELECT", model="sql-lora", max_tokens=16)`` (or ``generate(..., model=...)``);
+``model`` unset or the served model's own name runs the base model, a name the routers do not serve
+raises :class:`UnknownModelError`. Adapters are managed through the routers, with a key whose role
+may (the operator's, not a client's: see :mod:`tandem.client.adapters`)::
+
+    record = await client.load_adapter("sql-lora", "/models/adapters/sql")  # an AdapterRecord
+    [a.name for a in await client.adapters()]                               # served now
+    await client.unload_adapter("sql-lora")
+
 ``embed`` returns one :class:`Embedding` per input: the served model's final hidden states pooled
 (last token or mean) and L2-normalised, as an ``array('f')`` (see :mod:`tandem.client.embedding`).
 

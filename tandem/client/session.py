@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import Mapping
@@ -15,6 +16,7 @@ from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from pydantic import ValidationError
 
+from tandem.client.adapters import ask_routers, list_adapters
 from tandem.client.embedding import Embedding, EmbeddingInputs, embed_all
 from tandem.client.errors import (
     ConnectionLostError,
@@ -47,6 +49,7 @@ from tandem.client.stream import (
 )
 from tandem.shared.infra.liveness import Liveness, on_bus
 from tandem.shared.protocol import subjects
+from tandem.shared.protocol.adapters import AdapterRecord, LoadAdapter, UnloadAdapter
 from tandem.shared.protocol.base import ErrorReply, ProtocolError
 from tandem.shared.protocol.codec import decode, encode
 from tandem.shared.protocol.embedding import EmbedRequest
@@ -255,6 +258,32 @@ class Client:
         return await embed_all(self, inputs, pooling=pooling, dimensions=dimensions, model=model,
                                timeout_s=timeout_s or self.request_timeout_s, priority=priority,
                                truncate_prompt_tokens=truncate_prompt_tokens, max_in_flight=max_in_flight)
+
+    async def load_adapter(self, name: str, path: str | os.PathLike, version: str = "", *,
+                           timeout_s: float | None = None) -> AdapterRecord:
+        """Serve the PEFT LoRA adapter in directory ``path`` (read on the routers' and workers' hosts)
+        as ``name``, which requests then give as their ``model``; returns its registry record.
+        ``version`` empty: a hash of its files (loading the same files again changes nothing; a new
+        version replaces the old for new requests). A bad directory raises
+        :class:`InvalidRequestError`; see :mod:`tandem.client.adapters` for who may."""
+        try:
+            message = LoadAdapter(name=name, path=os.fspath(path), version=version)
+        except (ValidationError, TypeError) as exc:
+            raise InvalidRequestError(f"invalid adapter: {first_error_text(exc)}", None, error_field(exc)) from None
+        return await ask_routers(self, message, timeout_s or self.request_timeout_s)
+
+    async def unload_adapter(self, name: str, *, timeout_s: float | None = None) -> AdapterRecord:
+        """Stop serving adapter ``name`` (requests already running finish with it); returns its last
+        record (``removed``). One not served raises :class:`UnknownModelError`."""
+        try:
+            message = UnloadAdapter(name=name)
+        except (ValidationError, TypeError) as exc:
+            raise InvalidRequestError(f"invalid adapter: {first_error_text(exc)}", None, error_field(exc)) from None
+        return await ask_routers(self, message, timeout_s or self.request_timeout_s)
+
+    async def adapters(self, model: str | None = None) -> list[AdapterRecord]:
+        """The LoRA adapters served now, by name (of base model ``model`` only, if given)."""
+        return await list_adapters(self, model)
 
     def _request(self, prompt, model, request_id, priority: int, params: dict) -> GenerateRequest:
         """The request to send, or :class:`InvalidRequestError` naming the first field out of its

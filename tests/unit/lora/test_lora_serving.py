@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from factories import make_engine, make_request, run
 from lora_support import ALL_TARGETS, make_peft_adapter, peft_logits
 from model_support import VOCAB, make_hf_checkpoint
+
 from tandem.shared.lora.peft_format import AdapterError, check_adapter
 from tandem.shared.model.loader import load_model
 from tandem.shared.protocol.adapters import AdapterRef
@@ -66,7 +66,7 @@ def check_against_peft(hf_model, refs, prompt: list[int], tokens: list[int], log
     actual = torch.stack(logits)
     error = (actual - rows).abs().max().item()
     assert error < TOLERANCE, f"{what}: adapter {adapter}: max |logit - peft's| = {error:.2e}"
-    assert tokens == rows.argmax(-1).tolist()[: len(tokens)], f"{what}: adapter {adapter}: greedy tokens differ from peft's"
+    assert tokens == rows.argmax(-1).tolist()[: len(tokens)], f"{what}: adapter {adapter}: greedy tokens differ"
 
 
 @pytest.mark.parametrize("max_loras", [3, 2])  # 2: one adapter waits for a slot, one slot is reused
