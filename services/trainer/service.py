@@ -229,6 +229,22 @@ class TrainerService(ServiceRuntime):
     def _publish(self, subject: str, payload: bytes) -> None:
         asyncio.run_coroutine_threadsafe(self.nc.publish(subject, payload), self.loop)
 
+    def _publish_adapter(self, name: str, path: Path, version: str) -> None:
+        """From the training thread: a copy of the adapter checkpoint in ``path`` published through the
+        routers as version ``version`` of adapter ``name`` (the job goes on whatever they answer)."""
+        from tandem.client import Client, TandemError
+        from tandem.shared.lora.peft_format import snapshot_adapter
+
+        snapshot = under_data_dir(snapshot_adapter(path, version), self.settings.data_dir, "adapter path")
+        done = asyncio.run_coroutine_threadsafe(
+            Client(self.nc).load_adapter(name, snapshot, version, source="trainer"), self.loop)
+        try:
+            record = done.result()
+        except (TandemError, OSError) as exc:
+            self.log.warning("publishing adapter %s version %s failed: %s", name, version, exc)
+            return
+        self.log.info("published adapter %s version %s from %s", record.name, record.version, record.path)
+
     def _work(self) -> None:
         while (record := self._queue.get()) is not None:
             if record.stop.is_set():
@@ -259,7 +275,9 @@ class TrainerService(ServiceRuntime):
             self._publish(subjects.trainer_timeline(job_id), encode(msg))
 
         def on_checkpoint(path: Path, step: int) -> None:
-            if record.job.lora_rank is not None:  # an adapter, not a model for the workers to reload
+            if record.job.lora_rank is not None:  # an adapter, not a model for the workers to reload ...
+                if record.job.publish_adapter is not None:  # ... but one to serve, if asked
+                    self._publish_adapter(record.job.publish_adapter, path, f"{job_id}.{step}")
                 return
             # under the data dir by confine_job; checked again, so no event ever names another folder
             path = under_data_dir(path, self.settings.data_dir, "checkpoint path")

@@ -216,6 +216,25 @@ def load_adapter(path: str | os.PathLike, config: ModelConfig, max_rank: int | N
     return LoraWeights(adapter, a, b)
 
 
+PUBLISHED_DIR = "published"
+
+
+def snapshot_adapter(path: str | os.PathLike, version: str) -> Path:
+    """A copy of the adapter in ``path`` under ``path/published/<version>``, for serving: a training run
+    overwrites its adapter at every checkpoint, while a published version must stay as it was."""
+    import shutil
+
+    folder = Path(path) / PUBLISHED_DIR / version
+    staging = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for name in (WEIGHTS_FILE, CONFIG_FILE):
+        shutil.copyfile(Path(path) / name, staging / name)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(staging, folder)
+    return folder
+
+
 def save_adapter(path: str | os.PathLike, weights: LoraWeights) -> Path:
     """Write ``weights`` in PEFT's format: the tensors first, the config last, each through a rename,
     so a reader that finds the config finds whole tensors."""

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tandem.shared.protocol.adapters import AdapterName
 from tandem.shared.protocol.base import WireMessage
 
 
@@ -50,11 +51,15 @@ class TrainJob(BaseModel):
     lora_rank: int | None = Field(None, ge=1)
     lora_alpha: float | None = Field(None, gt=0)
     lora_targets: list[str] | None = None
+    # Publish every checkpoint of the adapter to the serving fleet under this name (a new version each
+    # time: shared/protocol/adapters.py), so running workers serve it without a restart.
+    publish_adapter: AdapterName | None = None
 
     @model_validator(mode="after")
     def _lora_needs_rank(self) -> TrainJob:
-        if self.lora_rank is None and (self.lora_alpha is not None or self.lora_targets is not None):
-            raise ValueError("lora_alpha and lora_targets need lora_rank")
+        if self.lora_rank is None and (self.lora_alpha is not None or self.lora_targets is not None
+                                       or self.publish_adapter is not None):
+            raise ValueError("lora_alpha, lora_targets and publish_adapter need lora_rank")
         return self
 
 

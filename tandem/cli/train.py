@@ -17,7 +17,9 @@ records, chat (``{"messages": [...]}``) or prompt/completion, trained on the ans
 (shared/train/finetune_data.py); a bad line is refused in one line naming it. ``--lora-rank R`` trains
 a LoRA adapter on the frozen model instead of the whole model (shared/train/lora.py) and writes it
 in PEFT's format (adapter_config.json + adapter_model.safetensors) into ``--output-dir``; no
-``WeightsUpdated`` follows its checkpoints (an adapter is not a model to reload).
+``WeightsUpdated`` follows its checkpoints (an adapter is not a model to reload); with ``--publish NAME``
+each checkpoint is published to the serving fleet as adapter NAME instead (a new version each time,
+a copy of the adapter under ``--output-dir``/published/), served at once by the running workers.
 
 Stopping. Ctrl-C (SIGINT) or SIGTERM lets the step in flight finish, saves a checkpoint of it, says
 in one line where and how to continue (the same command with ``--resume``), and exits 130 or 143
@@ -45,7 +47,8 @@ DEFAULT_JOB = dict(model="tiny", dataset="stdlib", steps=200, batch_size=16, seq
 JOB_FLAGS = ("model", "dataset", "data_format", "pack", "steps", "batch_size", "seq_len", "lr", "weight_decay",
              "grad_clip", "warmup_steps", "seed", "device", "output_dir", "resume",
              "gpu_memory_gib", "device_update_layers", "device_resident_layers", "device_update_sets",
-             "compile_layers", "split_update", "deterministic", "lora_rank", "lora_alpha", "lora_targets")
+             "compile_layers", "split_update", "deterministic", "lora_rank", "lora_alpha", "lora_targets",
+             "publish_adapter")
 SAMPLE_PROMPT = "def "
 CHECKPOINT_EVERY = "30m"
 UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600}
@@ -194,6 +197,10 @@ def add_train_parser(sub: argparse._SubParsersAction, add_common) -> None:  # no
     p.add_argument("--lora-targets", type=lora_targets, metavar="NAME,...",
                    help="the projections the adapter trains, separated by commas (default: all seven: "
                         "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
+    p.add_argument("--publish", dest="publish_adapter", metavar="NAME",
+                   help="with --lora-rank: publish every checkpoint of the adapter to the running tandem (the "
+                        "one on --data-dir, or --nats-url) as LoRA adapter NAME, which requests then name as "
+                        "their model; each checkpoint a new version, served without a restart (default: unset)")
     p.add_argument("--job-id", help="name of the run (default: random)")
     p.add_argument("--log-every", type=int_at_least(1), default=10, help="steps between progress lines")
     p.add_argument("--threads", type=int_at_least(1), help="CPU threads for torch (default: torch's)")
@@ -227,7 +234,8 @@ def job_problem(exc: Exception) -> str:
     from tandem.shared.protocol.training import TrainJob
 
     if isinstance(exc, ValidationError) and exc.title == TrainJob.__name__:
-        return invalid_value(exc, TrainJob, {name: "--" + name.replace("_", "-") for name in TrainJob.model_fields})
+        flags = {name: "--" + name.replace("_", "-") for name in TrainJob.model_fields}
+        return invalid_value(exc, TrainJob, {**flags, "publish_adapter": "--publish"})
     if isinstance(exc, ProtocolError):
         return exc.message
     return " ".join(str(exc).split())
@@ -286,6 +294,8 @@ def train(args: argparse.Namespace, settings, stops: StopSignals) -> int:  # noq
         # an adapter is not a model for the workers to reload: a LoRA run announces nothing
         announce = settings.bus.nats_url and job.lora_rank is None
         publisher = _Publisher(settings, runner.model_name, job_id) if announce else None
+        if job.publish_adapter is not None:
+            publisher = _AdapterPublisher(settings, job.publish_adapter, job_id)
     except (BusConnectError, CredentialsError) as exc:
         print(f"tandem train: {exc}", file=sys.stderr)
         return 1
@@ -392,12 +402,12 @@ class _Publisher:
     """Publishes WeightsUpdated after each checkpoint from this synchronous process, as the
     operator (``models.updated`` is the operator's and the trainer's to send; see shared/auth/roles.py)."""
 
-    def __init__(self, settings, model: str, job_id: str) -> None:  # noqa: ANN001 - Settings
+    def __init__(self, settings, model: str, job_id: str, url: str | None = None) -> None:  # noqa: ANN001
         import asyncio
 
         from tandem.client.access import connect_command, operator_options
 
-        url = settings.bus.nats_url
+        url = url or settings.bus.nats_url
         self.model, self.job_id = model, job_id
         self.loop = asyncio.new_event_loop()
         self.nc = self.loop.run_until_complete(connect_command(url, operator_options(settings, "tandem-train", url)))
@@ -414,3 +424,33 @@ class _Publisher:
     def close(self) -> None:
         self.loop.run_until_complete(self.nc.close())
         self.loop.close()
+
+
+class _AdapterPublisher(_Publisher):
+    """Publishes each checkpoint of a LoRA run as a new version of adapter ``name`` through the routers
+    (``tandem.v1.router.adapters``, the operator's and the trainer's to send): a copy of the adapter
+    that later checkpoints leave alone, so a worker that reads a version later reads what was published."""
+
+    def __init__(self, settings, name: str, job_id: str) -> None:  # noqa: ANN001 - Settings
+        from tandem.client.access import BusConnectError
+        from tandem.client.runstate import find_running_url
+
+        url = settings.bus.nats_url or find_running_url(settings.data_dir)
+        if not url:
+            raise BusConnectError(f"--publish {name}: no running tandem on --data-dir {settings.data_dir}: start "
+                                  "one with `tandem up`, or give its --nats-url")
+        super().__init__(settings, name, job_id, url)
+
+    def publish(self, path: Path, step: int) -> None:
+        from tandem.client import Client, TandemError
+        from tandem.shared.lora.peft_format import snapshot_adapter
+
+        version = f"{self.job_id}.{step}"
+        try:
+            record = self.loop.run_until_complete(Client(self.nc).load_adapter(
+                self.model, snapshot_adapter(path, version), version, source="trainer"))
+        except (TandemError, OSError) as exc:  # the run goes on; the next checkpoint tries again
+            print(f"tandem train: publishing adapter {self.model} (step {step}) failed: {exc}", flush=True)
+            return
+        print(f"tandem train: published adapter {record.name} version {record.version} (step {step}); requests "
+              f"naming model {record.name!r} run with it now", flush=True)

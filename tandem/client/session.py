@@ -260,14 +260,15 @@ class Client:
                                truncate_prompt_tokens=truncate_prompt_tokens, max_in_flight=max_in_flight)
 
     async def load_adapter(self, name: str, path: str | os.PathLike, version: str = "", *,
-                           timeout_s: float | None = None) -> AdapterRecord:
+                           timeout_s: float | None = None, source: str = "api") -> AdapterRecord:
         """Serve the PEFT LoRA adapter in directory ``path`` (read on the routers' and workers' hosts)
         as ``name``, which requests then give as their ``model``; returns its registry record.
         ``version`` empty: a hash of its files (loading the same files again changes nothing; a new
         version replaces the old for new requests). A bad directory raises
-        :class:`InvalidRequestError`; see :mod:`tandem.client.adapters` for who may."""
+        :class:`InvalidRequestError`; see :mod:`tandem.client.adapters` for who may. ``source``: who
+        publishes it, as the registry records it ("api", or "trainer" for a training run's checkpoints)."""
         try:
-            message = LoadAdapter(name=name, path=os.fspath(path), version=version)
+            message = LoadAdapter(name=name, path=os.fspath(path), version=version, source=source)
         except (ValidationError, TypeError) as exc:
             raise InvalidRequestError(f"invalid adapter: {first_error_text(exc)}", None, error_field(exc)) from None
         return await ask_routers(self, message, timeout_s or self.request_timeout_s)

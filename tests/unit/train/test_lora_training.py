@@ -311,7 +311,7 @@ def run_train(argv: list[str], capsys) -> tuple[int, str]:  # noqa: ANN001
     (["--lora-rank", "0"], "tandem train: --lora-rank must be >= 1"),
     (["--lora-rank", "-3"], "tandem train: --lora-rank must be >= 1"),
     (["--lora-rank", "4", "--lora-alpha", "0"], "tandem train: --lora-alpha must be > 0"),
-    (["--lora-alpha", "8"], "tandem train: --lora-alpha and --lora-targets need --lora-rank"),
+    (["--lora-alpha", "8"], "tandem train: --lora-alpha, --lora-targets and --publish need --lora-rank"),
     (["--lora-rank", "4", "--lora-targets", "q_proj,lm_head"],
      "tandem train: --lora-targets: 'lm_head' is not a projection of the model's decoder layers; choose from "
      "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"),
