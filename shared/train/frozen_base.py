@@ -19,11 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from tandem.shared.model.config import ModelConfig, ModelLoadError
-from tandem.shared.model.meta import weight_files
-from tandem.shared.train.host_state import EXTRAS, INIT_STD
+from tandem.shared.model.config import ModelConfig
+from tandem.shared.train.host_state import EXTRAS, INIT_STD, fill_from_checkpoint
 from tandem.shared.train.lanes import host_buffer
 from tandem.shared.train.layout import UnitLayout, extras_layout, layer_layout
 
@@ -87,20 +85,7 @@ class FrozenBase:
         tensor at a time: nothing of the model's size is held twice."""
         base = cls(config, work_dtype, device, resident, pin)
         targets = base.state_dict()
-        seen: set[str] = set()
-        for file in weight_files(Path(path)):
-            with safe_open(str(file), framework="pt", device="cpu") as shard:
-                for name in shard.keys():
-                    if name in targets:
-                        tensor = shard.get_tensor(name)
-                        if tuple(tensor.shape) != tuple(targets[name].shape):
-                            raise ModelLoadError(f"{name} has shape {tuple(tensor.shape)} in {path}, "
-                                                 f"config says {tuple(targets[name].shape)}")
-                        targets[name].copy_(tensor)
-                        seen.add(name)
-        missing = sorted(targets.keys() - seen)
-        if missing:
-            raise ModelLoadError(f"checkpoint {path} lacks {missing[:8]}")
+        fill_from_checkpoint(targets, path)
         return base
 
     def state_dict(self) -> dict[str, torch.Tensor]:

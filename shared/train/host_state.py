@@ -48,6 +48,26 @@ class Unit:
         return {self.prefix + k: v for k, v in self.layout.views(self.master).items()}
 
 
+def fill_from_checkpoint(targets: dict[str, torch.Tensor], path: Path) -> None:
+    """Copy every tensor ``targets`` names from the Hugging Face safetensors checkpoint at ``path`` (any
+    float dtype, sharded or not) into it, one tensor at a time; ModelLoadError for a shape that
+    differs or a tensor the checkpoint lacks."""
+    seen: set[str] = set()
+    for file in weight_files(Path(path)):
+        with safe_open(str(file), framework="pt", device="cpu") as shard:
+            for name in shard.keys():
+                if name in targets:
+                    tensor = shard.get_tensor(name)
+                    if tuple(tensor.shape) != tuple(targets[name].shape):
+                        raise ModelLoadError(f"{name} has shape {tuple(tensor.shape)} in {path}, "
+                                             f"config says {tuple(targets[name].shape)}")
+                    targets[name].copy_(tensor)
+                    seen.add(name)
+    missing = sorted(targets.keys() - seen)
+    if missing:
+        raise ModelLoadError(f"checkpoint {path} lacks {missing[:8]}")
+
+
 class HostState:
     """fp32 masters, fp32 moments, pinned working copies and gradient buffers, unit by unit."""
 
@@ -90,20 +110,7 @@ class HostState:
         """Masters from a Hugging Face safetensors checkpoint (any float dtype, sharded or not)."""
         state = cls(config, work_dtype, pin)
         targets = state.state_dict()
-        seen: set[str] = set()
-        for file in weight_files(Path(path)):
-            with safe_open(str(file), framework="pt", device="cpu") as shard:
-                for name in shard.keys():
-                    if name in targets:
-                        tensor = shard.get_tensor(name)
-                        if tuple(tensor.shape) != tuple(targets[name].shape):
-                            raise ModelLoadError(f"{name} has shape {tuple(tensor.shape)} in {path}, "
-                                                 f"config says {tuple(targets[name].shape)}")
-                        targets[name].copy_(tensor)
-                        seen.add(name)
-        missing = sorted(targets.keys() - seen)
-        if missing:
-            raise ModelLoadError(f"checkpoint {path} lacks {missing[:8]}")
+        fill_from_checkpoint(targets, path)
         for unit in state.units:
             unit.work.copy_(unit.master)
         return state

@@ -149,6 +149,7 @@ def check(case: tuple, result: dict) -> None:
 
 
 @needs_triton
+@pytest.mark.slow  # a Triton interpreter subprocess, ~6 s on 2 cores; the GPU run tests the kernels compiled
 @pytest.mark.parametrize("case", FAST, ids=["-".join(map(str, case)) for case in FAST])
 def test_kernel_matches_reference(case: tuple, fast_results: dict[tuple, dict]) -> None:
     check(case, fast_results[case])
