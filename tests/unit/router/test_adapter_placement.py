@@ -69,7 +69,8 @@ async def test_the_prefix_index_counts_the_adapters_own_blocks(router) -> None:
     bus, service = router
     await decoders(bus, service.meta.name, ("decode-a", 0, 2, []), ("decode-b", 0, 2, []))
     root = adapter_hash_root(service.adapters.registry.lookup("sql").ref())
-    for source, hashes in (("decode-a", prefix_hashes(PROMPT, BS)[:4]), ("decode-b", prefix_hashes(PROMPT, BS, root)[:2])):
+    base_blocks, adapter_blocks = prefix_hashes(PROMPT, BS)[:4], prefix_hashes(PROMPT, BS, root)[:2]
+    for source, hashes in (("decode-a", base_blocks), ("decode-b", adapter_blocks)):
         event = KVEvent(source=source, service="decode", namespace=NS, seq=0, stored=hashes)
         await bus.publish(subjects.kv_events("decode", source), encode(event))
     reply = await place(bus, generate(model="sql"))
