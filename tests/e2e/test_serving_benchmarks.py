@@ -201,3 +201,18 @@ def test_structured_decoding_benchmark_prints_both_tpots_and_the_compile(tmp_pat
         tpot = figures[("tpot", batch)]
         assert tpot["free_tpot_ms"] > 0 and tpot["constrained_tpot_ms"] > 0 and tpot["ratio"] > 0, tpot
         assert tpot["host_mask_fill_ms"] > 0, "the constrained run filled no mask"
+
+
+@pytest.mark.slow  # a whole benchmark script run
+def test_lora_serving_benchmark_prints_decode_prefill_and_load(tmp_path: Path) -> None:
+    out_file = tmp_path / "lora.json"
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "lora_serving.py"), "--batch", "2", "--adapters", "2",
+                          "--rank", "8", "--max-tokens", "12", "--prefill-prompts", "2", "--prefill-len", "32",
+                          "--json-out", str(out_file)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    figures = {r["figure"]: r for r in json.loads(out_file.read_text())}
+    decode = figures["decode"]
+    assert set(decode["tpot_ms"]) == {"baseline", "slots_no_adapter_rows", "adapters"}, decode
+    assert all(ms > 0 for ms in decode["tpot_ms"].values()) and decode["adapters_vs_baseline"] > 0, decode
+    assert all(ms > 0 for ms in figures["prefill"]["ms"].values()), figures["prefill"]
+    assert figures["load"]["adapter_mib"] > 0 and figures["load"]["read_ms"] > 0, figures["load"]
