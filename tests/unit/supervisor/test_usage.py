@@ -58,3 +58,37 @@ def test_port_and_an_external_server_are_one_or_the_other(tmp_path):
     problem = usage_problem(Settings(nats_url="nats://127.0.0.1:4222", nats_port=4333, data_dir=tmp_path))
     assert problem.startswith("--port 4333 and --nats-url nats://127.0.0.1:4222: "), problem
     assert usage_problem(Settings(nats_url="nats://127.0.0.1:4222", data_dir=tmp_path)) == ""
+
+
+@pytest.fixture
+def tiny_adapter(tmp_path):
+    """A rank-8 PEFT adapter of the tiny model on q_proj (zeros: only its shapes are checked)."""
+    import torch
+
+    from tandem.shared.lora.peft_format import AdapterConfig, LoraWeights, projection_shapes, save_adapter
+    from tandem.shared.model.config import ModelConfig
+
+    config = ModelConfig.tiny()
+    out_features, in_features = projection_shapes(config)["q_proj"]
+    layers = range(config.num_layers)
+    weights = LoraWeights(AdapterConfig(8, 16.0, ("q_proj",)),
+                          {(i, "q_proj"): torch.zeros(8, in_features) for i in layers},
+                          {(i, "q_proj"): torch.zeros(out_features, 8) for i in layers})
+    return save_adapter(tmp_path / "adapter", weights)
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    ({}, ""),
+    ({"max_loras": 0}, "add --max-loras 1"),
+    ({"max_lora_rank": 4}, "raise --max-lora-rank"),
+    ({"path": "missing"}, "does not exist"),
+], ids=["served", "no-slots", "rank-over-the-limit", "missing-directory"])
+def test_lora_modules_are_checked_before_anything_starts(tmp_path, tiny_adapter, flags: dict, words: str):
+    path = tmp_path / "missing" if flags.get("path") else tiny_adapter
+    settings = {"max_loras": 2, "max_lora_rank": 16, **{k: v for k, v in flags.items() if k != "path"}}
+    problem = usage_problem(Settings(model="tiny", data_dir=tmp_path / "data", lora_modules=f"code={path}",
+                                     **settings))
+    if not words:
+        assert problem == "", problem
+        return
+    assert words in problem and problem.startswith("--lora-modules") and "\n" not in problem, problem
