@@ -292,6 +292,7 @@ def test_services_against_no_server_is_one_line(tmp_path):
     assert done.stderr.count("\n") == 1, done.stderr
 
 
+@pytest.mark.slow  # a benchmark run, as every benchmark script's test
 def test_bench_serve_over_http_measures_the_frontend(system, tmp_path):
     out_file = tmp_path / "http.json"
     done = tandem(["bench", "serve", "--base-url", system.http, "--nats-url", system.url, "--input-len", "64",
@@ -331,6 +332,7 @@ def check_overhead(stdout: str, json_out: Path, levels: list[int], n: int) -> No
         assert row["throughput_ratio"] == pytest.approx(http["output_throughput"] / nats_["output_throughput"])
 
 
+@pytest.mark.slow  # a benchmark script run, as every benchmark script's test
 def test_frontend_overhead_benchmark_drives_both_paths(system, tmp_path):
     out_file = tmp_path / "overhead.json"
     done = subprocess.run([sys.executable, str(BENCHMARKS / "frontend_overhead.py"), "--nats-url", system.url,

@@ -12,6 +12,7 @@ import asyncio
 import time
 
 import nats
+import pytest
 from nats.micro import add_service
 from nats.micro.service import ServiceConfig
 
@@ -57,6 +58,7 @@ async def until(predicate, what: str, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.slow  # waits out a worker's heartbeats, ~3 s
 async def test_the_source_follows_heartbeats_and_forgets_a_worker_gone(nats_server) -> None:
     worker = await nats.connect(nats_server.url)
     service = await add_service(worker, ServiceConfig(name="tandem-decode", version="0.0.0",

@@ -210,6 +210,7 @@ def test_a_lora_run_starts_from_the_base_model_exactly(tmp_path):
     assert not torch.equal(again.master, adapter.master)
 
 
+@pytest.mark.slow  # the staged path's twin of the parity above
 def test_staged_attention_trains_the_adapter_as_the_whole_sequence_does():
     """Past ``attention_chunk`` tokens the layer recomputes q, k and v chunk by chunk after SDPA's
     backward (functional.layer_backward): the adapter's gradients accumulate over the chunks."""
@@ -252,6 +253,7 @@ def test_the_plan_counts_exactly_what_a_lora_run_allocates():
     assert adapter.layout.numel == adapter_numel(cfg, lora)
 
 
+@pytest.mark.slow  # a profiled step, ~1.5 s on 2 cores
 def test_the_activation_estimate_bounds_what_a_lora_step_allocates():
     from torch.profiler import ProfilerActivity, profile
     from train_support import allocation_peak
