@@ -31,6 +31,21 @@ def make_peft_adapter(hf_model, directory: Path, rank: int, targets: list[str], 
     return directory
 
 
+def served_adapters(root: Path, adapters: dict[str, tuple[int, list[str], int]]):  # noqa: ANN201
+    """A Llama 3 checkpoint under ``root/base`` and a PEFT adapter of it per ``name: (rank, targets,
+    seed)``: (the transformers model, the checkpoint's directory, each adapter's ``AdapterRef``)."""
+    from model_support import make_hf_checkpoint
+
+    from tandem.shared.protocol.adapters import AdapterRef
+
+    hf_model = make_hf_checkpoint("llama3", root / "base")
+    refs = {}
+    for name, (rank, targets, seed) in adapters.items():
+        make_peft_adapter(hf_model, root / name, rank, targets, seed)
+        refs[name] = AdapterRef(name=name, version="1", path=str(root / name))
+    return hf_model, root / "base", refs
+
+
 def peft_logits(hf_model, adapter_dir: Path | None, token_ids: list[int]) -> torch.Tensor:  # noqa: ANN001
     """float32 logits ``[len(token_ids), vocab]`` of ``hf_model`` with the adapter (None: without)."""
     peft = pytest.importorskip("peft")

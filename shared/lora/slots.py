@@ -43,9 +43,6 @@ class AdapterSlots:
         self.slot_groups: list[frozenset[str]] = [frozenset()] * max_loras
         self.batch: LoraBatch | None = None  # the rows of the forward now running (None: no adapter rows)
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
-
     @torch.inference_mode()
     def write(self, slot: int, weights: LoraWeights) -> None:
         """Put ``weights`` in ``slot`` (queued on the current stream; the scaling is folded into B)."""
@@ -69,10 +66,6 @@ class AdapterSlots:
                                                                non_blocking=True)
         self.ranks[slot] = r
         self.slot_groups[slot] = frozenset(used)
-
-    def clear(self, slot: int) -> None:
-        self.ranks[slot] = 0
-        self.slot_groups[slot] = frozenset()
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, group: str) -> None:
         """Add the running batch's adapter products for ``group`` of ``layer`` to ``out`` in place."""

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from tandem.shared.model.config import ModelConfig
-from tandem.shared.train.host_state import EXTRAS, INIT_STD, fill_from_checkpoint
+from tandem.shared.train.host_state import EXTRAS, draw_initial_weights, fill_from_checkpoint
 from tandem.shared.train.lanes import host_buffer
 from tandem.shared.train.layout import UnitLayout, extras_layout, layer_layout
 
@@ -67,12 +67,7 @@ class FrozenBase:
 
         def init(index: int) -> None:
             unit = base.units[index]
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
-            for name, view in unit.layout.views(unit.work).items():
-                if name.endswith("norm.weight"):
-                    view.fill_(1.0)
-                elif view.dim() >= 2:
-                    view.copy_(torch.empty(view.shape, dtype=torch.float32).normal_(0.0, INIT_STD, generator=gen))
+            draw_initial_weights(unit.layout.views(unit.work), seed, index)
 
         with ThreadPoolExecutor(INIT_THREADS) as pool:
             list(pool.map(init, range(len(base.units))))

@@ -48,6 +48,20 @@ class Unit:
         return {self.prefix + k: v for k, v in self.layout.views(self.master).items()}
 
 
+def draw_initial_weights(views: dict[str, torch.Tensor], seed: int, unit_index: int) -> None:
+    """A unit's initial weights into ``views`` (its tensors by name): N(0, INIT_STD) matrices, unit
+    norms, biases left at zero, from the unit's own generator and drawn in float32 whatever the views'
+    dtype, so every holder of a unit (fp32 masters, a LoRA run's frozen base) starts from the same values."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + unit_index)
+    for name, view in views.items():
+        if name.endswith("norm.weight"):
+            view.fill_(1.0)
+        elif view.dim() >= 2 and view.dtype == torch.float32:
+            view.normal_(0.0, INIT_STD, generator=gen)
+        elif view.dim() >= 2:
+            view.copy_(torch.empty(view.shape, dtype=torch.float32).normal_(0.0, INIT_STD, generator=gen))
+
+
 def fill_from_checkpoint(targets: dict[str, torch.Tensor], path: Path) -> None:
     """Copy every tensor ``targets`` names from the Hugging Face safetensors checkpoint at ``path`` (any
     float dtype, sharded or not) into it, one tensor at a time; ModelLoadError for a shape that
@@ -93,12 +107,7 @@ class HostState:
 
         def init(index: int) -> None:
             unit = state.units[index]
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
-            for name, view in unit.layout.views(unit.master).items():
-                if name.endswith("norm.weight"):
-                    view.fill_(1.0)
-                elif view.dim() >= 2:
-                    view.normal_(0.0, INIT_STD, generator=gen)
+            draw_initial_weights(unit.layout.views(unit.master), seed, index)
             unit.work.copy_(unit.master)
 
         with ThreadPoolExecutor(16) as pool:

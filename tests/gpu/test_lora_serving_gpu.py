@@ -11,13 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from lora_support import ALL_TARGETS, make_peft_adapter, peft_logits
-from model_support import make_hf_checkpoint
+from lora_support import ALL_TARGETS, peft_logits, served_adapters
 
 from tandem.shared.engine.engine import EngineConfig, LLMEngine
 from tandem.shared.engine.sequence import EngineRequest
 from tandem.shared.model.loader import load_model
-from tandem.shared.protocol.adapters import AdapterRef
 from tandem.shared.protocol.serving import SamplingParams
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -30,13 +28,7 @@ NAMES = [None, "all-r8", "attn-r4", "mlp-r16", "all-r8", None, "mlp-r16", "attn-
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora-gpu")
-    hf_model = make_hf_checkpoint("llama3", root / "base")
-    refs = {}
-    for name, (rank, targets, seed) in ADAPTERS.items():
-        make_peft_adapter(hf_model, root / name, rank, targets, seed)
-        refs[name] = AdapterRef(name=name, version="1", path=str(root / name))
-    return hf_model, root / "base", refs
+    return served_adapters(tmp_path_factory.mktemp("lora-gpu"), ADAPTERS)
 
 
 def prompts() -> list[list[int]]:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from factories import make_engine, make_request, run
-from lora_support import ALL_TARGETS, make_peft_adapter, peft_logits
-from model_support import VOCAB, make_hf_checkpoint
+from lora_support import ALL_TARGETS, peft_logits, served_adapters
+from model_support import VOCAB
 
 from tandem.shared.lora.peft_format import AdapterError, check_adapter
 from tandem.shared.model.loader import load_model
@@ -29,13 +29,7 @@ ADAPTERS = {  # name -> (rank, targets, seed)
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):
     """A Llama 3 checkpoint, three PEFT adapters of it, and the transformers model itself."""
-    root = tmp_path_factory.mktemp("lora")
-    hf_model = make_hf_checkpoint("llama3", root / "base")
-    refs = {}
-    for name, (rank, targets, seed) in ADAPTERS.items():
-        make_peft_adapter(hf_model, root / name, rank, targets, seed)
-        refs[name] = AdapterRef(name=name, version="1", path=str(root / name))
-    return hf_model, root / "base", refs
+    return served_adapters(tmp_path_factory.mktemp("lora"), ADAPTERS)
 
 
 def spy_logits(engine) -> dict[str, list[torch.Tensor]]:  # noqa: ANN001
