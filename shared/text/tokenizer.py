@@ -77,6 +77,10 @@ class HFTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """``encode`` of each text, on the tokenizer's own threads."""
+        return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 

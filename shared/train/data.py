@@ -57,6 +57,30 @@ def text_files(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
 
 
+def dataset_files(spec: str) -> list[Path]:
+    """The files a text dataset ``spec`` (``stdlib`` or a path) is read from, in reading order;
+    ``invalid_request`` when there are none."""
+    files = stdlib_files() if spec == "stdlib" else text_files(Path(spec)) if Path(spec).exists() else []
+    if not files:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"dataset {spec!r}: no text files found "
+                            "(use 'stdlib', 'random', a text file or a folder of them)")
+    return files
+
+
+def _subword_ids(files: list[Path], tokenizer: Tokenizer) -> list[int]:
+    """The files' ids, one after another. A tokenizer with an end-of-text token separates them with
+    it (a model learns where a document ends, and a served completion can stop there); one without
+    gets a blank line. Encoded in batches on the tokenizer's threads where it has them."""
+    eos = list(tokenizer.eos_token_ids[:1])
+    texts = [f.read_text(errors="replace") + ("" if eos else SEPARATOR) for f in files]
+    batch = getattr(tokenizer, "encode_batch", None)
+    encoded = batch(texts) if batch is not None else [tokenizer.encode(t) for t in texts]
+    ids: list[int] = []
+    for piece in encoded:
+        ids += piece + eos
+    return ids
+
+
 class TokenData:
     def __init__(self, tokens: torch.Tensor | None, vocab_size: int, description: str) -> None:
         self.tokens = tokens  # 1-D (uint8 for bytes, int32 otherwise); None: random tokens
@@ -74,20 +98,14 @@ class TokenData:
         """Read and tokenize ``spec``; raises ProtocolError(INVALID_REQUEST) when it cannot."""
         if spec == "random":
             return cls(None, vocab_size, "random tokens")
-        files = stdlib_files() if spec == "stdlib" else text_files(Path(spec)) if Path(spec).exists() else []
-        if not files:
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"dataset {spec!r}: no text files found "
-                                "(use 'stdlib', 'random', a text file or a folder of them)")
+        files = dataset_files(spec)
         if isinstance(tokenizer, ByteTokenizer):
             blob = bytearray()
             for f in files:
                 blob += f.read_bytes() + SEPARATOR.encode()
             tokens = torch.frombuffer(blob, dtype=torch.uint8).clone()
         else:
-            ids: list[int] = []
-            for f in files:
-                ids += tokenizer.encode(f.read_text(errors="replace") + SEPARATOR)
-            tokens = torch.tensor(ids, dtype=torch.int32)
+            tokens = torch.tensor(_subword_ids(files, tokenizer), dtype=torch.int32)
         if int(tokens.max()) >= vocab_size:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, f"dataset {spec!r} has token ids beyond the vocabulary")
         return cls(tokens, vocab_size, f"{spec}: {len(files)} files, {tokens.numel():,} tokens")

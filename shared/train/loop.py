@@ -40,7 +40,8 @@ from tandem.shared.train.checkpoint import (
     restore_optimizer,
     save_checkpoint,
 )
-from tandem.shared.train.data import TokenData
+from tandem.shared.text.bpe_trainer import train_bpe, write_tokenizer_dir
+from tandem.shared.train.data import TokenData, dataset_files
 from tandem.shared.train.finetune_data import FinetuneData, records_kind, training_template
 from tandem.shared.train.frozen_base import FrozenBase
 from tandem.shared.train.host_state import HostState
@@ -67,7 +68,7 @@ from tandem.shared.train.plan import (
     memory_plan,
     step_bound,
 )
-from tandem.shared.train.presets import resolve_model
+from tandem.shared.train.presets import resolve_model, trained_tokenizer_vocab
 
 log = logging.getLogger("tandem.train")
 # What a checkpoint takes from the directory it started from, beside its own weights and config.
@@ -115,6 +116,7 @@ class JobSetup:
     plan: MemoryPlan
     bound: dict[str, float]  # step_bound of the placement with the rates it was chosen with
     lora: AdapterConfig | None = None  # a LoRA job's adapter (its base frozen); None: full training
+    tokenizer_dir: Path | None = None  # where the tokenizer (and chat template) come from; None: byte-level
 
 
 def gpu_cap_bytes(device: torch.device, gpu_memory_gib: float | None) -> int | None:
@@ -157,7 +159,11 @@ def plan_job(job: TrainJob, output_dir: Path, rates: Rates | None = None, mlp_ch
                  config.max_position_embeddings, job.seq_len)
         config = config.replace(max_position_embeddings=job.seq_len)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    data = load_data(job, config, init_from, model_name)
+    tokenizer_dir = init_from
+    vocab = trained_tokenizer_vocab(job.model)
+    if vocab is not None:
+        tokenizer_dir = job_tokenizer(job.dataset, vocab, output_dir, resume)
+    data = load_data(job, config, tokenizer_dir, model_name)
     data_bytes = data.nbytes
     cap, host_free = gpu_cap_bytes(device, job.gpu_memory_gib), host_ram_available()
     sets = job.device_update_sets
@@ -170,7 +176,7 @@ def plan_job(job: TrainJob, output_dir: Path, rates: Rates | None = None, mlp_ch
 
     if lora is not None:
         return _lora_setup(job, config, init_from, model_name, device, dtype, resume, output_dir, data, lora, cap,
-                           host_free, mlp_chunk, sms, rates)
+                           host_free, mlp_chunk, sms, rates, tokenizer_dir)
     split = job.split_update if job.split_update is not None else device.type == "cuda"
     if split and job.split_update is None and not plan_for(Placement(), True).fits_host():
         log.info("no room in host RAM for a second gradient buffer; host AdamW runs whole updates")
@@ -194,7 +200,7 @@ def plan_job(job: TrainJob, output_dir: Path, rates: Rates | None = None, mlp_ch
         placement = Placement(0, 0, sets, "CPU: the host updates every layer")
         bound = {}
     return JobSetup(config, init_from, model_name, device, dtype, resume, output_dir, data, split, placement,
-                    plan_for(placement, split), bound)
+                    plan_for(placement, split), bound, tokenizer_dir=tokenizer_dir)
 
 
 def job_adapter(job: TrainJob, init_from: Path | None, model_name: str, output_dir: Path) -> AdapterConfig | None:
@@ -222,7 +228,7 @@ def job_adapter(job: TrainJob, init_from: Path | None, model_name: str, output_d
 def _lora_setup(job: TrainJob, config: ModelConfig, init_from: Path | None, model_name: str, device: torch.device,
                 dtype: torch.dtype, resume: bool, output_dir: Path, data: TokenData | FinetuneData,
                 lora: AdapterConfig, cap: int | None, host_free: int | None, mlp_chunk: int, sms: int,
-                rates: Rates | None) -> JobSetup:
+                rates: Rates | None, tokenizer_dir: Path | None) -> JobSetup:
     """A LoRA job's setup: the base layers kept on the GPU (``job.device_resident_layers``, or as many
     as the cap holds: plan.choose_lora_resident), the rest streamed; no layer is updated, so
     ``--device-update-layers`` is refused."""
@@ -243,14 +249,31 @@ def _lora_setup(job: TrainJob, config: ModelConfig, init_from: Path | None, mode
     bound = lora_step_bound(config, job.batch_size, job.seq_len, placement.resident, rates or H200,
                             dtype.itemsize) if device.type == "cuda" else {}
     return JobSetup(config, init_from, model_name, device, dtype, resume, output_dir, data, False, plan.placement,
-                    plan, bound, lora)
+                    plan, bound, lora, tokenizer_dir)
+
+
+def job_tokenizer(dataset: str, vocab_size: int, output_dir: Path, resume: bool) -> Path:
+    """The directory of the BPE a from-scratch preset trains on: the checkpoint's own when resuming,
+    else one trained now on ``dataset`` into ``output_dir``/tokenizer (deterministic: a rerun trains
+    the same one)."""
+    if resume and (output_dir / "tokenizer.json").is_file():
+        return output_dir
+    files = dataset_files(dataset)
+    started = time.perf_counter()
+    tokenizer = train_bpe(files, vocab_size)
+    path = write_tokenizer_dir(tokenizer, output_dir / "tokenizer")
+    log.info("trained a %d-entry BPE on %s (%d files) in %.1f s: %s", vocab_size, dataset, len(files),
+             time.perf_counter() - started, path)
+    return path
 
 
 def load_data(job: TrainJob, config: ModelConfig, init_from: Path | None,
               model_name: str) -> TokenData | FinetuneData:
     """The job's data: text (``data.TokenData``) or fine-tuning records (``finetune_data``) as
-    ``job.data_format`` says, tokenized with the model's tokenizer (records also with its chat template)."""
-    tokenizer = ByteTokenizer() if config.byte_tokenizer or init_from is None else HFTokenizer(init_from)
+    ``job.data_format`` says, tokenized with the model's tokenizer, the one in ``init_from`` unless the
+    model is byte-level (records also with its chat template)."""
+    tokenizer = (ByteTokenizer() if config.byte_tokenizer or init_from is None
+                 else HFTokenizer(init_from, eos_token_ids=config.eos_token_ids))
     kind = records_kind(job.dataset, job.data_format)
     if kind is None:
         return TokenData.load(job.dataset, tokenizer, config.vocab_size)
@@ -300,7 +323,7 @@ class TrainLoop:
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             torch.cuda.set_per_process_memory_fraction(min(1.0, job.gpu_memory_gib * 2**30 / total), index)
         config, init_from, dtype = setup.config, setup.init_from, setup.dtype
-        self.source_dir = init_from
+        self.source_dir = init_from or setup.tokenizer_dir  # what a checkpoint takes its tokenizer files from
         pin = self.device.type == "cuda"
         self.start_step = 0
         self.lr_at = lr_schedule(job.lr, job.warmup_steps, job.steps)

@@ -5,8 +5,11 @@ Llama-shaped models with a 32000-entry vocabulary (the shapes of ``../shared/anc
 ``34b`` and ``70b`` have Llama 2 13B's, Code Llama 34B's and Llama 2 70B's shapes (grouped KV heads
 on the last two), for measuring what fits (a LoRA run keeps only the frozen base in host RAM, at 2
 bytes a parameter). They use the byte tokenizer's ids (a byte corpus trains them, and a saved
-checkpoint serves with the byte tokenizer). Any other spec is a Hugging Face checkpoint directory
-to start from.
+checkpoint serves with the byte tokenizer). ``coder-s``, ``coder-m`` and ``coder-deep`` are the
+small code models the default served model is chosen from (``coder-m`` is the one shipped as
+``coder``): trained from scratch with a byte-level BPE of :data:`CODER_VOCAB` entries that the job
+trains on its own dataset first (shared/text/bpe_trainer.py), tied embeddings, ChatML special
+tokens. Any other spec is a Hugging Face checkpoint directory to start from.
 
     config, init_from, name = resolve_model("3b")
 """
@@ -18,6 +21,8 @@ from pathlib import Path
 
 from tandem.shared.model.config import ModelConfig, ModelLoadError
 from tandem.shared.model.meta import read_hf_config
+from tandem.shared.text.bpe_trainer import PAD, SPECIAL_TOKENS, TURN_END
+from tandem.shared.text.bpe_trainer import END_OF_TEXT as BPE_END_OF_TEXT
 from tandem.shared.text.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_PAD_ID
 
 _SHAPES = {
@@ -28,13 +33,34 @@ _SHAPES = {
     "34b": dict(hidden_size=8192, num_layers=48, intermediate_size=22016, num_heads=64, num_kv_heads=8),
     "70b": dict(hidden_size=8192, num_layers=80, intermediate_size=28672, num_heads=64, num_kv_heads=8),
 }
-PRESETS = ("tiny", *_SHAPES)
+# Candidates of one size class (fp16 weights under ~25 MB), head_dim 64, two KV heads.
+_CODER_SHAPES = {
+    "coder-s": dict(hidden_size=256, num_layers=8, intermediate_size=704, num_heads=4, num_kv_heads=2),
+    "coder-m": dict(hidden_size=384, num_layers=6, intermediate_size=960, num_heads=6, num_kv_heads=2),
+    "coder-deep": dict(hidden_size=320, num_layers=9, intermediate_size=864, num_heads=5, num_kv_heads=1),
+}
+CODER_VOCAB = 8192
+CODER_CONTEXT = 2048
+PRESETS = ("tiny", *_SHAPES, *_CODER_SHAPES)
+
+
+def trained_tokenizer_vocab(spec: str | os.PathLike) -> int | None:
+    """The vocabulary of the BPE a preset trains on its job's data before the model (None: the
+    preset uses the byte tokenizer, or ``spec`` is a directory with its own tokenizer)."""
+    return CODER_VOCAB if str(spec) in _CODER_SHAPES else None
 
 
 def preset_config(name: str, max_position_embeddings: int = 131072) -> ModelConfig:
     """The config of a preset (see the module docstring); raises ModelLoadError for unknown names."""
     if name == "tiny":
         return ModelConfig.tiny()
+    if name in _CODER_SHAPES:
+        return ModelConfig(
+            architecture="LlamaForCausalLM", vocab_size=CODER_VOCAB, head_dim=64, rms_norm_eps=1e-5,
+            rope_theta=10000.0, max_position_embeddings=CODER_CONTEXT, tie_word_embeddings=True,
+            bos_token_id=None, eos_token_ids=[SPECIAL_TOKENS.index(BPE_END_OF_TEXT), SPECIAL_TOKENS.index(TURN_END)],
+            pad_token_id=SPECIAL_TOKENS.index(PAD), **_CODER_SHAPES[name],
+        )
     if name not in _SHAPES:
         raise ModelLoadError(f"unknown preset {name!r}; presets: {PRESETS}")
     shape = _SHAPES[name]
