@@ -1,9 +1,11 @@
 """What a model spec names, read without loading weights or torch: config, tokenizer, name and
 where its weights are.
 
-Specs: ``tiny`` (the built-in byte-level model: a checkpoint the user trained into
-``<data_dir>/models/tiny/``, else the one shipped in ``weights/tiny/`` beside this file, else seeded
-random weights), ``tiny-random`` (always those random weights), ``random:<preset>`` (a real model's
+Specs: ``coder`` (the default served model: a small code model with its own BPE tokenizer and chat
+template, trained by ``tandem train`` on the GPU and shipped in ``weights/coder/``, see its
+PROVENANCE.md; a checkpoint in ``<data_dir>/models/coder/`` takes precedence), ``tiny`` (the
+byte-level test model: a checkpoint the user trained into ``<data_dir>/models/tiny/``, else the one
+shipped in ``weights/tiny/`` beside this file, else seeded random weights), ``tiny-random`` (always those random weights), ``random:<preset>`` (a real model's
 shape with random weights, see :data:`PRESETS`) and a Hugging Face directory (config.json,
 tokenizer.json, safetensors). The router and ``tandem up`` need only this; serving workers load the
 weights through :mod:`tandem.shared.model.loader`.
@@ -28,9 +30,10 @@ from tandem.shared.model.config import ModelConfig, ModelLoadError, normalize_to
 from tandem.shared.text.tokenizer import ByteTokenizer, HFTokenizer, SyntheticTokenizer, Tokenizer
 
 TINY = "tiny"
+CODER = "coder"
 TINY_RANDOM = "tiny-random"  # the tiny model's seeded random weights, whatever checkpoints exist
 RANDOM_PREFIX = "random:"
-_SHIPPED_TINY = ("weights", "tiny")  # package data of tandem.shared.model
+_WEIGHTS = "weights"  # package data of tandem.shared.model: one folder per shipped model
 _FINGERPRINT_SAMPLE = 1 << 16  # bytes read at the start, middle and end of each weight file
 
 log = logging.getLogger(__name__)
@@ -99,16 +102,25 @@ def load_model_meta(spec: str | os.PathLike, data_dir: str | os.PathLike | None 
         saved = trained_tiny_dir(data_dir) if data_dir is not None else None
         if saved is not None and _is_checkpoint(saved):
             return ModelMeta(read_hf_config(saved), ByteTokenizer(), TINY, saved, "data-dir")
-        shipped = shipped_tiny_checkpoint()
+        shipped = shipped_checkpoint(TINY)
         if shipped is not None:
             return ModelMeta(read_hf_config(shipped), ByteTokenizer(), TINY, shipped, "shipped")
         log.warning("no tiny checkpoint in %s nor in the package; serving random weights", saved or "a data dir")
         return ModelMeta(ModelConfig.tiny(), ByteTokenizer(), TINY, None, "random")
+    if str(spec) == CODER:
+        saved = trained_tiny_dir(data_dir).with_name(CODER) if data_dir is not None else None
+        path = saved if saved is not None and _is_checkpoint(saved) else shipped_checkpoint(CODER)
+        if path is None:
+            raise ModelLoadError(f"the {CODER!r} model's weights are missing from this install "
+                                 f"({_WEIGHTS}/{CODER}/ in tandem's package); reinstall tandem or serve --model tiny")
+        config = read_hf_config(path)
+        return ModelMeta(config, _checkpoint_tokenizer(path, config), CODER, path,
+                         "data-dir" if path == saved else "shipped")
     if str(spec) == TINY_RANDOM:
         return ModelMeta(ModelConfig.tiny(), ByteTokenizer(), TINY_RANDOM, None, "random")
     path = Path(spec)
     if not path.is_dir():
-        raise ModelLoadError(f"model spec {str(spec)!r} is neither 'tiny' nor an existing directory")
+        raise ModelLoadError(f"model spec {str(spec)!r} is neither 'coder', 'tiny' nor an existing directory")
     config = read_hf_config(path)
     return ModelMeta(config, _checkpoint_tokenizer(path, config), path.resolve().name, path,
                      default_pooling=sentence_transformers_pooling(path) or "last")
@@ -145,10 +157,10 @@ def preset_config(spec: str) -> ModelConfig:
     return PRESETS[name]
 
 
-def shipped_tiny_checkpoint() -> Path | None:
-    """The tiny checkpoint shipped as package data (``weights/tiny/``), or None where it is absent."""
+def shipped_checkpoint(name: str) -> Path | None:
+    """The checkpoint of model ``name`` shipped as package data (``weights/<name>/``), or None where it is absent."""
     try:
-        root = resources.files("tandem.shared.model").joinpath(*_SHIPPED_TINY)
+        root = resources.files("tandem.shared.model").joinpath(_WEIGHTS, name)
     except (ModuleNotFoundError, TypeError):
         return None
     if not isinstance(root, Path):  # a zipped install: safe_open wants real files
@@ -160,7 +172,7 @@ def shipped_tiny_checkpoint() -> Path | None:
 def _extracted(root: resources.abc.Traversable) -> Path | None:
     if not root.is_dir():
         return None
-    target = Path(tempfile.mkdtemp(prefix="tandem-tiny-"))
+    target = Path(tempfile.mkdtemp(prefix=f"tandem-{root.name}-"))
     atexit.register(shutil.rmtree, target, ignore_errors=True)
     for entry in root.iterdir():
         if entry.is_file():

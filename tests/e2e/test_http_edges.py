@@ -24,7 +24,7 @@ from tandem.cli.supervisor import wait_until_ready
 from tandem.console.source import NatsSource
 from tandem.console.state import ConsoleState
 from tandem.shared.infra.natsserver import MAX_PAYLOAD, NatsServer
-from tandem.shared.model.meta import shipped_tiny_checkpoint
+from tandem.shared.model.meta import shipped_checkpoint
 
 # slow: its own nats-server and two front ends (about 18 s on 2 cores); the same bounds run by default in
 # tests/unit/frontend/test_http_limits.py, against the app in process
@@ -53,7 +53,7 @@ def nats_server():
 def edges(start_system, nats_server):
     system = start_system(prefill=0, decode=1, decode_args=["--num-blocks", "200"])
     system.nats_monitor_port = nats_server.monitor_port
-    model_dir = shipped_tiny_checkpoint()
+    model_dir = shipped_checkpoint("tiny")
     assert model_dir is not None, "the tiny checkpoint ships in the package"
     frontends = {
         "frontend-edge": ["--metrics-interval-s", "0.5"],

@@ -80,7 +80,7 @@ def test_the_package_ships_a_small_float16_checkpoint_found_through_importlib_re
     for name in ("config.json", "model.safetensors", "PROVENANCE.md"):
         assert root.joinpath(name).is_file(), f"{name} missing from the package's weights/tiny"
     meta = load_model_meta("tiny", data_dir=tmp_path)  # an empty data dir
-    assert meta.source == "shipped" and meta.checkpoint == shipped_dir() == model_meta.shipped_tiny_checkpoint()
+    assert meta.source == "shipped" and meta.checkpoint == shipped_dir() == model_meta.shipped_checkpoint("tiny")
     assert meta.config == ModelConfig.tiny() and meta.name == "tiny"
     weights = shipped_dir() / "model.safetensors"
     assert weights.stat().st_size < 8 * 2**20
@@ -122,7 +122,7 @@ def test_a_checkpoint_in_the_data_dir_overrides_the_shipped_one(tmp_path, shippe
 
 
 def test_random_weights_only_when_no_checkpoint_exists(tmp_path, monkeypatch):
-    monkeypatch.setattr(model_meta, "_SHIPPED_TINY", ("weights", "no-such-model"))
+    monkeypatch.setattr(model_meta, "_WEIGHTS", "no-such-weights")
     meta = load_model_meta("tiny", data_dir=tmp_path)
     assert meta.source == "random" and meta.checkpoint is None and meta.name == "tiny"
     fallback = state_of(load_model("tiny", data_dir=tmp_path).model)
@@ -138,7 +138,7 @@ def test_tandem_up_says_which_weights_it_serves(tmp_path, capsys, monkeypatch):
     save_hf_checkpoint(build_random_model(ModelConfig.tiny(), seed=7), ModelConfig.tiny(), tmp_path / "models" / "tiny")
     weights_note(SimpleNamespace(model="tiny", data_dir=tmp_path))
     assert str(tmp_path / "models" / "tiny") in capsys.readouterr().out
-    monkeypatch.setattr(model_meta, "_SHIPPED_TINY", ("weights", "no-such-model"))
+    monkeypatch.setattr(model_meta, "_WEIGHTS", "no-such-weights")
     weights_note(SimpleNamespace(model="tiny", data_dir=tmp_path / "empty"))
     out = capsys.readouterr().out
     assert "random weights" in out and "tandem train --default" in out

@@ -23,7 +23,7 @@ import jinja2
 import pytest
 from chat_support import FAMILIES, write_byte_bpe, write_word_tokenizer
 
-from tandem.shared.model.meta import TINY, TINY_RANDOM, shipped_tiny_checkpoint
+from tandem.shared.model.meta import TINY, TINY_RANDOM, shipped_checkpoint
 from tandem.shared.text.chat_template import (
     NO_TEMPLATE,
     TINY_MODEL_NAMES,
@@ -432,7 +432,7 @@ def trained_tiny_dir(tmp: Path) -> Path:
     (lambda tmp: None, "tiny", "tiny"),
     (lambda tmp: None, "tiny-random", "tiny"),
     (trained_tiny_dir, "tiny", "tiny"),
-    (lambda tmp: shipped_tiny_checkpoint(), "tiny", "tiny"),  # None where the package lacks it: tiny all the same
+    (lambda tmp: shipped_checkpoint("tiny"), "tiny", "tiny"),  # None where the package lacks it: tiny all the same
     (lambda tmp: hf_dir(tmp / "my-model", "{{ 'own' }}"), "my-model", "{{ 'own' }}"),
     (lambda tmp: hf_dir(tmp / "my-model", None), "my-model", None),
     (lambda tmp: hf_dir(tmp / "tiny", None), "tiny", None),  # a Hugging Face folder that is named tiny
