@@ -233,12 +233,16 @@ async def demo(url: str, prompt: str, creds: str | None) -> None:
 
 def weights_note(settings) -> None:
     """Say which weights the built-in model's demo came from, and how to train your own."""
-    from tandem.shared.model.meta import TINY, TINY_RANDOM, load_model_meta, trained_tiny_dir
+    from tandem.shared.model.meta import CODER, TINY, TINY_RANDOM, load_model_meta, trained_tiny_dir
 
-    if settings.model not in (TINY, TINY_RANDOM):
+    if settings.model not in (CODER, TINY, TINY_RANDOM):
         return
     meta = load_model_meta(settings.model, settings.data_dir)
-    if meta.source == "data-dir":
+    if settings.model == CODER:
+        note = (f"the coder model is your checkpoint in {meta.checkpoint}" if meta.source == "data-dir" else
+                "the coder model is the code model shipped with tandem, trained from scratch by `tandem train` on "
+                f"the Python standard library (how: {meta.checkpoint}/PROVENANCE.md)")
+    elif meta.source == "data-dir":
         note = f"the tiny model is your checkpoint in {meta.checkpoint}"
     elif meta.source == "shipped":
         note = ("the tiny model is the checkpoint shipped with tandem, made by `tandem train --default` (200 steps "

@@ -288,7 +288,7 @@ def listen_on_ok(port: int) -> bool:
 
 
 @pytest.mark.parametrize(("spec", "reason"), [
-    ("missing-dir", "is neither 'tiny' nor an existing directory"),
+    ("missing-dir", "is neither 'coder', 'tiny' nor an existing directory"),
     ("no-config", "missing config.json in {model}"),
 ])
 def test_a_bad_model_is_one_line_before_anything_starts(tmp_path, spec: str, reason: str):

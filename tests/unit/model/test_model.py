@@ -148,7 +148,7 @@ def sharded_with_missing_shard(path: Path) -> Path:
 
 
 LOAD_ERRORS = {  # case -> (how to break a valid checkpoint dir, what the message must name)
-    "not a directory": (lambda path: path / "nope", "neither 'tiny' nor an existing directory"),
+    "not a directory": (lambda path: path / "nope", "neither 'coder', 'tiny' nor an existing directory"),
     "no config": (removing("config.json"), "missing config.json"),
     "bad json": (with_text("config.json", "{"), "not valid JSON"),
     "architecture": (with_config(architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel"),

@@ -37,7 +37,7 @@ def model_dir(tmp_path, case: str):
 
 
 @pytest.mark.parametrize(("case", "reason"), [
-    ("missing", "is neither 'tiny' nor an existing directory"),
+    ("missing", "is neither 'coder', 'tiny' nor an existing directory"),
     ("empty", "missing config.json in"),
     ("config-not-json", "config.json is not valid JSON"),
     ("no-tokenizer", "missing tokenizer.json in"),
