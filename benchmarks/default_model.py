@@ -252,7 +252,8 @@ def main() -> None:
     for spec in args.models:
         figures, heads = measure(spec, args, texts)
         rows.append(asdict(figures) | {"spec": spec, "heads": [dict(head=h, text=t, passed=ok) for h, t, ok in heads]})
-        rate = f"{figures.decode_tokens_per_s:7.1f} tok/s ({figures.threads} threads)" if figures.decode_tokens_per_s else "-"
+        rate = (f"{figures.decode_tokens_per_s:7.1f} tok/s ({figures.threads} threads)"
+                if figures.decode_tokens_per_s else "-")
         print(f"{spec:>24}  {figures.parameters / 1e6:6.2f}M params  {figures.size_bytes / 1e6:6.2f} MB  "
               f"heads {figures.heads_passed:2d}/{figures.heads_total}  {figures.bits_per_byte:.3f} bits/byte "
               f"(window {figures.window})  decode {rate}", flush=True)

@@ -49,7 +49,8 @@ def export(source: Path, target: Path, dtype: torch.dtype = torch.float16) -> Pa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", type=Path, help="a checkpoint directory tandem train wrote")
-    parser.add_argument("--target", type=Path, default=WEIGHTS / "tiny", help="default: the shipped tiny model's folder")
+    parser.add_argument("--target", type=Path, default=WEIGHTS / "tiny",
+                        help="default: the shipped tiny model's folder")
     args = parser.parse_args()
     out = export(args.source, args.target)
     size = (out / "model.safetensors").stat().st_size

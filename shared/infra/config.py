@@ -411,8 +411,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     model: str = Field("tiny", min_length=1,
-                       description="the model: tiny (built in), tiny-random, coder (once shipped), or a Hugging Face model "
-                                   "directory")
+                       description="the model: tiny (built in), tiny-random, coder (once shipped), or a Hugging "
+                                   "Face model directory")
     data_dir: Path = Field(default_factory=default_data_dir, description="where models, checkpoints and run state live")
     instance_id: str = Field("", description="this instance's id; empty: service-host-random")
     log_level: str = Field("INFO", min_length=1, description="DEBUG, INFO, WARNING, ERROR")

@@ -1,11 +1,12 @@
 """What a model spec names, read without loading weights or torch: config, tokenizer, name and
 where its weights are.
 
-Specs: ``coder`` (the default served model: a small code model with its own BPE tokenizer and chat
-template, trained by ``tandem train`` on the GPU and shipped in ``weights/coder/``, see its
-PROVENANCE.md; a checkpoint in ``<data_dir>/models/coder/`` takes precedence), ``tiny`` (the
-byte-level test model: a checkpoint the user trained into ``<data_dir>/models/tiny/``, else the one
-shipped in ``weights/tiny/`` beside this file, else seeded random weights), ``tiny-random`` (always those random weights), ``random:<preset>`` (a real model's
+Specs: ``tiny`` (the built-in byte-level model: a checkpoint the user trained into
+``<data_dir>/models/tiny/``, else the one shipped in ``weights/tiny/`` beside this file, else seeded
+random weights), ``tiny-random`` (always those random weights), ``coder`` (the small code model with
+its own BPE tokenizer and chat template that ``tandem train``'s coder presets make: a checkpoint in
+``<data_dir>/models/coder/``, else one shipped in ``weights/coder/``; none is shipped until its GPU
+run, and then it refuses in one line), ``random:<preset>`` (a real model's
 shape with random weights, see :data:`PRESETS`) and a Hugging Face directory (config.json,
 tokenizer.json, safetensors). The router and ``tandem up`` need only this; serving workers load the
 weights through :mod:`tandem.shared.model.loader`.
@@ -89,7 +90,12 @@ class ModelMeta:
 
 def trained_tiny_dir(data_dir: str | os.PathLike) -> Path:
     """Where ``tandem train --default`` saves the tiny model and where ``tiny`` looks first."""
-    return Path(data_dir) / "models" / TINY
+    return trained_model_dir(data_dir, TINY)
+
+
+def trained_model_dir(data_dir: str | os.PathLike, name: str) -> Path:
+    """Where the built-in model ``name`` looks first: the user's own checkpoint of it."""
+    return Path(data_dir) / "models" / name
 
 
 def load_model_meta(spec: str | os.PathLike, data_dir: str | os.PathLike | None = None) -> ModelMeta:
@@ -108,7 +114,7 @@ def load_model_meta(spec: str | os.PathLike, data_dir: str | os.PathLike | None 
         log.warning("no tiny checkpoint in %s nor in the package; serving random weights", saved or "a data dir")
         return ModelMeta(ModelConfig.tiny(), ByteTokenizer(), TINY, None, "random")
     if str(spec) == CODER:
-        saved = trained_tiny_dir(data_dir).with_name(CODER) if data_dir is not None else None
+        saved = trained_model_dir(data_dir, CODER) if data_dir is not None else None
         path = saved if saved is not None and _is_checkpoint(saved) else shipped_checkpoint(CODER)
         if path is None:
             raise ModelLoadError(f"the {CODER!r} model's weights are missing from this install "

@@ -25,6 +25,7 @@ from tandem.shared.model.config import ModelConfig, ModelLoadError
 from tandem.shared.model.meta import read_hf_config
 from tandem.shared.protocol.base import ErrorCode, ProtocolError
 from tandem.shared.protocol.training import TimelineOp, TrainJob, TrainStepMetrics
+from tandem.shared.text.bpe_trainer import train_bpe, write_tokenizer_dir
 from tandem.shared.text.chat_template import (
     SPECIAL_TOKENS_MAP,
     TEMPLATE_DIR,
@@ -40,7 +41,6 @@ from tandem.shared.train.checkpoint import (
     restore_optimizer,
     save_checkpoint,
 )
-from tandem.shared.text.bpe_trainer import train_bpe, write_tokenizer_dir
 from tandem.shared.train.data import TokenData, dataset_files
 from tandem.shared.train.finetune_data import FinetuneData, records_kind, training_template
 from tandem.shared.train.frozen_base import FrozenBase

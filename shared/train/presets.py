@@ -21,8 +21,8 @@ from pathlib import Path
 
 from tandem.shared.model.config import ModelConfig, ModelLoadError
 from tandem.shared.model.meta import read_hf_config
-from tandem.shared.text.bpe_trainer import PAD, SPECIAL_TOKENS, TURN_END
 from tandem.shared.text.bpe_trainer import END_OF_TEXT as BPE_END_OF_TEXT
+from tandem.shared.text.bpe_trainer import PAD, SPECIAL_TOKENS, TURN_END
 from tandem.shared.text.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_PAD_ID
 
 _SHAPES = {

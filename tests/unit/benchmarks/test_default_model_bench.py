@@ -33,7 +33,8 @@ def bench():
     ("def f(n):\n", "    pass\n", False),
     ("def f(n):\n", "                                \n", False),  # whitespace: what the old tiny model wrote
     ("def f(n):\n", "    x = [1, 2,\n    return x\n", False),  # does not parse
-    ("def f(n):\n", "    total = 0\n    for i in range(n):\n        total += i\n    ret", True),  # cut: last line dropped
+    # cut off by the token limit: the partial last line is dropped
+    ("def f(n):\n", "    total = 0\n    for i in range(n):\n        total += i\n    ret", True),
 ])
 def test_a_head_passes_only_with_a_parsing_body(bench, head, completion, passes):
     text = bench.function_text(head, completion)
