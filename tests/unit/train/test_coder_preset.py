@@ -70,3 +70,16 @@ def test_reruns_train_the_same_model(dataset, tmp_path):
         weights.append(load_model(str(tmp_path / name)).model.state_dict())
     for key, tensor in weights[0].items():
         assert torch.equal(tensor, weights[1][key]), f"{key} differs between two runs of the same job"
+
+
+def test_coder_names_the_users_own_run_and_refuses_in_one_line_without_one(dataset, tmp_path, monkeypatch):
+    from tandem.shared.model import meta as model_meta
+    from tandem.shared.model.config import ModelLoadError
+
+    monkeypatch.setattr(model_meta, "_WEIGHTS", "no-such-weights")  # as in an install without shipped weights
+    with pytest.raises(ModelLoadError, match="weights are missing from this install") as info:
+        model_meta.load_model_meta("coder", data_dir=tmp_path)
+    assert "\n" not in str(info.value)
+    TrainLoop(coder_job(dataset, tmp_path / "models" / "coder", steps=1), "mine", tmp_path).run()
+    meta = model_meta.load_model_meta("coder", data_dir=tmp_path)
+    assert meta.source == "data-dir" and meta.name == "coder" and isinstance(meta.tokenizer, HFTokenizer)
