@@ -6,8 +6,8 @@ Llama-shaped models with a 32000-entry vocabulary (the shapes of ``../shared/anc
 on the last two), for measuring what fits (a LoRA run keeps only the frozen base in host RAM, at 2
 bytes a parameter). They use the byte tokenizer's ids (a byte corpus trains them, and a saved
 checkpoint serves with the byte tokenizer). ``coder-s``, ``coder-m`` and ``coder-deep`` are the
-small code models the default served model is chosen from (``coder-m`` is the one shipped as
-``coder``): trained from scratch with a byte-level BPE of :data:`CODER_VOCAB` entries that the job
+small code models the default served model ``coder`` is to be chosen from by measurement
+(scripts/train_default_model.py): trained from scratch with a byte-level BPE of :data:`CODER_VOCAB` entries that the job
 trains on its own dataset first (shared/text/bpe_trainer.py), tied embeddings, ChatML special
 tokens. Any other spec is a Hugging Face checkpoint directory to start from.
 
@@ -33,7 +33,7 @@ _SHAPES = {
     "34b": dict(hidden_size=8192, num_layers=48, intermediate_size=22016, num_heads=64, num_kv_heads=8),
     "70b": dict(hidden_size=8192, num_layers=80, intermediate_size=28672, num_heads=64, num_kv_heads=8),
 }
-# Candidates of one size class (fp16 weights under ~25 MB), head_dim 64, two KV heads.
+# Candidates of one size class (fp16 weights of at most ~25 MB), head_dim 64, one or two KV heads.
 _CODER_SHAPES = {
     "coder-s": dict(hidden_size=256, num_layers=8, intermediate_size=704, num_heads=4, num_kv_heads=2),
     "coder-m": dict(hidden_size=384, num_layers=6, intermediate_size=960, num_heads=6, num_kv_heads=2),
