@@ -169,9 +169,9 @@ def start_system(nats_server, data_dir, tmp_path_factory):
 
     def start(prefill: int = 1, decode: int = 1, router: int = 1, model_args: list[str] = (),
               prefill_args: list[str] = (), decode_args: list[str] = (), kvstore: int = 0,
-              kvstore_args: list[str] = (), router_args: list[str] = ()) -> System:
+              kvstore_args: list[str] = (), router_args: list[str] = (), env: dict[str, str] | None = None) -> System:
         logdir = tmp_path_factory.mktemp("logs")
-        system = System(nats_server.url, logdir, service_env(data_dir))
+        system = System(nats_server.url, logdir, service_env(data_dir) | (env or {}))
         plan = [("kvstore", kvstore), ("decode", decode), ("prefill", prefill), ("router", router)]
         for service, count in plan:
             for i in range(count):

@@ -65,7 +65,9 @@ class Shape(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def api(start_system):
-    system = start_system(prefill=1, decode=1, decode_args=["--num-blocks", "800", "--max-model-len", "2048"])
+    # DEBUG: a failure's message carries the services' logs (see the many-seed tests)
+    system = start_system(prefill=1, decode=1, decode_args=["--num-blocks", "800", "--max-model-len", "2048"],
+                          env={"TANDEM_LOG_LEVEL": "DEBUG"})
     system.processes["frontend-structured"] = launch(system.url, "frontend", "frontend-structured", system.logdir,
                                                      system.env, ["--http-port", "0"])
     run_sync(wait_until_ready(system.url, {"frontend": ["frontend-structured"]}, system.check_alive, 60))
@@ -112,7 +114,11 @@ async def test_a_json_schema_response_format_validates_for_every_seed(api, strea
                 reason = choice.finish_reason or reason
         return text, reason
 
-    for seed, (text, reason) in zip(SEEDS, await asyncio.gather(*(one(seed) for seed in SEEDS))):
+    results = await asyncio.gather(*(one(seed) for seed in SEEDS), return_exceptions=True)
+    failed = {seed: repr(r) for seed, r in zip(SEEDS, results) if isinstance(r, BaseException)}
+    # The services' logs with the failure: a request that never got its answer leaves its trace only there.
+    assert not failed, f"requests failed: {failed}\n{api.logs()}"
+    for seed, (text, reason) in zip(SEEDS, results):
         assert reason == "stop", f"seed {seed}: ended {reason!r}: {text!r}"
         jsonschema.validate(json.loads(text), ORDER)
 
