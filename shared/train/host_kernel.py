@@ -12,6 +12,9 @@ read from their ``TANDEM_*`` variables when the kernel is first loaded.
     kernel = load()
     if kernel:
         kernel.adamw(master, exp_avg, exp_avg_sq, grad, work, hyper, write_state=True, write_work=True)
+
+A compact state (bf16 masters, int8 moments: state_format.py) takes ``adamw_compact``, which is
+``state_format.adamw_reference`` bit for bit.
 """
 
 from __future__ import annotations
@@ -30,12 +33,16 @@ from pathlib import Path
 import torch
 
 from tandem.shared.infra.config import HostAdamSettings, from_env
+from tandem.shared.train.state_format import BLOCK
 
 log = logging.getLogger("tandem.train")
 
 SOURCE = Path(__file__).with_name("host_adam.c")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared", "-pthread"]
 GRAD_BF16, WORK_BF16, WRITE_STATE, WRITE_WORK = 1, 2, 4, 8
+# tandem_adamw_compact's flags
+C_GRAD_BF16, C_MASTER_BF16, C_KAHAN, C_MOMENTS_INT8, C_WORK, C_WORK_BF16 = 1, 2, 4, 8, 16, 32
+C_WRITE_MASTER, C_WRITE_MOMENTS, C_WRITE_WORK = 64, 128, 256
 
 
 def _cpu_signature() -> str:
@@ -61,6 +68,11 @@ class HostAdamKernel:
                                                      ctypes.c_int]
         # 0: one core stays with the engine's thread; TANDEM_ADAM_THREADS overrides (measuring contention)
         self.threads = threads or max(1, len(os.sched_getaffinity(0)) - 1)
+        self._compact = library.tandem_adamw_compact
+        self._compact.restype = None
+        self._compact.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_int64,
+                                                          ctypes.POINTER(ctypes.c_float), ctypes.c_uint32,
+                                                          ctypes.c_int, ctypes.c_int]
         self._bench = library.tandem_membench
         self._bench.restype = ctypes.c_uint32
         self._bench.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
@@ -92,6 +104,46 @@ class HostAdamKernel:
         values = (ctypes.c_float * 8)(*hyper)
         self._fn(master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(), work.data_ptr(), n,
                  values, flags, self.threads)
+
+    def adamw_compact(self, master: torch.Tensor, comp: torch.Tensor | None, exp_avg: torch.Tensor,
+                      exp_avg_sq: torch.Tensor, m_absmax: torch.Tensor | None, v_absmax: torch.Tensor | None,
+                      grad: torch.Tensor, work: torch.Tensor | None, hyper: tuple[float, ...], seed: int,
+                      index_base: int, write_master: bool, write_moments: bool, write_work: bool) -> None:
+        """One decay range's update of a compact state (state_format.py), in place: the arguments are
+        ``state_format.adamw_reference``'s, and so is every bit of the result."""
+        n = master.numel()
+        quantized = m_absmax is not None
+        blocks = -(-n // BLOCK)
+        for t in (master, comp, exp_avg, exp_avg_sq, grad, work):
+            if t is not None and (t.numel() != n or not t.is_contiguous() or t.device.type != "cpu"):
+                raise ValueError("compact host AdamW needs contiguous host tensors of one length")
+        if master.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("compact host AdamW's master must be fp32 or bf16")
+        if comp is not None and (master.dtype != torch.bfloat16 or comp.dtype != torch.bfloat16):
+            raise ValueError("a Kahan compensation is bf16, beside a bf16 master")
+        if (v_absmax is not None) != quantized:
+            raise ValueError("int8 moments need both absmax arrays, fp32 moments neither")
+        want = (torch.int8, torch.uint8) if quantized else (torch.float32, torch.float32)
+        if (exp_avg.dtype, exp_avg_sq.dtype) != want:
+            raise ValueError(f"compact host AdamW's moments must be {want[0]} and {want[1]}")
+        for t in (m_absmax, v_absmax) if quantized else ():
+            if t.dtype != torch.float32 or t.numel() != blocks or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"an absmax array must be {blocks} contiguous host fp32 values, one a block")
+        for t in (grad, work):
+            if t is not None and t.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError("compact host AdamW's grad and work must be fp32 or bf16")
+        if len(hyper) != 8:
+            raise ValueError("hyper must hold 8 values")
+        flags = (C_GRAD_BF16 if grad.dtype == torch.bfloat16 else 0) | (C_KAHAN if comp is not None else 0)
+        flags |= (C_MASTER_BF16 if master.dtype == torch.bfloat16 else 0) | (C_MOMENTS_INT8 if quantized else 0)
+        if work is not None:
+            flags |= C_WORK | (C_WORK_BF16 if work.dtype == torch.bfloat16 else 0)
+        flags |= (C_WRITE_MASTER if write_master else 0) | (C_WRITE_MOMENTS if write_moments else 0)
+        flags |= C_WRITE_WORK if write_work else 0
+        values = (ctypes.c_float * 8)(*hyper)
+        ptr = [None if t is None else t.data_ptr() for t in (comp, m_absmax, v_absmax, work)]
+        self._compact(master.data_ptr(), ptr[0], exp_avg.data_ptr(), exp_avg_sq.data_ptr(), ptr[1], ptr[2],
+                      grad.data_ptr(), ptr[3], n, index_base, values, seed & 0xFFFFFFFF, flags, self.threads)
 
 
 def _build(settings: HostAdamSettings) -> Path:
