@@ -43,6 +43,10 @@ class TrainJob(BaseModel):
     device_resident_layers: int | None = Field(None, ge=0)
     compile_layers: bool | None = None  # torch.compile the layer blocks; None: on CUDA only
     split_update: bool | None = None  # host AdamW as preview + commit (optimizer.py); None: on CUDA only
+    # The host state's formats (shared/train/state_format.py): bf16 masters rounded stochastically or with a
+    # Kahan compensation, 8-bit block-quantized Adam moments; each host-updated only (no GPU-updated layers)
+    master_weights: Literal["fp32", "bf16-sr", "bf16-kahan"] = "fp32"
+    adam_moments: Literal["fp32", "int8"] = "fp32"
     # CUDA kernels with a fixed reduction order (shared/train/determinism.py): reruns and resumes are bit-exact;
     # False: the atomics-based backward kernels (embedding, attention), slightly faster, last bits vary
     deterministic: bool = True

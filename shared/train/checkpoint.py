@@ -1,10 +1,11 @@
 """Trainer checkpoints: Hugging Face weights plus everything a bit-exact resume needs.
 
 A checkpoint directory holds ``model.safetensors`` (or per-unit shards and an index, for models
-over 2 GiB) with the fp32 masters under Hugging Face names, ``config.json`` (so
-:func:`tandem.shared.model.load_model` loads the directory as is), ``optimizer.safetensors`` (Adam
-moments and step counters per unit, RNG states) and ``trainer_state.json`` (step, data position,
-the job).
+over 2 GiB) with the masters under Hugging Face names (fp32, or bf16 for a job with bf16 masters),
+``config.json`` (so :func:`tandem.shared.model.load_model` loads the directory as is),
+``optimizer.safetensors`` (Adam moments, in the job's format, and step counters per unit, a bf16
+master's Kahan compensation, RNG states) and ``trainer_state.json`` (step, data position, the job,
+the state's format).
 
     save_checkpoint(path, state, step=100, job={...})
     info = restore_optimizer(path, state)   # after HostState.from_checkpoint(config, path, ...)
@@ -123,10 +124,8 @@ def save_checkpoint(path: str | os.PathLike, state: HostState, step: int, job: d
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         opt["rng.cuda"] = torch.cuda.get_rng_state()
     for unit in state.units:
-        opt[f"{unit.name}.exp_avg"] = unit.exp_avg
-        opt[f"{unit.name}.exp_avg_sq"] = unit.exp_avg_sq
-        opt[f"{unit.name}.step"] = unit.step
-    total = sum(u.master.numel() * 4 for u in state.units)
+        opt.update({f"{unit.name}.{name}": tensor for name, tensor in unit.optimizer_tensors().items()})
+    total = sum(u.master.nbytes for u in state.units)
     if total <= SINGLE_FILE_MAX_BYTES:
         save(state.state_dict(), "model.safetensors")
     else:
@@ -139,8 +138,10 @@ def save_checkpoint(path: str | os.PathLike, state: HostState, step: int, job: d
         index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
         write("model.safetensors.index.json", json.dumps(index_json, indent=1) + "\n")
     save(opt, "optimizer.safetensors")
-    write(STATE_FILE, json.dumps({"step": step, "data_position": step, "job": job}, indent=2) + "\n")
-    config = state.config.to_hf_dict() | {"torch_dtype": "float32"}
+    record = {"step": step, "data_position": step, "job": job,
+              "state_format": {"master": state.format.master, "moments": state.format.moments}}
+    write(STATE_FILE, json.dumps(record, indent=2) + "\n")
+    config = state.config.to_hf_dict() | {"torch_dtype": "bfloat16" if state.format.bf16_master else "float32"}
     write("config.json", json.dumps(config, indent=2) + "\n")  # last: a fresh folder's loader waits for it
     commit_save(path, step, written, _owned(path))  # stale: the other weights layout's files, shards of another count
     return path
@@ -167,17 +168,23 @@ def has_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def restore_optimizer(path: str | os.PathLike, state: HostState) -> dict[str, Any]:
-    """Load moments, step counters and RNG states into ``state``; return trainer_state.json."""
+    """Load moments, step counters and RNG states into ``state``; return trainer_state.json. The
+    state's format (state_format.py) must be the checkpoint's: its moments are not converted."""
     path = Path(path)
+    info = json.loads((path / STATE_FILE).read_text())
+    saved = info.get("state_format", {"master": "fp32", "moments": "fp32"})
+    if (saved["master"], saved["moments"]) != (state.format.master, state.format.moments):
+        raise ModelLoadError(f"{path} was trained with --master-weights {saved['master']} --adam-moments "
+                             f"{saved['moments']}: resume it with those")
     with safe_open(str(path / "optimizer.safetensors"), framework="pt", device="cpu") as f:
         keys = set(f.keys())
         for unit in state.units:
-            for attr in ("exp_avg", "exp_avg_sq", "step"):
+            for attr, tensor in unit.optimizer_tensors().items():
                 key = f"{unit.name}.{attr}"
                 if key not in keys:
                     raise ModelLoadError(f"{path} optimizer state lacks {key}")
-                getattr(unit, attr).copy_(f.get_tensor(key))
+                tensor.copy_(f.get_tensor(key))
         torch.set_rng_state(f.get_tensor("rng.torch"))
         if "rng.cuda" in keys and torch.cuda.is_available():
             torch.cuda.set_rng_state(f.get_tensor("rng.cuda"))
-    return json.loads((path / STATE_FILE).read_text())
+    return info

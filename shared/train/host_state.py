@@ -1,9 +1,11 @@
 """Host-resident training state: everything about the model that lives in host RAM.
 
 Per unit (the extras, then each decoder layer; see :mod:`tandem.shared.train.layout`) one flat
-fp32 master copy, fp32 Adam moments and a step counter, plus a *working copy* in the compute dtype
+master copy, the Adam moments and a step counter, plus a *working copy* in the compute dtype
 (bf16 on CUDA) and a gradient buffer of the same dtype, both pinned on CUDA so a whole unit moves
-in one asynchronous copy. The GPU only ever holds a couple of units at a time.
+in one asynchronous copy. The GPU only ever holds a couple of units at a time. Masters and moments
+are fp32 unless the job's :class:`~tandem.shared.train.state_format.StateFormat` asks for bf16
+masters or int8 moments; a bf16 master where the compute dtype is bf16 is the working copy itself.
 
     state = HostState.random(config, seed=0, work_dtype=torch.bfloat16, pin=True)
     state.state_dict()   # {"model.layers.0.self_attn.q_proj.weight": fp32 view, ...}
@@ -22,6 +24,7 @@ from tandem.shared.model.config import ModelConfig, ModelLoadError
 from tandem.shared.model.meta import weight_files
 from tandem.shared.train.lanes import host_buffer
 from tandem.shared.train.layout import UnitLayout, extras_layout, layer_layout
+from tandem.shared.train.state_format import FP32_STATE, StateFormat, num_blocks
 
 INIT_STD = 0.02
 EXTRAS = 0  # unit index of the extras; decoder layer i is unit i + 1
@@ -32,13 +35,16 @@ class Unit:
     name: str  # "extras" or "layer.<i>"
     prefix: str  # what precedes the layout's names in the checkpoint ("" or "model.layers.<i>.")
     layout: UnitLayout
-    master: torch.Tensor  # fp32, the weights the optimizer updates
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    master: torch.Tensor  # fp32 or bf16 (state_format.py): the weights the optimizer updates
+    exp_avg: torch.Tensor  # fp32, or int8 codes
+    exp_avg_sq: torch.Tensor  # fp32, or uint8 codes
     step: torch.Tensor  # fp32 scalar: updates applied (the fused AdamW kernel reads it)
-    work: torch.Tensor  # compute dtype, what the GPU loads
+    work: torch.Tensor  # compute dtype, what the GPU loads (the master itself where both are bf16)
     grad: torch.Tensor  # compute dtype, what the GPU's gradients land in
     grad_spare: torch.Tensor | None = None  # a second one, for updates that read gradients late (optimizer.py)
+    comp: torch.Tensor | None = None  # bf16 Kahan compensation of a bf16 master
+    exp_avg_absmax: torch.Tensor | None = None  # per quantization block, of int8 moments
+    exp_avg_sq_absmax: torch.Tensor | None = None
 
     def grad_for(self, version: int) -> torch.Tensor:
         """The buffer for the gradients of the step whose update makes ``version``."""
@@ -46,6 +52,20 @@ class Unit:
 
     def master_views(self) -> dict[str, torch.Tensor]:
         return {self.prefix + k: v for k, v in self.layout.views(self.master).items()}
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every host tensor of the unit, each once (a master that is the working copy counted once)."""
+        out: list[torch.Tensor] = []
+        for t in (self.master, self.comp, self.exp_avg, self.exp_avg_sq, self.exp_avg_absmax, self.exp_avg_sq_absmax,
+                  self.step, self.work, self.grad, self.grad_spare):
+            if t is not None and not any(t is seen for seen in out):
+                out.append(t)
+        return out
+
+    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of the optimizer besides the masters, by attribute name."""
+        names = ("exp_avg", "exp_avg_sq", "step", "comp", "exp_avg_absmax", "exp_avg_sq_absmax")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
 def draw_initial_weights(views: dict[str, torch.Tensor], seed: int, unit_index: int) -> None:
@@ -83,46 +103,67 @@ def fill_from_checkpoint(targets: dict[str, torch.Tensor], path: Path) -> None:
 
 
 class HostState:
-    """fp32 masters, fp32 moments, pinned working copies and gradient buffers, unit by unit."""
+    """Masters, moments, pinned working copies and gradient buffers, unit by unit."""
 
-    def __init__(self, config: ModelConfig, work_dtype: torch.dtype, pin: bool) -> None:
+    def __init__(self, config: ModelConfig, work_dtype: torch.dtype, pin: bool,
+                 fmt: StateFormat = FP32_STATE) -> None:
         self.config = config
         self.work_dtype = work_dtype
         self.pin = pin
+        self.format = fmt
         layouts = [("extras", "", extras_layout(config))]
         layouts += [(f"layer.{i}", f"model.layers.{i}.", layer_layout(config)) for i in range(config.num_layers)]
         with ThreadPoolExecutor(8) as pool:
             self.units: list[Unit] = list(pool.map(lambda a: self._allocate(*a), layouts))
 
     def _allocate(self, name: str, prefix: str, layout: UnitLayout) -> Unit:
-        n = layout.numel
-        zeros = lambda: torch.zeros(n, dtype=torch.float32)  # noqa: E731
-        return Unit(name, prefix, layout, zeros(), zeros(), zeros(), torch.zeros((), dtype=torch.float32),
-                    host_buffer(n, self.work_dtype, self.pin), host_buffer(n, self.work_dtype, self.pin))
+        n, fmt = layout.numel, self.format
+        work = host_buffer(n, self.work_dtype, self.pin)
+        if fmt.master_shares_work(self.work_dtype):
+            master = work
+        else:
+            master = torch.zeros(n, dtype=torch.bfloat16 if fmt.bf16_master else torch.float32)
+        comp = torch.zeros(n, dtype=torch.bfloat16) if fmt.kahan else None
+        if fmt.int8_moments:
+            blocks = num_blocks(layout.decay_ranges(1.0))  # every range, whatever the job's decay
+            m, v = torch.zeros(n, dtype=torch.int8), torch.zeros(n, dtype=torch.uint8)
+            m_absmax, v_absmax = torch.zeros(blocks), torch.zeros(blocks)
+        else:
+            m, v, m_absmax, v_absmax = torch.zeros(n), torch.zeros(n), None, None
+        return Unit(name, prefix, layout, master, m, v, torch.zeros((), dtype=torch.float32), work,
+                    host_buffer(n, self.work_dtype, self.pin), comp=comp, exp_avg_absmax=m_absmax,
+                    exp_avg_sq_absmax=v_absmax)
 
     @classmethod
-    def random(cls, config: ModelConfig, seed: int, work_dtype: torch.dtype, pin: bool) -> HostState:
+    def random(cls, config: ModelConfig, seed: int, work_dtype: torch.dtype, pin: bool,
+               fmt: StateFormat = FP32_STATE) -> HostState:
         """N(0, 0.02) matrices, unit norms, zero biases; one generator per unit, filled in parallel."""
-        state = cls(config, work_dtype, pin)
+        state = cls(config, work_dtype, pin, fmt)
 
         def init(index: int) -> None:
             unit = state.units[index]
             draw_initial_weights(unit.layout.views(unit.master), seed, index)
-            unit.work.copy_(unit.master)
+            state.refresh_work(unit)
 
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(init, range(len(state.units))))
         return state
 
     @classmethod
-    def from_checkpoint(cls, config: ModelConfig, path: Path, work_dtype: torch.dtype, pin: bool) -> HostState:
+    def from_checkpoint(cls, config: ModelConfig, path: Path, work_dtype: torch.dtype, pin: bool,
+                        fmt: StateFormat = FP32_STATE) -> HostState:
         """Masters from a Hugging Face safetensors checkpoint (any float dtype, sharded or not)."""
-        state = cls(config, work_dtype, pin)
+        state = cls(config, work_dtype, pin, fmt)
         targets = state.state_dict()
         fill_from_checkpoint(targets, path)
         for unit in state.units:
-            unit.work.copy_(unit.master)
+            state.refresh_work(unit)
         return state
+
+    @staticmethod
+    def refresh_work(unit: Unit) -> None:
+        if unit.work is not unit.master:
+            unit.work.copy_(unit.master)
 
     def add_grad_spares(self) -> None:
         for unit in self.units:
@@ -137,5 +178,4 @@ class HostState:
         return out
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for u in self.units
-                   for t in (u.master, u.exp_avg, u.exp_avg_sq, u.work, u.grad, u.grad_spare) if t is not None)
+        return sum(t.nbytes for u in self.units for t in u.buffers())

@@ -69,6 +69,7 @@ from tandem.shared.train.plan import (
     step_bound,
 )
 from tandem.shared.train.presets import resolve_model, trained_tokenizer_vocab
+from tandem.shared.train.state_format import StateFormat
 
 log = logging.getLogger("tandem.train")
 # What a checkpoint takes from the directory it started from, beside its own weights and config.
@@ -169,10 +170,12 @@ def plan_job(job: TrainJob, output_dir: Path, rates: Rates | None = None, mlp_ch
     sets = job.device_update_sets
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H200_SMS
 
+    fmt = state_format(job)
+
     def plan_for(placement: Placement, split: bool) -> MemoryPlan:
         return memory_plan(config, dtype, job.batch_size, job.seq_len, placement, device=device.type, split=split,
                            gpu_cap=cap, host_available=host_free, mlp_chunk=mlp_chunk, data_bytes=data_bytes,
-                           packed=data.packed, deterministic=job.deterministic, sm_count=sms)
+                           packed=data.packed, deterministic=job.deterministic, sm_count=sms, state_format=fmt)
 
     if lora is not None:
         return _lora_setup(job, config, init_from, model_name, device, dtype, resume, output_dir, data, lora, cap,
@@ -183,6 +186,9 @@ def plan_job(job: TrainJob, output_dir: Path, rates: Rates | None = None, mlp_ch
         split = False
     # not model_fields_set: a job that came over the bus has every field set (the codec sends them all)
     explicit_k = job.device_update_layers is not None
+    if not fmt.default and (job.device_update_layers or job.device_resident_layers):
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"{fmt.describe()} are updated on the host only: leave out "
+                            "--device-update-layers and --device-resident-layers (or keep fp32 state)")
     if explicit_k or job.device_resident_layers is not None:
         r = job.device_resident_layers or 0
         k = job.device_update_layers if explicit_k else r
@@ -191,6 +197,11 @@ def plan_job(job: TrainJob, output_dir: Path, rates: Rates | None = None, mlp_ch
                                 "--device-resident-layers counts among --device-update-layers")
         placement = Placement(min(r, config.num_layers), min(k, config.num_layers), sets, "given")
         bound = step_bound(config, job.batch_size, job.seq_len, placement, rates or H200, dtype.itemsize, split)
+    elif not fmt.default:
+        # The GPU's update (device_update.py) keeps fp32 state. No bound: step_bound models the fp32
+        # state's passes and bytes.
+        placement = Placement(0, 0, sets, f"{fmt.describe()}: the host updates every layer")
+        bound = {}
     elif device.type == "cuda":
         rates = rates or measure_rates(device)
         placement, bound = choose_placement(config, dtype, job.batch_size, job.seq_len, cap, rates, split, sets,
@@ -300,6 +311,10 @@ def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int,
     return 6 * num_params + attention
 
 
+def state_format(job: TrainJob) -> StateFormat:
+    return StateFormat(job.master_weights, job.adam_moments)
+
+
 def output_dir_of(job: TrainJob, job_id: str, data_dir: Path) -> Path:
     return Path(job.output_dir) if job.output_dir else Path(data_dir) / "train" / job_id
 
@@ -335,15 +350,17 @@ class TrainLoop:
         if setup.lora is not None:
             self._init_lora(setup, mlp_chunk, pin)
             return
+        fmt = state_format(job)
         if setup.resume:
-            self.state = HostState.from_checkpoint(config, self.output_dir, dtype, pin)
+            self.state = HostState.from_checkpoint(config, self.output_dir, dtype, pin, fmt)
             self.start_step = int(restore_optimizer(self.output_dir, self.state)["step"])
             log.info("resuming %s from %s at step %d", job_id, self.output_dir, self.start_step)
         elif init_from is not None:
-            self.state = HostState.from_checkpoint(config, init_from, dtype, pin)
+            self.state = HostState.from_checkpoint(config, init_from, dtype, pin, fmt)
         else:
-            self.state = HostState.random(config, job.seed, dtype, pin)
-        self.optimizer = HostAdamW(self.state, self.lr_at, job.weight_decay, job.grad_clip, split=setup.split)
+            self.state = HostState.random(config, job.seed, dtype, pin, fmt)
+        self.optimizer = HostAdamW(self.state, self.lr_at, job.weight_decay, job.grad_clip, split=setup.split,
+                                   seed=job.seed)
         self.engine = OffloadStep(config, self.state, self.optimizer, self.device, mlp_chunk=mlp_chunk,
                                       device_update_layers=self.placement.device_update,
                                       device_update_sets=self.placement.sets,
@@ -352,8 +369,9 @@ class TrainLoop:
         log.info("job %s: placement %s (%s)", job_id, self.placement.describe(config.num_layers),
                  self.placement.reason)
         self.flops_per_token = flops_per_token(self.num_params, config.num_layers, config.hidden_size, job.seq_len)
-        log.info("job %s: %s, %.3fB parameters, %s, data %s, host state %.1f GiB", job_id, job.model,
-                 self.num_params / 1e9, self.device, self.data.description, self.state.nbytes() / 2**30)
+        log.info("job %s: %s, %.3fB parameters, %s, data %s, host state %.1f GiB (%s)", job_id, job.model,
+                 self.num_params / 1e9, self.device, self.data.description, self.state.nbytes() / 2**30,
+                 fmt.describe())
 
     def _init_lora(self, setup: JobSetup, mlp_chunk: int, pin: bool) -> None:
         """A LoRA job's base, adapter, optimizer and step (see the module)."""

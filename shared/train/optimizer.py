@@ -8,7 +8,9 @@ GPU's forward. Gradients are clip-scaled by multiplying (as ``clip_grad_norm_`` 
 update.
 
 Two arithmetic paths: the fused C kernel (host_kernel.py, one pass over host memory, GIL released)
-and, where it cannot be built, ``torch._fused_adamw_`` over cache-sized chunks.
+and, where it cannot be built, ``torch._fused_adamw_`` over cache-sized chunks. A compact state
+(bf16 masters, int8 moments: state_format.py) takes the kernel's compact pass, or where there is no
+kernel the same arithmetic in torch (``state_format.adamw_reference``).
 
 **Preview, then commit** (``split=True``, kernel only). The next forward needs only the new
 *working copy*; the new masters and moments are needed by the next update. So a step's update runs
@@ -18,7 +20,9 @@ forward waits on; *commit* then writes masters and moments, while the GPU runs t
 the host is otherwise idle. Both passes evaluate the same expression per element, so the working
 copy the forward used is bit for bit the one a full update would write. Commit reads the gradient
 after the next backward has started producing new ones, so split mode gives each unit a second
-gradient buffer (:meth:`Unit.grad_for`). :meth:`wait_all` waits for commits.
+gradient buffer (:meth:`Unit.grad_for`). :meth:`wait_all` waits for commits. A bf16 master is
+written by the preview (it is, or makes, the working copy; the commit never reads it: the moments
+do not depend on it), so its commit writes only the moments.
 
     opt = HostAdamW(state, lr_at=lambda step: 3e-4, weight_decay=0.1, grad_clip=1.0)
     opt.start(); opt.submit(UpdateJob(...)); opt.wait(unit_index, version)
@@ -38,6 +42,7 @@ import torch
 from tandem.shared.infra.config import from_env
 from tandem.shared.train import host_kernel
 from tandem.shared.train.host_state import HostState, Unit
+from tandem.shared.train.state_format import BLOCK, adamw_reference, block_offsets, step_seed
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8
@@ -77,10 +82,12 @@ class HostAdamW:
 
     def __init__(self, state: HostState, lr_at: Callable[[int], float], weight_decay: float, grad_clip: float,
                  betas: tuple[float, float] = BETAS, eps: float = EPS, kernel: bool = True,
-                 split: bool = False) -> None:
+                 split: bool = False, seed: int = 0) -> None:
         self.state = state
         self.kernel = host_kernel.load() if kernel else None
-        self.split = split and self.kernel is not None
+        self.compact = not state.format.default
+        self.split = split and (self.kernel is not None or self.compact)
+        self.seed = seed  # of a bf16 master's stochastic rounding (state_format.step_seed)
         if self.split:
             state.add_grad_spares()
         self.lr_at = lr_at
@@ -151,7 +158,11 @@ class HostAdamW:
             start = time.perf_counter()
             if index not in self.skip:
                 grad = unit.grad_for(job.version)
-                if self.split:
+                if self.compact:
+                    self.compact_pass(index, unit, grad, job.lr, scale, "preview" if self.split else "whole")
+                    if not self.split:
+                        unit.step += 1
+                elif self.split:
                     self.kernel_pass(unit, grad, job.lr, scale, write_state=False, write_work=True)
                 else:
                     self.update_unit(unit, job.lr, scale, grad)
@@ -162,8 +173,11 @@ class HostAdamW:
         if self.split:
             for index, unit in enumerate(self.state.units):
                 if index not in self.skip:
-                    self.kernel_pass(unit, unit.grad_for(job.version), job.lr, scale, write_state=True,
-                                      write_work=False)
+                    if self.compact:
+                        self.compact_pass(index, unit, unit.grad_for(job.version), job.lr, scale, "commit")
+                    else:
+                        self.kernel_pass(unit, unit.grad_for(job.version), job.lr, scale, write_state=True,
+                                          write_work=False)
                     unit.step += 1
                 self._publish(index, job.version, settled=True)
 
@@ -177,6 +191,10 @@ class HostAdamW:
     def update_unit(self, unit: Unit, lr: float, scale: float, grad: torch.Tensor | None = None) -> None:
         """A whole update of one unit: masters, moments, step and working copy."""
         grad = unit.grad if grad is None else grad
+        if self.compact:
+            self.compact_pass(self.state.units.index(unit), unit, grad, lr, scale, "whole")
+            unit.step += 1
+            return
         if self.kernel is not None:
             self.kernel_pass(unit, grad, lr, scale, write_state=True, write_work=True)
             unit.step += 1
@@ -211,3 +229,36 @@ class HostAdamW:
             hyper = (scale, 1 - lr * wd, 1 - b1, b2, 1 - b2, self.eps, step_size, bc2_sqrt)
             self.kernel.adamw(unit.master[lo:hi], unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi], grad[lo:hi],
                               unit.work[lo:hi], hyper, write_state=write_state, write_work=write_work)
+
+    def compact_pass(self, index: int, unit: Unit, grad: torch.Tensor, lr: float, scale: float, kind: str) -> None:
+        """One pass over a compact-state unit (state_format.py): ``whole``, or the split's ``preview``
+        (the working copy, and a bf16 master, which is it or makes it) or ``commit`` (the moments, and
+        an fp32 master)."""
+        step = float(unit.step) + 1
+        b1, b2 = self.betas
+        step_size = lr / (1 - b1**step)
+        bc2_sqrt = math.sqrt(1 - b2**step)
+        bf16 = self.state.format.bf16_master
+        write_master = kind == "whole" or (kind == "preview") == bf16
+        write_moments = kind != "preview"
+        write_work = kind != "commit" and unit.work is not unit.master
+        work = None if unit.work is unit.master else unit.work
+        seed = step_seed(self.seed, index, int(step))
+        ranges = unit.layout.decay_ranges(self.weight_decay)
+        for (lo, hi, wd), block in zip(ranges, block_offsets(ranges)):
+            hyper = (scale, 1 - lr * wd, 1 - b1, b2, 1 - b2, self.eps, step_size, bc2_sqrt)
+            args = self._range_args(unit, lo, hi, block, work)
+            if self.kernel is not None:
+                self.kernel.adamw_compact(*args[:6], grad[lo:hi], args[6], hyper, seed, lo, write_master,
+                                          write_moments, write_work)
+            else:
+                adamw_reference(*args[:6], grad[lo:hi], args[6], hyper, seed, lo, write_master, write_moments,
+                                write_work)
+
+    @staticmethod
+    def _range_args(unit: Unit, lo: int, hi: int, block: int, work: torch.Tensor | None) -> tuple:
+        blocks = -(-(hi - lo) // BLOCK)
+        absmax = [None if t is None else t[block: block + blocks]
+                  for t in (unit.exp_avg_absmax, unit.exp_avg_sq_absmax)]
+        return (unit.master[lo:hi], None if unit.comp is None else unit.comp[lo:hi], unit.exp_avg[lo:hi],
+                unit.exp_avg_sq[lo:hi], absmax[0], absmax[1], None if work is None else work[lo:hi])

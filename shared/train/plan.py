@@ -51,8 +51,10 @@ from tandem.shared.model.config import ModelConfig
 from tandem.shared.train.functional import ATTENTION_CHUNK, flex_packing, staged
 from tandem.shared.train.layout import extras_layout, layer_layout
 from tandem.shared.train.lora import adapter_numel
+from tandem.shared.train.state_format import FP32_STATE, StateFormat
 
 GiB = 2**30
+MASTERS_AND_MOMENTS = "masters + moments"  # the plan's host entry of the optimizer's state
 RESIDENT_TAIL = 2  # the top layers whose inputs stay on the GPU between forward and backward (resident_tail)
 CUDA_CONTEXT = int(1.5 * GiB)  # host RAM the CUDA context and torch's libraries take in this process
 PROCESS_BASE = int(0.75 * GiB)  # host RAM of the interpreter, torch and the data on a CPU run
@@ -145,6 +147,7 @@ class MemoryPlan:
     workspace: int = 0  # cuBLAS workspaces (CUDA only)
     host_available: int | None = None  # bytes of host RAM free for it
     headroom: int = 0
+    state_format: StateFormat = FP32_STATE
     deterministic_extra: int = 0  # GPU bytes the deterministic kernels add to the peak (flash_splits)
     lora: AdapterConfig | None = None  # a LoRA run's adapter (its base frozen: lora_parts)
 
@@ -182,6 +185,8 @@ class MemoryPlan:
         if not self.fits_host():
             spare = self.host["gradient buffers"] // 2 if self.split else 0
             split_hint = f", --no-split-update (saves {spare / GiB:.1f} GiB)" if spare else ""
+            if self.state_format.default and self.lora is None:
+                split_hint += ", --master-weights bf16-sr --adam-moments int8 (host state 6-8 bytes a parameter)"
             raise PlanError(
                 f"host RAM: the job needs {self.host_total / GiB:.1f} GiB ({self._top(self.host)}) but "
                 f"{self.host_available / GiB:.1f} GiB is available; use a smaller model, a shorter --seq-len or a "
@@ -305,7 +310,8 @@ def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int,
                 device: str = "cuda", split: bool = True, gpu_cap: int | None = None,
                 host_available: int | None = None, mlp_chunk: int = 16384, loss_chunk: int | None = None,
                 data_bytes: int = 0, packed: bool = False, attention_chunk: int = ATTENTION_CHUNK,
-                deterministic: bool = False, sm_count: int = H200_SMS, lora: AdapterConfig | None = None) -> MemoryPlan:
+                deterministic: bool = False, sm_count: int = H200_SMS, lora: AdapterConfig | None = None,
+                state_format: StateFormat = FP32_STATE) -> MemoryPlan:
     """The bytes a job needs, from the same shapes the allocating code uses (module docstring).
     ``packed``: batches pack several examples a row, so each step also holds the attention mask and
     RoPE tables gathered per row: on CUDA without ``deterministic`` a FlexAttention block mask
@@ -314,7 +320,9 @@ def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int,
     (``[B, 1, S, S]`` of the work dtype, the last dim padded to 16). ``deterministic`` (CUDA): the step
     runs deterministic kernels, whose flash backward needs more room on long sequences (:func:`flash_splits`,
     ``sm_count`` SMs). ``lora``: a LoRA run of that adapter (:func:`lora_parts`; ``placement.resident``
-    counts the base layers kept on the GPU, ``split`` and ``device_update`` do not apply)."""
+    counts the base layers kept on the GPU, ``split`` and ``device_update`` do not apply).
+    ``state_format``: the host state's masters and moments (state_format.py); a bf16 master where the
+    work dtype is bf16 is the working copy, which then costs nothing more."""
     e = torch.empty((), dtype=work_dtype).element_size()
     L = cfg.num_layers
     n, ne = layer_layout(cfg).numel, extras_layout(cfg).numel
@@ -323,9 +331,10 @@ def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int,
     placement = replace(placement, resident=r, device_update=k)
     act = batch * seq * cfg.hidden_size * e
     grads_per_unit = 2 if split else 1
+    unit_ranges = [extras_layout(cfg).decay_ranges(1.0)] + [layer_layout(cfg).decay_ranges(1.0)] * L
     host = {
-        "fp32 masters + moments": sum(12 * u + 4 for u in units),
-        "working copies": sum(e * u for u in units),
+        MASTERS_AND_MOMENTS: sum(state_format.state_bytes(u, ranges) + 4 for u, ranges in zip(units, unit_ranges)),
+        "working copies": 0 if state_format.master_shares_work(work_dtype) else sum(e * u for u in units),
         "gradient buffers": grads_per_unit * sum(e * u for u in units),
         "checkpoints": (L - resident_tail(L, batch * seq, attention_chunk)) * act,
         "engine": 8 * len(units) + 4,
@@ -374,6 +383,7 @@ def memory_plan(cfg: ModelConfig, work_dtype: torch.dtype, batch: int, seq: int,
         # peak measured 34-40 bytes a token and 40-45 a pair; CUDA's sort keeps a second buffer).
         working["packed mask build"] = 56 * batch * seq + 64 * batch * tiles * tiles
     plan = MemoryPlan(cfg, device, batch, seq, e, placement, split, host, gpu, working, gpu_cap=gpu_cap,
+                      state_format=state_format,
                       host_available=host_available, deterministic_extra=deterministic_extra, lora=lora)
     if device == "cuda":
         plan.workspace = CUBLAS_WORKSPACE

@@ -47,8 +47,8 @@ DEFAULT_JOB = dict(model="tiny", dataset="stdlib", steps=200, batch_size=16, seq
 JOB_FLAGS = ("model", "dataset", "data_format", "pack", "steps", "batch_size", "seq_len", "lr", "weight_decay",
              "grad_clip", "warmup_steps", "seed", "device", "output_dir", "resume",
              "gpu_memory_gib", "device_update_layers", "device_resident_layers", "device_update_sets",
-             "compile_layers", "split_update", "deterministic", "lora_rank", "lora_alpha", "lora_targets",
-             "publish_adapter")
+             "compile_layers", "split_update", "master_weights", "adam_moments", "deterministic", "lora_rank",
+             "lora_alpha", "lora_targets", "publish_adapter")
 SAMPLE_PROMPT = "def "
 CHECKPOINT_EVERY = "30m"
 UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600}
@@ -184,6 +184,13 @@ def add_train_parser(sub: argparse._SubParsersAction, add_common) -> None:  # no
                    help="torch.compile the layer blocks (default: on CUDA)")
     p.add_argument("--split-update", action=argparse.BooleanOptionalAction, default=None,
                    help="host AdamW as preview + commit (default: on CUDA when host RAM has room)")
+    p.add_argument("--master-weights", choices=["fp32", "bf16-sr", "bf16-kahan"],
+                   help="the masters in host RAM: fp32 (4 bytes a parameter), bf16 rounded stochastically (2; on "
+                        "CUDA also the working copy) or bf16 with a bf16 Kahan compensation (4); not fp32: every "
+                        "layer is updated on the host (default: fp32)")
+    p.add_argument("--adam-moments", choices=["fp32", "int8"],
+                   help="AdamW's two moments in host RAM: fp32 (8 bytes a parameter) or 8-bit block-quantized "
+                        "(2, as bitsandbytes' Adam8bit); int8: every layer is updated on the host (default: fp32)")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: backward kernels with a fixed reduction order, so a rerun or a resume is bit-exact "
                         "(default: on; --no-deterministic: the atomics-based kernels, last bits vary)")

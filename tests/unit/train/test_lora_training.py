@@ -35,7 +35,7 @@ from tandem.shared.train.loop import TrainLoop
 from tandem.shared.train.lora import AdapterAdamW, TrainedAdapter, adapter_numel, group_of, lora_config
 from tandem.shared.train.lora_step import LoraStep
 from tandem.shared.train.optimizer import BETAS, EPS, lr_schedule
-from tandem.shared.train.plan import GiB, Placement, choose_lora_resident, memory_plan
+from tandem.shared.train.plan import MASTERS_AND_MOMENTS, GiB, Placement, choose_lora_resident, memory_plan
 from tandem.shared.train.presets import preset_config
 
 STEPS = 5
@@ -246,7 +246,7 @@ def test_the_plan_counts_exactly_what_a_lora_run_allocates():
     plan = memory_plan(cfg, torch.float32, batch, seq, Placement(), device="cpu", split=False, lora=lora)
     n = layer_layout(cfg).numel
     assert plan.host["frozen base"] == base.host_nbytes() == cfg.num_layers * n * 4  # the work dtype only
-    assert "fp32 masters + moments" not in plan.host and "gradient buffers" not in plan.host
+    assert MASTERS_AND_MOMENTS not in plan.host and "gradient buffers" not in plan.host
     assert plan.gpu["adapter"] == adapter.nbytes() == 16 * adapter_numel(cfg, lora) + 8
     assert engine.gpu_buffers_nbytes() == plan.gpu_persistent, {k: v for k, v in plan.gpu.items() if v}
     assert engine.host_buffers_nbytes() == plan.host["checkpoints"] + plan.host["engine"]

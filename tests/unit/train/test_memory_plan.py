@@ -28,6 +28,7 @@ from tandem.shared.train.offload_step import OffloadStep
 from tandem.shared.train.optimizer import HostAdamW
 from tandem.shared.train.plan import (
     H200,
+    MASTERS_AND_MOMENTS,
     GiB,
     Placement,
     PlanError,
@@ -95,10 +96,8 @@ def test_plan_counts_exactly_the_buffers_a_cpu_run_allocates(cfg, placement, spl
         opt.close()
     plan = memory_plan(cfg, torch.float32, batch, seq, placement, device="cpu", split=split,
                        attention_chunk=attention_chunk)
-    unit_bytes = sum(t.nbytes for u in state.units
-                     for t in (u.master, u.exp_avg, u.exp_avg_sq, u.step, u.work, u.grad, u.grad_spare)
-                     if t is not None)
-    assert unit_bytes == plan.host["fp32 masters + moments"] + plan.host["working copies"] + plan.host[
+    unit_bytes = sum(t.nbytes for u in state.units for t in u.buffers())
+    assert unit_bytes == plan.host[MASTERS_AND_MOMENTS] + plan.host["working copies"] + plan.host[
         "gradient buffers"]
     device_bytes, host_bytes = engine_tensors(engine)
     assert host_bytes == plan.host["checkpoints"] + plan.host["engine"]
