@@ -15,6 +15,11 @@ Runs (each in its own process, so host RAM is returned between them):
 - ``adam``: the host AdamW's throughput on one 3B layer, and the host's copy bandwidth;
 - ``learn``: the 3B preset as ``3b`` but on the Python stdlib's text for 24 steps, its loss curve
   printed (``learn-tiny``: the tiny model on the CPU);
+- ``largest``: the 13B preset (13.0B parameters) with bf16 masters that are the working copy and int8
+  Adam moments (``--master-weights bf16-sr --adam-moments int8``: 6 bytes a parameter of host state,
+  docs/training.md), batch 8 x 2048 under the 16 GiB cap, whole host updates; its host RSS peak is the
+  row's ``peak_host_rss_GiB``; no bound is printed for it (the bound models the fp32 state's passes);
+  ``largest-tiny``: the same formats on the tiny config;
 - ``tiny``: a tiny config, for CI;
 - ``peer`` (``--peer``): after tandem's runs, DeepSpeed ZeRO-3 with parameters and optimizer offloaded
   to the CPU on the ``3b`` run's model, batch, sequence and warm-up (``benchmarks/peers/zero3_offload.py``,
@@ -64,6 +69,11 @@ RUNS = {
     "long-3b-262k": dict(model="3b", batch_size=1, seq_len=262144, gpu_memory_gib=32, compile_layers=False,
                          warmup=0, measure=1, variants="auto+atomics"),
     "tiny": dict(model="tiny", batch_size=4, seq_len=128, gpu_memory_gib=None, warmup=1, measure=2),
+    # the largest model: bf16 masters (the working copy) and int8 moments, 6 bytes a parameter of host state
+    "largest": dict(model="13b", master_weights="bf16-sr", adam_moments="int8", split_update=False, batch_size=8,
+                    seq_len=2048, gpu_memory_gib=16, warmup=1, measure=2),
+    "largest-tiny": dict(model="tiny", master_weights="bf16-sr", adam_moments="int8", batch_size=4, seq_len=128,
+                         gpu_memory_gib=None, warmup=1, measure=2),
     "learn": dict(model="3b", dataset="stdlib", lr=3e-4, batch_size=8, seq_len=2048, gpu_memory_gib=16, warmup=0,
                   measure=24),
     "learn-tiny": dict(model="tiny", dataset="stdlib", lr=3e-3, batch_size=8, seq_len=128, gpu_memory_gib=None,
@@ -157,7 +167,7 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
                 runner.job = job = job.model_copy(update={"steps": runner.start_step + warmup + measure,
                                                           "deterministic": deterministic})
                 runner.optimizer = HostAdamW(runner.state, runner.lr_at, job.weight_decay, job.grad_clip,
-                                             split=runner.optimizer.split)
+                                             split=runner.optimizer.split, seed=job.seed)
                 runner.engine = OffloadStep(runner.config, runner.state, runner.optimizer, runner.device,
                                                 device_update_layers=placement.device_update,
                                                 device_update_sets=placement.sets,
@@ -178,19 +188,21 @@ def run_one(name: str, device: str, steps: int | None) -> list[dict]:
             result = summarize(runner, job, metrics, [t for t in traces if t[0] - first_step > warmup], warmup)
             label = variant_label(base, placement, variant is None, deterministic)
             compute = result["last_step_compute_s"]
-            terms = step_bound(runner.config, job.batch_size, job.seq_len, placement, rates,
-                               runner.state.work_dtype.itemsize, runner.optimizer.split,
-                               compute_s=(compute["fwd"], compute["bwd"]) if compute["fwd"] else None)
-            binding = max((k for k in terms if k != "bound"), key=terms.get)
             result = {"run": label, "dataset": job.dataset, "deterministic": deterministic,
                       "device_update_layers": placement.device_update,
                       "device_resident_layers": placement.resident, "device_update_sets": placement.sets,
                       "placement": placement.describe(runner.config.num_layers), "placement_reason": placement.reason,
-                      **result, "bound_s": round(terms["bound"], 3), "bound_binding": binding,
-                      "bound_terms_s": {k: round(v, 3) for k, v in terms.items() if k != "bound"},
-                      "over_bound": round(result["step_s_median"] / terms["bound"], 3),
+                      "state_format": runner.state.format.describe(), **result,
                       "plan_peak_gpu_GiB": round(runner.setup.plan.gpu_peak / 2**30, 2) if index == 0 else None,
                       "rates": rates_row, "init_s": round(init_s, 1)}
+            if runner.state.format.default:  # step_bound models the fp32 state's passes and bytes
+                terms = step_bound(runner.config, job.batch_size, job.seq_len, placement, rates,
+                                   runner.state.work_dtype.itemsize, runner.optimizer.split,
+                                   compute_s=(compute["fwd"], compute["bwd"]) if compute["fwd"] else None)
+                result |= {"bound_s": round(terms["bound"], 3),
+                           "bound_binding": max((k for k in terms if k != "bound"), key=terms.get),
+                           "bound_terms_s": {k: round(v, 3) for k, v in terms.items() if k != "bound"},
+                           "over_bound": round(result["step_s_median"] / terms["bound"], 3)}
             if (dump := os.environ.get("TANDEM_TIMELINE_DIR")) and traces:
                 origin = starts.get(traces[0][0], 0.0)
                 steps = [{"step": step, "start_s": starts.get(step, origin) - origin,
@@ -367,6 +379,8 @@ def main() -> int:
                   f"{r['tokens_per_s']:,} tok/s, {r['model_TFLOPs']} TFLOP/s, hidden {r['hidden_fraction']}, "
                   f"peak GPU {r['peak_gpu_GiB']} GiB (cap {r['gpu_cap_GiB']}), step {r['step_s_median']} s"
                   + (f", {r['over_peer']}x DeepSpeed" if "over_peer" in r else ""))
+            print(f"        host state {r['host_state_GiB']} GiB ({r['state_format']}), host RSS peak "
+                  f"{r['peak_host_rss_GiB']} GiB")
             if "bound_s" in r:
                 terms = ", ".join(f"{k} {v}" for k, v in r["bound_terms_s"].items() if v)
                 print(f"        placement: {r['placement']} ({r['placement_reason']})")
