@@ -12,7 +12,7 @@ and, where it cannot be built, ``torch._fused_adamw_`` over cache-sized chunks. 
 (bf16 masters, int8 moments: state_format.py) takes the kernel's compact pass, or where there is no
 kernel the same arithmetic in torch (``state_format.adamw_reference``).
 
-**Preview, then commit** (``split=True``, kernel only). The next forward needs only the new
+**Preview, then commit** (``split=True``; the fp32 state's only with the kernel). The next forward needs only the new
 *working copy*; the new masters and moments are needed by the next update. So a step's update runs
 in two passes: *preview* reads masters, moments and gradient and writes only the working copy (16
 of the 28 bytes per parameter a full update moves), unit by unit as above, which is what the next
@@ -192,7 +192,8 @@ class HostAdamW:
         """A whole update of one unit: masters, moments, step and working copy."""
         grad = unit.grad if grad is None else grad
         if self.compact:
-            self.compact_pass(self.state.units.index(unit), unit, grad, lr, scale, "whole")
+            index = next(i for i, u in enumerate(self.state.units) if u is unit)  # Unit's == compares tensors
+            self.compact_pass(index, unit, grad, lr, scale, "whole")
             unit.step += 1
             return
         if self.kernel is not None:
