@@ -108,14 +108,26 @@ static void *adamw_worker(void *arg) {
     return NULL;
 }
 
-/* hyper: scale, 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, eps, lr / bias_correction1,
- * sqrt(bias_correction2). The calling thread works too, so a pass finishes even if no thread starts. */
-void tandem_adamw(float *p, float *m, float *v, const void *g, void *w, int64_t n, const float *hyper,
-                 int flags, int threads) {
+/* Run worker(arg) on `threads` threads (at most one a CHUNK of n), the calling thread one of them,
+ * so a pass finishes even if no thread starts. */
+static void run_pass(void *(*worker)(void *), void *arg, int64_t n, int threads) {
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     int64_t chunks = (n + CHUNK - 1) / CHUNK;
     if (threads > chunks) threads = chunks > 0 ? (int)chunks : 1;
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS];
+    for (int t = 1; t < threads; t++)
+        started[t] = pthread_create(&ids[t], NULL, worker, arg) == 0;
+    worker(arg);
+    for (int t = 1; t < threads; t++)
+        if (started[t]) pthread_join(ids[t], NULL);
+}
+
+/* hyper: scale, 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, eps, lr / bias_correction1,
+ * sqrt(bias_correction2). */
+void tandem_adamw(float *p, float *m, float *v, const void *g, void *w, int64_t n, const float *hyper,
+                 int flags, int threads) {
     job_t job;
     range_t *r = &job.base;
     r->p = p; r->m = m; r->v = v; r->g = g; r->w = w;
@@ -125,13 +137,7 @@ void tandem_adamw(float *p, float *m, float *v, const void *g, void *w, int64_t 
     r->flags = flags;
     job.n = n;
     job.next = 0;
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS];
-    for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&ids[t], NULL, adamw_worker, &job) == 0;
-    adamw_worker(&job);
-    for (int t = 1; t < threads; t++)
-        if (started[t]) pthread_join(ids[t], NULL);
+    run_pass(adamw_worker, &job, n, threads);
 }
 
 /* The compact state's pass. Where the fp32 pass handles one element at a time, this one goes a
@@ -334,23 +340,13 @@ static void *compact_worker(void *arg) {
 void tandem_adamw_compact(void *master, void *comp, void *m, void *v, float *m_absmax, float *v_absmax,
                           const void *g, void *w, int64_t n, int64_t index_base, const float *hyper, uint32_t seed,
                           int flags, int threads) {
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    int64_t chunks = (n + CHUNK - 1) / CHUNK;
-    if (threads > chunks) threads = chunks > 0 ? (int)chunks : 1;
     compact_t c = {
         .master = master, .comp = comp, .m = m, .v = v, .w = w, .m_absmax = m_absmax, .v_absmax = v_absmax,
         .g = g, .n = n, .index_base = index_base, .next = 0,
         .scale = hyper[0], .decay = hyper[1], .beta1c = hyper[2], .beta2 = hyper[3], .beta2c = hyper[4],
         .eps = hyper[5], .step_size = hyper[6], .bc2_sqrt = hyper[7], .seed = seed, .flags = flags,
     };
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS];
-    for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&ids[t], NULL, compact_worker, &c) == 0;
-    compact_worker(&c);
-    for (int t = 1; t < threads; t++)
-        if (started[t]) pthread_join(ids[t], NULL);
+    run_pass(compact_worker, &c, n, threads);
 }
 
 /* Host memory bandwidth on the same pool of threads: op 0 reads n floats (an XOR of their bits, so
